@@ -31,3 +31,7 @@ class EngineDeadError(PocketLLMError):
 
 class EngineStartupError(PocketLLMError):
     """The engine did not become ready (a stage failed or the startup timed out)."""
+
+
+class RequestFailedError(PocketLLMError):
+    """The engine accepted the request but could not finish it (e.g. a forward raised)."""

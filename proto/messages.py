@@ -169,6 +169,8 @@ class TokenDelta(msgspec.Struct, array_like=True):
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    # An EOS or stop token that ended the request: generated (counted in usage), never shown.
+    num_hidden_tokens: int = 0
 
 
 class TokenBatch(_Msg):

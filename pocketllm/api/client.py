@@ -1,0 +1,152 @@
+"""The frontend half of the process graph, shared by LLM, AsyncLLM and the HTTP server.
+
+It starts the supervisor, sends requests to the tokenizer and aborts to the
+scheduler, and routes every RequestOutput/RequestError arriving on its one
+inbound socket to the sink registered for that request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional, Union
+
+import zmq
+
+from ..config import EngineArgs
+from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, PromptTooLongError,
+                      RequestFailedError, UnsupportedFeatureError)
+from ..model_info import ModelInfo, load_model_info
+from ..proto import codec, endpoints
+from ..proto.messages import Abort, GenerateRequest, RequestError, RequestOutput
+from ..supervisor import Supervisor
+
+# A sink receives RequestOutput deltas, then stops after a finished one or an exception.
+Sink = Callable[[Union[RequestOutput, Exception]], None]
+
+
+def error_from_wire(err: RequestError) -> PocketLLMError:
+    if err.kind == "too_long":
+        return PromptTooLongError(err.message, err.param)
+    if err.kind == "invalid_request":
+        return InvalidRequestError(err.message, err.param)
+    if err.kind == "unsupported":
+        return UnsupportedFeatureError(err.message)
+    return RequestFailedError(err.message)
+
+
+class EngineClient:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.info: ModelInfo = load_model_info(args)  # a bad checkpoint fails here, fast
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()  # guards _sinks and the outbound sockets
+        self._dead: Optional[str] = None
+        self._closed = False
+        t0 = time.monotonic()
+        self.supervisor = Supervisor(args, self.info, on_death=self._on_death)
+        run_dir = self.supervisor.run_dir
+        self._zmq = zmq.Context()
+        self._inbox = self._zmq.socket(zmq.PULL)
+        self._inbox.bind(endpoints.frontend(run_dir))
+        self._to_tokenizer = self._push(endpoints.tokenizer(run_dir))
+        self._to_scheduler = self._push(endpoints.scheduler(run_dir))
+        self._receiver = threading.Thread(target=self._receive, daemon=True,
+                                          name="pocketllm-receiver")
+        try:
+            self.supervisor.start()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        self.capabilities = self.supervisor.capabilities
+        self._receiver.start()
+
+    def _push(self, endpoint: str) -> zmq.Socket:
+        sock = self._zmq.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, req: GenerateRequest, sink: Sink) -> None:
+        with self._lock:
+            self._check_alive()
+            if req.request_id in self._sinks:
+                raise InvalidRequestError(
+                    f"request_id {req.request_id!r} is already in use by an active request",
+                    "request_id")
+            self._sinks[req.request_id] = sink
+            req.arrival_time = time.time()
+            self._to_tokenizer.send(codec.encode(req))
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Cancel at the next step boundary; returns the ids that were active."""
+        with self._lock:
+            active = [r for r in request_ids if r in self._sinks]
+            if active and self._dead is None and not self._closed:
+                self._to_scheduler.send(codec.encode(Abort(request_ids=active)))
+        return active
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._sinks
+
+    def num_active(self) -> int:
+        return len(self._sinks)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+
+    # ---------------------------------------------------------------- inbound
+
+    def _receive(self) -> None:
+        decoder = codec.decoder_for("frontend")
+        while not self._closed:
+            try:
+                if not self._inbox.poll(100):
+                    continue
+                msg = decoder.decode(self._inbox.recv())
+            except zmq.ZMQError:
+                return
+            if isinstance(msg, RequestError):
+                with self._lock:
+                    sink = self._sinks.pop(msg.request_id, None)
+                if sink is not None:
+                    sink(error_from_wire(msg))
+                continue
+            with self._lock:
+                sink = self._sinks.pop(msg.request_id, None) if msg.finished \
+                    else self._sinks.get(msg.request_id)
+            if sink is not None:
+                sink(msg)
+
+    def _on_death(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+            sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(EngineDeadError(f"the engine died: {reason}"))
+
+    # ---------------------------------------------------------------- stop
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(EngineDeadError("the engine was shut down"))
+        self.supervisor.shutdown()
+        if self._receiver.is_alive():
+            self._receiver.join(timeout=2)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._inbox, self._to_tokenizer, self._to_scheduler):
+            sock.close(linger=0)
+        self._zmq.term()

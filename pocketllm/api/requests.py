@@ -1,0 +1,91 @@
+"""Turning offline-API calls into GenerateRequests: one builder for LLM and AsyncLLM."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional, Sequence, Union
+
+from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..proto.messages import GenerateRequest
+from ..protocol.chat import normalize_messages
+from ..sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def split_prompts(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
+    """A string, a token-id list, or a batch of either."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise InvalidRequestError("prompts must be a string, a list of token ids, or a list of those",
+                              "prompt")
+
+
+def sampling_list(params: Union[None, SamplingParams, Sequence[SamplingParams]],
+                  n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts",
+                                  "sampling_params")
+    return params
+
+
+def prompt_request(prompt: Prompt, params: SamplingParams,
+                   request_id: Optional[str] = None) -> GenerateRequest:
+    params.validate()
+    rid = request_id or new_request_id()
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        return GenerateRequest(rid, params.to_spec(), prompt=prompt)
+    if isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("a token-id prompt must hold integers only", "prompt")
+        return GenerateRequest(rid, params.to_spec(), prompt_token_ids=ids)
+    raise InvalidRequestError(f"a prompt must be a string or a list of token ids, "
+                              f"not {type(prompt).__name__}", "prompt")
+
+
+def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[str] = None,
+                 add_generation_prompt: bool = True, tools: Any = None, tool_choice: Any = None,
+                 response_format: Any = None, reasoning_effort: Optional[str] = None,
+                 thinking_mode: Optional[bool] = None, drop_thinking: Optional[bool] = None,
+                 chat_template_kwargs: Optional[dict] = None) -> GenerateRequest:
+    params.validate()
+    if tools:
+        raise UnsupportedFeatureError(
+            "tools are not supported yet: tool-call parsing has not landed, and a call left in "
+            "the text would look like an answer. Send the request without tools.")
+    if tool_choice not in (None, "auto", "none"):
+        raise UnsupportedFeatureError("tool_choice is not supported yet (no tools)")
+    if response_format not in (None, {"type": "text"}):
+        raise UnsupportedFeatureError(
+            "response_format other than {'type': 'text'} is not supported yet: constrained "
+            "decoding has not landed")
+    if drop_thinking is not None:
+        raise UnsupportedFeatureError("drop_thinking is not supported yet: reasoning parsing "
+                                      "has not landed")
+    opts: dict[str, Any] = dict(chat_template_kwargs or {})
+    opts["add_generation_prompt"] = bool(add_generation_prompt)
+    # Templates that know these variables act on them (e.g. Qwen3's enable_thinking).
+    if reasoning_effort is not None:
+        opts["reasoning_effort"] = reasoning_effort
+    if thinking_mode is not None:
+        opts["enable_thinking"] = bool(thinking_mode)
+    return GenerateRequest(request_id or new_request_id(), params.to_spec(),
+                           messages=normalize_messages(messages), chat_options=opts)

@@ -1,0 +1,1 @@
+"""`pocketllm bench …`: benchmarks anyone can rerun. Each prints a short table last."""

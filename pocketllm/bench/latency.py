@@ -1,0 +1,76 @@
+"""`pocketllm bench latency`: load time, time to first token and decode speed at batch 1."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from ..config import EngineArgs
+from ..sampling import SamplingParams
+
+DEFAULT_PROMPT = ("Write a short story about a lighthouse keeper who discovers that the light "
+                  "has been sending messages to ships for a hundred years.")
+
+
+@dataclass
+class LatencyResult:
+    name: str
+    load_s: float
+    ttft_s: float  # median
+    decode_tps: float  # median tokens/s after the first token
+    runs: int
+
+    def row(self) -> str:
+        return (f"{self.name:<14} {self.load_s:>8.2f} {self.ttft_s * 1000:>10.1f} "
+                f"{self.decode_tps:>12.1f}")
+
+
+def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
+                  output_len: int, runs: int, warmup: int) -> tuple[LatencyResult, list[int]]:
+    from .. import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(args)
+    load_s = time.perf_counter() - t0
+    try:
+        sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        target = prompt_ids if prompt_ids is not None else prompt
+        ttfts, tps = [], []
+        for i in range(warmup + runs):
+            start = time.perf_counter()
+            first = None
+            n = 0
+            for event in llm.generate_stream(target, sp):
+                if event.token_ids and first is None:
+                    first = time.perf_counter()
+                n += len(event.token_ids)
+            end = time.perf_counter()
+            if i >= warmup and first is not None and n > 1:
+                ttfts.append(first - start)
+                tps.append((n - 1) / (end - first))
+        ids = _prompt_ids(llm, target)
+    finally:
+        llm.shutdown()
+    return LatencyResult("pocketllm", load_s, statistics.median(ttfts),
+                         statistics.median(tps), runs), ids
+
+
+def _prompt_ids(llm, target) -> list[int]:
+    """The exact token ids PocketLLM prefilled, so the peer runs the same prompt."""
+    if isinstance(target, list):
+        return target
+    from ..tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(llm.model_info).tokenizer.encode(target, add_special_tokens=True).ids
+
+
+def report(results: list[LatencyResult], output_len: int) -> str:
+    lines = [f"decode of {output_len} tokens, batch 1, greedy; medians",
+             f"{'engine':<14} {'load s':>8} {'TTFT ms':>10} {'decode tok/s':>12}"]
+    lines += [r.row() for r in results]
+    if len(results) == 2 and results[1].decode_tps > 0:
+        a, b = results
+        lines.append(f"ratio {a.name}/{b.name}: decode {a.decode_tps / b.decode_tps:.2f}x, "
+                     f"TTFT {b.ttft_s / a.ttft_s:.2f}x faster, load {b.load_s / a.load_s:.2f}x faster")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""`pocketllm generate | bench latency` (also `python -m pocketllm`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from .config import EngineArgs
+from .errors import PocketLLMError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="checkpoint directory or .gguf file (default: embedded Gemma 3 270M)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--backend", default="auto", help="auto | torch")
+    g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--backend-options", type=json.loads, default=None,
+                   help="JSON object of backend-specific options")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, tokenizer=ns.tokenizer, backend=ns.backend, load_format=ns.load_format,
+        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size,
+        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
+        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gb=ns.kv_cache_memory_gb,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=not ns.no_prefix_caching,
+        enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
+        backend_options=ns.backend_options or {})
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sample_seed)
+    with LLM(engine_args_from(ns)) as llm:
+        if ns.chat:
+            stream = llm.chat_stream([{"role": "user", "content": ns.prompt}], sp)
+        else:
+            stream = llm.generate_stream(ns.prompt, sp)
+        for event in stream:
+            print(event.text, end="", flush=True)
+            if event.finished:
+                print(f"\n[finish_reason={event.finish_reason} usage={event.usage.as_dict()}]",
+                      file=sys.stderr)
+    return 0
+
+
+def cmd_bench_latency(ns: argparse.Namespace) -> int:
+    from .bench.latency import DEFAULT_PROMPT, report, run_pocketllm
+
+    args = engine_args_from(ns)
+    ours, prompt_ids = run_pocketllm(args, None, ns.prompt or DEFAULT_PROMPT, ns.output_len,
+                                     ns.runs, ns.warmup)
+    results = [ours]
+    if ns.peer == "transformers":
+        from .bench.peer_transformers import run_transformers
+        from .model_info import load_model_info
+
+        results.append(run_transformers(load_model_info(args), prompt_ids, ns.output_len,
+                                        ns.runs, ns.warmup))
+    elif ns.peer is not None:
+        raise SystemExit(f"unknown peer {ns.peer!r}; the peer this command runs is transformers")
+    print(f"prompt: {len(prompt_ids)} tokens")
+    print(report(results, ns.output_len))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    lat = bench.add_parser("latency", help="load time, TTFT and decode tokens/s at batch 1")
+    add_engine_args(lat)
+    lat.add_argument("--prompt", default=None)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--runs", type=int, default=3)
+    lat.add_argument("--warmup", type=int, default=1)
+    lat.add_argument("--peer", default=None, help="transformers: run it on the same checkpoint")
+    lat.set_defaults(func=cmd_bench_latency)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except PocketLLMError as e:
+        print(f"pocketllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

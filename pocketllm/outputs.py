@@ -1,0 +1,70 @@
+"""What the offline API hands back: whole results, stream events, usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .proto.messages import LogprobEntry, RequestOutput
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class TokenEvent:
+    """One streamed step of one request: the text and token ids it gained."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    usage: Optional[Usage] = None
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, out: RequestOutput) -> "TokenEvent":
+        usage = None if out.usage is None else Usage(
+            out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens)
+        return cls(out.request_id, out.text, list(out.token_ids), out.finished,
+                   out.finish_reason, usage, list(out.logprobs))
+
+
+@dataclass
+class GenerationOutput:
+    """The whole result of one request."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: TokenEvent) -> None:
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.usage is not None:
+            self.usage = event.usage
+        if event.finished:
+            self.finish_reason = event.finish_reason

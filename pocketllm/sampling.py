@@ -1,0 +1,76 @@
+"""SamplingParams: the public, validated per-request sampling and termination settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .errors import InvalidRequestError
+from .proto.messages import SamplingSpec
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: Optional[int] = 16  # None: until max_model_len
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: not asked; k: the sampled token and k alternatives
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} = {getattr(self, param)!r} is invalid: {why}",
+                                       param)
+
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "it must be an integer >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "it must be a number >= 0")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "it must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "it must be an integer >= 0 (0 or -1 turn it off)")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "it must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "it must be an integer")
+        if self.stop is not None and not isinstance(self.stop, str) and not (
+                isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
+            raise bad("stop", "it must be a string or a list of strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "it must be a list of token ids")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"it must be an integer in 0..{MAX_LOGPROBS}")
+
+    def to_spec(self, max_tokens: Optional[int] = None) -> SamplingSpec:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingSpec(
+            max_tokens=max_tokens if max_tokens is not None else (self.max_tokens or 0),
+            temperature=float(self.temperature), top_p=float(self.top_p),
+            top_k=max(int(self.top_k), 0), min_p=float(self.min_p), seed=self.seed,
+            ignore_eos=self.ignore_eos, stop=[s for s in stop if s],
+            stop_token_ids=list(self.stop_token_ids), logprobs=self.logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v

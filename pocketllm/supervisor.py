@@ -1,0 +1,149 @@
+"""The process group's lifecycle: private run directory, spawning without a shell,
+readiness, liveness, and reaping everything on death, timeout or shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from .config import EngineArgs
+from .errors import CheckpointError, EngineStartupError, UnsupportedFeatureError
+from .model_info import ModelInfo
+from .process import write_settings
+from .proto import PROTOCOL_VERSION, codec, endpoints
+from .proto.messages import StageFailed, StageReady
+
+log = logging.getLogger("pocketllm.supervisor")
+
+
+class Supervisor:
+    def __init__(self, args: EngineArgs, info: ModelInfo,
+                 on_death: Callable[[str], None] = lambda reason: None):
+        self.args = args
+        self.info = info
+        self.on_death = on_death
+        self.run_dir = tempfile.mkdtemp(prefix="pocketllm-")  # mode 0700
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, StageReady] = {}
+        self._stopping = threading.Event()
+        self._shutdown_lock = threading.Lock()
+        self._zmq = zmq.Context()
+        self._inbox = self._zmq.socket(zmq.PULL)
+        self._inbox.bind(endpoints.supervisor(self.run_dir))
+        write_settings(self.run_dir, args, info)
+
+    # ---------------------------------------------------------------- start
+
+    def _spawn(self, name: str, module: str, *extra: str, env: Optional[dict] = None) -> None:
+        cmd = [sys.executable, "-m", module, self.run_dir, *extra]
+        self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
+                                            env={**os.environ, **(env or {})})
+
+    def start(self, timeout: Optional[float] = None) -> None:
+        """Start every stage and wait for each to report ready; on failure reap all and raise."""
+        world = self.args.tensor_parallel_size
+        try:
+            self._spawn("tokenizer", "pocketllm.tokenizer")
+            self._spawn("detokenizer", "pocketllm.detokenizer")
+            self._spawn("scheduler", "pocketllm.scheduler")
+            for rank in range(world):
+                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                            "TP_RANK": str(rank), "TP_WORLD": str(world)}
+                self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
+            self._await_ready(timeout or self.args.startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        threading.Thread(target=self._monitor, daemon=True, name="pocketllm-monitor").start()
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        decoder = codec.decoder_for("supervisor")
+        while len(self.ready) < len(self.procs):
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and name not in self.ready:
+                    # It may have said why just before exiting.
+                    self._drain_failures(decoder)
+                    raise EngineStartupError(
+                        f"the {name} process exited with status {proc.returncode} during startup")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.procs) - set(self.ready))
+                raise EngineStartupError(
+                    f"the engine did not become ready within {timeout:.0f} s "
+                    f"(still waiting for: {', '.join(missing)})")
+            if self._inbox.poll(100):
+                self._on_message(decoder.decode(self._inbox.recv()))
+
+    def _drain_failures(self, decoder) -> None:
+        while self._inbox.poll(300):
+            self._on_message(decoder.decode(self._inbox.recv()))
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, StageFailed):
+            if msg.kind == "checkpoint":
+                raise CheckpointError(msg.message)
+            if msg.kind == "unsupported":
+                raise UnsupportedFeatureError(msg.message)
+            raise EngineStartupError(f"the {msg.stage} process failed to start:\n{msg.message}")
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise EngineStartupError(
+                f"the {msg.stage} process speaks protocol {msg.protocol_version}, "
+                f"this frontend {PROTOCOL_VERSION}: mixed installations?")
+        self.ready[msg.stage] = msg
+
+    @property
+    def capabilities(self):
+        return self.ready["scheduler"].capabilities
+
+    # ---------------------------------------------------------------- run
+
+    def _monitor(self) -> None:
+        while not self._stopping.is_set():
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is not None and not self._stopping.is_set():
+                    reason = f"the {name} process (pid {proc.pid}) exited with status {proc.returncode}"
+                    log.error("%s; stopping the engine", reason)
+                    self.on_death(reason)
+                    self.shutdown()
+                    return
+            self._stopping.wait(0.05)
+
+    def alive(self) -> bool:
+        return not self._stopping.is_set() and all(p.poll() is None for p in self.procs.values())
+
+    # ---------------------------------------------------------------- stop
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop and reap every process (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
+        with self._shutdown_lock:
+            self._shutdown(timeout)
+
+    def _shutdown(self, timeout: float) -> None:
+        self._stopping.set()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if not self._inbox.closed:
+            self._inbox.close(linger=0)
+            self._zmq.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -1,0 +1,26 @@
+"""Tokenizer process: GenerateRequest in, TokenizedRequest to the scheduler (or RequestError out)."""
+
+from ..process import StageContext, run_stage
+from ..proto import codec, endpoints
+from ..proto.messages import RequestError, Shutdown
+from .stage import TokenizerStage
+
+
+def main(ctx: StageContext) -> None:
+    inbox = ctx.pull(endpoints.tokenizer(ctx.run_dir))
+    to_scheduler = ctx.push(endpoints.scheduler(ctx.run_dir))
+    to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
+    stage = TokenizerStage(ctx.info)
+    decoder = codec.decoder_for("tokenizer")
+    ctx.ready(info={"vocab_size": stage.tokenizer.get_vocab_size(),
+                    "chat_template": stage.chat.available})
+    while True:
+        msg = decoder.decode(inbox.recv())
+        if isinstance(msg, Shutdown):
+            return
+        out = stage.handle(msg)
+        (to_frontend if isinstance(out, RequestError) else to_scheduler).send(codec.encode(out))
+
+
+if __name__ == "__main__":
+    run_stage("tokenizer", main)

@@ -1,0 +1,75 @@
+"""The tokenizer stage: chat rendering, tokenization and prompt checks, one request at a time."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from ..errors import (InvalidRequestError, PocketLLMError, PromptTooLongError,
+                      UnsupportedFeatureError)
+from ..model_info import ModelInfo
+from ..proto.messages import GenerateRequest, RequestError, TokenizedRequest
+from ..protocol.chat import ChatRenderer
+from .tokenizer import load_tokenizer
+
+
+class TokenizerStage:
+    def __init__(self, info: ModelInfo):
+        self.info = info
+        self.loaded = load_tokenizer(info)
+        self.tokenizer = self.loaded.tokenizer
+        self.chat = ChatRenderer(info.chat_template, info.family, self.loaded.special_tokens)
+        # The built-in template's turn terminator ends a chat answer like an EOS would.
+        self.chat_stop_ids = [i for i in [self.loaded.token_id(self.chat.stop_token)]
+                              if i is not None]
+
+    def handle(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
+        try:
+            return self._tokenize(req)
+        except InvalidRequestError as e:
+            kind = "too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
+            return RequestError(req.request_id, str(e), kind=kind, param=e.param)
+        except UnsupportedFeatureError as e:
+            return RequestError(req.request_id, str(e), kind="unsupported")
+        except PocketLLMError as e:
+            return RequestError(req.request_id, str(e), kind="internal")
+
+    def _tokenize(self, req: GenerateRequest) -> TokenizedRequest:
+        sampling = req.sampling
+        if req.messages is not None:
+            opts = dict(req.chat_options)
+            add_gen = opts.pop("add_generation_prompt", True)
+            text = self.chat.render(req.messages, add_generation_prompt=add_gen, **opts)
+            # The template already wrote any BOS it wants.
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if self.chat_stop_ids:
+                sampling = msgspec.structs.replace(
+                    sampling, stop_token_ids=sorted(set(sampling.stop_token_ids)
+                                                    | set(self.chat_stop_ids)))
+        elif req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.info.vocab_size - 1})",
+                    "prompt")
+        else:
+            if not req.prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True).ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        limit = self.info.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLongError(
+                f"the prompt is {len(ids)} tokens; this engine's max_model_len is {limit}, which "
+                "must also leave room for at least one generated token", "prompt")
+        room = limit - len(ids)
+        max_tokens = room if sampling.max_tokens == 0 else sampling.max_tokens
+        if max_tokens > room:
+            max_tokens = room  # ends with finish_reason "length" at max_model_len
+        sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+        return TokenizedRequest(req.request_id, ids, sampling,
+                                eos_token_ids=list(self.info.eos_token_ids),
+                                arrival_time=req.arrival_time)
