@@ -1,9 +1,11 @@
-"""`pocketllm generate | bench latency` (also `python -m pocketllm`)."""
+"""`pocketllm serve | generate | bench latency` (also `python -m pocketllm`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from typing import Optional
 
@@ -48,6 +50,17 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         backend_options=ns.backend_options or {})
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from .server.serve import ServeOptions, serve
+
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = ServeOptions(host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+                        api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"),
+                        request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes)
+    return serve(engine_args_from(ns), opts)
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from . import LLM, SamplingParams
 
@@ -88,6 +101,20 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (or POCKETLLM_API_KEY)")
+    srv.add_argument("--request-timeout", type=float, default=None,
+                     help="per-request deadline in seconds (504, or fewer choices, when hit)")
+    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--log-level", default="info",
+                     choices=["debug", "info", "warning", "error", "critical"])
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     add_engine_args(gen)

@@ -79,8 +79,11 @@ class StageContext:
         sock.connect(endpoint)
         return sock
 
-    def ready(self, **fields) -> None:
-        self._supervisor.send(codec.encode(StageReady(stage=self.stage, pid=os.getpid(), **fields)))
+    def ready(self, info: dict | None = None, **fields) -> None:
+        # torch_loaded lets tests check that only workers import torch.
+        info = {**(info or {}), "torch_loaded": "torch" in sys.modules}
+        self._supervisor.send(codec.encode(
+            StageReady(stage=self.stage, pid=os.getpid(), info=info, **fields)))
 
     def failed(self, message: str, kind: str) -> None:
         self._supervisor.send(codec.encode(StageFailed(stage=self.stage, message=message,

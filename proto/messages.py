@@ -218,6 +218,18 @@ class RequestError(_Msg):
     param: Optional[str] = None
 
 
+class SchedulerStats(_Msg):
+    """scheduler -> frontend after steps (rate-limited) and whenever it goes idle."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens
+    preemptions: int = 0  # cumulative
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
@@ -247,7 +259,7 @@ class Ping(_Msg):
     pass
 
 
-FrontendInbound = Union[RequestOutput, RequestError]
+FrontendInbound = Union[RequestOutput, RequestError, SchedulerStats]
 TokenizerInbound = Union[GenerateRequest, Shutdown]
 SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown]
 WorkerInbound = Union[StepPlan, Shutdown]

@@ -18,7 +18,8 @@ from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, Prom
                       RequestFailedError, UnsupportedFeatureError)
 from ..model_info import ModelInfo, load_model_info
 from ..proto import codec, endpoints
-from ..proto.messages import Abort, GenerateRequest, RequestError, RequestOutput
+from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutput,
+                              SchedulerStats)
 from ..supervisor import Supervisor
 
 # A sink receives RequestOutput deltas, then stops after a finished one or an exception.
@@ -43,6 +44,7 @@ class EngineClient:
         self._lock = threading.Lock()  # guards _sinks and the outbound sockets
         self._dead: Optional[str] = None
         self._closed = False
+        self.stats = SchedulerStats()  # the scheduler's latest gauges and counters
         t0 = time.monotonic()
         self.supervisor = Supervisor(args, self.info, on_death=self._on_death)
         run_dir = self.supervisor.run_dir
@@ -112,6 +114,9 @@ class EngineClient:
                 msg = decoder.decode(self._inbox.recv())
             except zmq.ZMQError:
                 return
+            if isinstance(msg, SchedulerStats):
+                self.stats = msg
+                continue
             if isinstance(msg, RequestError):
                 with self._lock:
                     sink = self._sinks.pop(msg.request_id, None)

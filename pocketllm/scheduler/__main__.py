@@ -6,18 +6,19 @@ detokenizer when a stop string matched), WorkerReady and StepResult (ranks).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, DetokRequest, RequestError, Shutdown, StepResult,
-                              TokenBatch, TokenDelta, TokenizedRequest, WorkerReady)
+from ..proto.messages import (Abort, DetokRequest, RequestError, SchedulerStats, Shutdown,
+                              StepResult, TokenBatch, TokenDelta, TokenizedRequest, WorkerReady)
 from .scheduler import Scheduler, SchedulerConfig
 
-
 EARLY_ABORT_MEMORY = 4096
+STATS_INTERVAL_S = 0.1
 
 
 class SchedulerLoop:
@@ -31,6 +32,7 @@ class SchedulerLoop:
         self.decoder = codec.decoder_for("scheduler")
         self.scheduler: Scheduler | None = None
         self.pending_result: StepResult | None = None
+        self.stats_sent_at = 0.0
         # Aborts that overtook their request (the frontend sends them here directly).
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
 
@@ -82,6 +84,13 @@ class SchedulerLoop:
         elif isinstance(msg, Shutdown):
             raise SystemExit(0)
 
+    def publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.stats_sent_at < STATS_INTERVAL_S:
+            return
+        self.stats_sent_at = now
+        self.to_frontend.send(codec.encode(SchedulerStats(**self.scheduler.stats())))
+
     def emit(self, batch: TokenBatch) -> None:
         if batch.deltas or batch.new_requests:
             self.to_detok.send(codec.encode(batch))
@@ -105,6 +114,7 @@ class SchedulerLoop:
             plan = sched.schedule()
             stalled = plan is None
             if plan is None:
+                self.publish_stats(force=True)  # idle (or stalled): gauges settle
                 continue
             data = codec.encode(plan)
             for rank in self.ranks:
@@ -113,6 +123,7 @@ class SchedulerLoop:
                 self.drain(block=True)
             result, self.pending_result = self.pending_result, None
             self.emit(sched.update(plan, result))
+            self.publish_stats(force=not sched.has_unfinished())
 
 
 def main(ctx: StageContext) -> None:

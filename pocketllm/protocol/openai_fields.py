@@ -1,0 +1,271 @@
+"""The OpenAI request-field contract: implemented, refused (400) or accepted and inert.
+
+One function per endpoint turns a JSON body into the scheduler requests that
+serve it (one per choice). Every field is in exactly one table below; a field
+in none of them is refused, so nothing a client sends is silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..errors import InvalidRequestError
+from ..proto.messages import GenerateRequest
+from ..sampling import MAX_LOGPROBS, SamplingParams
+from .chat import normalize_messages
+
+MAX_N = 128
+
+# Cannot change the generated text; accepted and ignored.
+INERT = {"model", "user", "store", "metadata", "service_tier"}
+
+COMMON = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
+          "stream_options", "n", "stop", "logprobs", "ignore_eos", "stop_token_ids",
+          "skip_special_tokens", "frequency_penalty", "presence_penalty", "logit_bias",
+          "request_id"}
+CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+             "tool_choice", "parallel_tool_calls", "thinking_mode", "reasoning_effort",
+             "add_generation_prompt", "drop_thinking", "chat_template_kwargs"}
+COMPLETION_ONLY = {"prompt", "best_of", "suffix", "echo", "top_logprobs"}
+
+
+@dataclass
+class ParsedRequest:
+    request_id: str
+    choices: list[GenerateRequest]  # index i is choice i (completions: prompt-major)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    prompt_count: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+def refuse(param: str, value: Any, why: str, instead: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{_show(param, value)} is not supported by this server: {why}. {instead}", param)
+
+
+def _show(param: str, value: Any) -> str:
+    import json
+
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f'"{param}" = {shown}'
+
+
+def _check_known(body: dict, allowed: set) -> None:
+    for key in body:
+        if key not in allowed and key not in INERT:
+            raise InvalidRequestError(
+                f'unknown field "{key}": this server acts on every field it accepts, and does '
+                f"not know this one. Remove it from the request.", key)
+
+
+def _typed(body: dict, key: str, check: Callable[[Any], bool], what: str) -> Any:
+    value = body.get(key)
+    if value is not None and not check(value):
+        raise InvalidRequestError(f'"{key}" must be {what}, not {_show(key, value)}', key)
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _common(body: dict) -> tuple[SamplingParams, int, bool, bool]:
+    """Sampling fields both endpoints share; returns (params, n, stream, include_usage)."""
+    for key in ("frequency_penalty", "presence_penalty"):
+        value = _typed(body, key, _is_num, "a number")
+        if value:
+            raise refuse(key, value, "the sampler has no repetition or presence term",
+                         f'Send "{key}" as 0 or leave it out.')
+    bias = _typed(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    if bias:
+        raise refuse("logit_bias", bias, "no per-token bias is applied",
+                     'Send an empty "logit_bias" or leave it out.')
+    n = _typed(body, "n", _is_int, "an integer")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f'"n" must be between 1 and {MAX_N}, not {n}', "n")
+    stream = _typed(body, "stream", lambda v: isinstance(v, bool), "a boolean") or False
+    opts = _typed(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
+    unknown = set(opts) - {"include_usage"}
+    if unknown:
+        raise InvalidRequestError(f'unknown stream_options field "{sorted(unknown)[0]}"',
+                                  "stream_options")
+    include_usage = _typed(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
+    if include_usage and not stream:
+        raise InvalidRequestError('"stream_options" is only allowed when "stream" is true',
+                                  "stream_options")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise refuse("stop", stop, "a stop sequence is a string, or a list of strings, and this "
+                     "value is neither", 'Send "stop" as a string or an array of strings.')
+    params = dict(
+        temperature=_typed(body, "temperature", _is_num, "a number"),
+        top_p=_typed(body, "top_p", _is_num, "a number"),
+        top_k=_typed(body, "top_k", _is_int, "an integer"),
+        min_p=_typed(body, "min_p", _is_num, "a number"),
+        seed=_typed(body, "seed", _is_int, "an integer"),
+        stop=stop,
+        ignore_eos=_typed(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean"),
+        stop_token_ids=_typed(body, "stop_token_ids",
+                              lambda v: isinstance(v, list) and all(map(_is_int, v)),
+                              "an array of token ids"),
+        skip_special_tokens=_typed(body, "skip_special_tokens", lambda v: isinstance(v, bool),
+                                   "a boolean"),
+    )
+    if params["temperature"] is not None and params["temperature"] > 2:
+        raise InvalidRequestError('"temperature" must be between 0 and 2', "temperature")
+    sp = SamplingParams(**{k: v for k, v in params.items() if v is not None})
+    return sp, n, stream, bool(include_usage)
+
+
+def _max_tokens(body: dict, *keys: str) -> Optional[int]:
+    value = None
+    for key in keys:  # the later key wins (max_completion_tokens over max_tokens)
+        v = _typed(body, key, _is_int, "an integer")
+        if v is not None:
+            if v < 1:
+                raise InvalidRequestError(f'"{key}" must be at least 1, not {v}', key)
+            value = v
+    return value
+
+
+def _choices(base: GenerateRequest, rid: str, n: int, seed: Optional[int],
+             offset: int = 0) -> list[GenerateRequest]:
+    """One scheduler request per choice, each with its own seed derived from the request's."""
+    import msgspec
+
+    out = []
+    for i in range(n):
+        spec = base.sampling
+        if seed is not None and i > 0:
+            spec = msgspec.structs.replace(spec, seed=(seed + i) & 0x7FFFFFFFFFFFFFFF)
+        out.append(msgspec.structs.replace(base, request_id=f"{rid}-{offset + i}", sampling=spec))
+    return out
+
+
+def parse_chat(body: dict, request_id: str) -> ParsedRequest:
+    _check_known(body, COMMON | CHAT_ONLY)
+    sp, n, stream, include_usage = _common(body)
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise refuse("logprobs", lp, "on chat, logprobs is a boolean; a count is the completions "
+                     "endpoint's spelling", 'Send "logprobs": true with "top_logprobs": N.')
+    top = _typed(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f'"top_logprobs" must be in 0..{MAX_LOGPROBS}', "top_logprobs")
+    if top and not lp:
+        raise InvalidRequestError('"top_logprobs" needs "logprobs": true', "top_logprobs")
+    if lp and stream:
+        raise refuse("logprobs", lp, "a streamed chunk carries its text with no ranking beside "
+                     "it", 'Ask for a non-streaming response, or send "logprobs": false.')
+    if lp:
+        sp.logprobs = top or 0
+    sp.max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
+    _refuse_chat_features(body)
+    messages = normalize_messages(body.get("messages"))
+    opts: dict[str, Any] = {}
+    agp = _typed(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean")
+    opts["add_generation_prompt"] = True if agp is None else agp
+    effort = _typed(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
+    if effort is not None:
+        opts["reasoning_effort"] = effort
+    thinking = _typed(body, "thinking_mode", lambda v: isinstance(v, bool), "a boolean")
+    if thinking is not None:
+        opts["enable_thinking"] = thinking
+    kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    opts = {**(kwargs or {}), **opts}
+    sp.validate()
+    base = GenerateRequest(request_id, sp.to_spec(), messages=messages, chat_options=opts)
+    return ParsedRequest(request_id, _choices(base, request_id, n, sp.seed), stream,
+                         include_usage, logprobs=bool(lp))
+
+
+def _refuse_chat_features(body: dict) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise refuse("response_format", fmt, "constrained decoding is not available yet",
+                     'Send {"type": "text"} or leave it out.')
+    tools = body.get("tools")
+    if tools:
+        raise refuse("tools", tools, "tool-call parsing is not available yet, and a call left in "
+                     "the text would read as an answer", 'Leave "tools" out.')
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise refuse("tool_choice", choice, "the model is not constrained to call a tool",
+                     'Send "auto" or leave it out.')
+    if body.get("parallel_tool_calls") is False:
+        raise refuse("parallel_tool_calls", False, "the number of tool calls is not limited",
+                     'Send true or leave it out.')
+    if body.get("drop_thinking") is not None:
+        raise refuse("drop_thinking", body["drop_thinking"], "reasoning is not parsed yet",
+                     'Leave "drop_thinking" out.')
+
+
+def parse_completion(body: dict, request_id: str) -> ParsedRequest:
+    _check_known(body, COMMON | COMPLETION_ONLY)
+    sp, n, stream, include_usage = _common(body)
+    lp = body.get("logprobs")
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise refuse("logprobs", lp, f"on completions, logprobs is the number of alternatives, a "
+                     f"whole number in 0..{MAX_LOGPROBS}", 'Send an integer, or leave it out.')
+    if body.get("top_logprobs") is not None:
+        raise refuse("top_logprobs", body["top_logprobs"], "the completions endpoint names the "
+                     "count in logprobs itself", 'Send "logprobs": N instead.')
+    if lp is not None and stream:
+        raise refuse("logprobs", lp, "a streamed chunk carries its text with no ranking beside "
+                     "it", 'Ask for a non-streaming response, or leave "logprobs" out.')
+    if body.get("echo"):
+        raise refuse("echo", body["echo"], "text holds only the generated continuation",
+                     'Send "echo": false or leave it out.')
+    if body.get("suffix"):
+        raise refuse("suffix", body["suffix"], "no suffix is appended", 'Leave "suffix" out.')
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise refuse("best_of", best_of, "one candidate is generated per choice",
+                     'Send "best_of": 1 or leave it out.')
+    sp.logprobs = lp
+    sp.max_tokens = _max_tokens(body, "max_tokens")
+    if "max_tokens" not in body:
+        sp.max_tokens = 16  # OpenAI's completions default
+    sp.validate()
+    prompts = _prompts(body.get("prompt"))
+    choices: list[GenerateRequest] = []
+    for p, prompt in enumerate(prompts):
+        base = GenerateRequest(request_id, sp.to_spec(),
+                               prompt=prompt if isinstance(prompt, str) else None,
+                               prompt_token_ids=prompt if isinstance(prompt, list) else None)
+        choices += _choices(base, request_id, n, sp.seed, offset=p * n)
+    if len(choices) > MAX_N:
+        raise InvalidRequestError(f"{len(prompts)} prompts x n={n} is {len(choices)} choices; "
+                                  f"this server serves at most {MAX_N} per request", "n")
+    return ParsedRequest(request_id, choices, stream, include_usage, logprobs=lp is not None,
+                         prompt_count=len(prompts))
+
+
+def _prompts(prompt: Any) -> list:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError('"prompt" is empty', "prompt")
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) and p for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(map(_is_int, p)) for p in prompt):
+            return list(prompt)
+    raise InvalidRequestError('"prompt" must be a non-empty string, an array of strings, or '
+                              "token ids", "prompt")

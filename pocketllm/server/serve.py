@@ -1,0 +1,97 @@
+"""`pocketllm serve`: bind HTTP at once (so /ready can say 503), load the engine, serve, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+
+from ..api.client import EngineClient
+from ..config import EngineArgs
+from ..errors import PocketLLMError
+from .app import ServerState, build_app
+
+log = logging.getLogger("pocketllm.server")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    request_timeout: Optional[float] = None
+    max_body_bytes: int = 8 << 20
+    shutdown_timeout: float = 10.0
+
+
+def default_model_name(args: EngineArgs) -> str:
+    if args.model is None:
+        return "gemma-3-270m-q4_k_m"
+    return os.path.basename(os.path.normpath(args.model))
+
+
+def serve(args: EngineArgs, opts: ServeOptions) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(_serve(args, opts))
+
+
+async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
+    state = ServerState(model_name=opts.served_model_name or default_model_name(args),
+                        api_key=opts.api_key, request_timeout=opts.request_timeout)
+    runner = web.AppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=opts.shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, opts.host, opts.port)
+    await site.start()
+    log.info("listening on http://%s:%d (loading the model; /ready says 503 until done)",
+             opts.host, opts.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if not load.done():  # stopped while loading: let the load finish failing or succeeding
+        log.info("stopping before the model finished loading")
+        try:
+            (await load).close()
+        except Exception:
+            pass
+        await runner.cleanup()
+        return 0
+    try:
+        state.client = load.result()
+    except PocketLLMError as e:
+        log.error("the engine failed to start: %s", e)
+        await runner.cleanup()
+        return 1
+    log.info("ready: %s on %s in %.1f s", state.model_name, state.client.capabilities.device,
+             state.client.startup_seconds)
+    while not stop.is_set():  # a dead engine takes the server down, so a supervisor restarts it
+        if not state.client.supervisor.alive():
+            log.error("the engine died; shutting down")
+            exit_code = 1
+            break
+        try:
+            await asyncio.wait_for(asyncio.shield(stopper), 0.5)
+        except asyncio.TimeoutError:
+            pass
+    log.info("shutting down")
+    await runner.cleanup()
+    await asyncio.to_thread(state.client.close)
+    return exit_code

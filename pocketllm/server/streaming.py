@@ -1,0 +1,179 @@
+"""One HTTP request's choices: submit them, merge their deltas, answer whole or as SSE.
+
+Each choice is its own scheduler request. The group shares one deadline (the
+request's), and whatever ends the HTTP exchange — completion, timeout, DELETE
+or a client that hung up — aborts every choice still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+from aiohttp import web
+
+from ..api.client import EngineClient
+from ..errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
+from ..proto.messages import LogprobEntry, RequestOutput
+from ..protocol.openai_fields import ParsedRequest
+from . import responses as R
+from .metrics import RequestTimer
+
+
+class _Choice:
+    def __init__(self, timer: RequestTimer):
+        self.text = ""
+        self.logprobs: list[LogprobEntry] = []
+        self.finish_reason: Optional[str] = None
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.started = False
+        self.timer = timer
+
+
+class ChoiceGroup:
+    def __init__(self, state, client: EngineClient, parsed: ParsedRequest, kind: str, rid: str):
+        self.state = state
+        self.client = client
+        self.parsed = parsed
+        self.kind = kind
+        self.rid = rid
+        self.ids = [c.request_id for c in parsed.choices]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        start = time.monotonic()
+        self.choices = [_Choice(RequestTimer(state.metrics, start)) for _ in self.ids]
+        self.created = int(time.time())
+        self.deadline = None if not state.request_timeout else start + state.request_timeout
+        self.timed_out = False
+        self.prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def abort_unfinished(self) -> None:
+        live = [rid for rid, c in zip(self.ids, self.choices) if c.finish_reason is None]
+        if live:
+            self.client.abort(live)
+
+    def _submit(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i, req in enumerate(self.parsed.choices):
+            self.client.submit(req, lambda item, i=i: loop.call_soon_threadsafe(
+                self.queue.put_nowait, (i, item)))
+
+    async def _next(self) -> Optional[tuple[int, RequestOutput]]:
+        """The next delta of any choice; None when the deadline passed or all finished."""
+        while not self.finished:
+            timeout = None if self.deadline is None else self.deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                self.timed_out = True
+                return None
+            try:
+                i, item = await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                self.timed_out = True
+                return None
+            if isinstance(item, Exception):
+                self.choices[i].finish_reason = "error"
+                raise item
+            self._account(i, item)
+            return i, item
+        return None
+
+    def _account(self, i: int, out: RequestOutput) -> None:
+        c = self.choices[i]
+        now = time.monotonic()
+        c.text += out.text
+        c.logprobs.extend(out.logprobs)
+        c.timer.on_delta(now, len(out.token_ids))
+        if out.usage is not None:
+            c.prompt_tokens = out.usage.prompt_tokens
+            c.completion_tokens = out.usage.completion_tokens
+            c.cached_tokens = out.usage.cached_tokens
+        if out.finished:
+            c.finish_reason = out.finish_reason or "stop"
+            c.timer.on_finish(now, c.finish_reason, c.prompt_tokens, c.completion_tokens)
+
+    def usage(self) -> dict:
+        n = len(self.ids) // self.parsed.prompt_count
+        prompt = cached = 0
+        for p in range(self.parsed.prompt_count):  # each prompt counted once
+            first = next((c for c in self.choices[p * n:(p + 1) * n] if c.prompt_tokens), None)
+            if first is not None:
+                prompt += first.prompt_tokens
+                cached += first.cached_tokens
+        return R.usage_dict(prompt, sum(c.completion_tokens for c in self.choices), cached)
+
+    # ---------------------------------------------------------------- answers
+
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        self._submit()
+        if self.parsed.stream:
+            return await self._stream(request)
+        return await self._whole()
+
+    async def _whole(self) -> web.Response:
+        while await self._next() is not None:
+            pass
+        done = [(i, c) for i, c in enumerate(self.choices)
+                if c.finish_reason is not None and c.finish_reason != "error"]
+        if not done:
+            if self.timed_out:
+                return R.error_response(504, "the request timed out before any choice finished",
+                                        "timeout", code="timeout")
+            return R.error_response(500, "no choice finished", "server_error")
+        make = R.chat_choice if self.kind == "chat" else R.completion_choice
+        lp = self.parsed.logprobs
+        return web.json_response({
+            "id": self.prefix + self.rid,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created, "model": self.state.model_name,
+            "choices": [make(i, c.text, c.finish_reason, c.logprobs if lp else None)
+                        for i, c in done],
+            "usage": self.usage()}, headers={"X-Request-Id": self.rid})
+
+    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> bytes:
+        body = {"id": self.prefix + self.rid,
+                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.state.model_name, "choices": choices}
+        if self.parsed.include_usage:
+            body["usage"] = usage
+        return R.sse(body)
+
+    def _delta_choice(self, i: int, text: str, finish: Optional[str]) -> dict:
+        if self.kind == "completion":
+            return R.completion_chunk_choice(i, text, finish)
+        c = self.choices[i]
+        delta: dict = {}
+        if not c.started:
+            delta["role"] = "assistant"
+            c.started = True
+        if text or finish is None:
+            delta["content"] = text
+        return R.chat_chunk_choice(i, delta, finish)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        # Wait for the first delta before answering, so a refusal from the tokenizer is a 400.
+        first = await self._next()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Request-Id": self.rid})
+        await resp.prepare(request)
+        item = first
+        try:
+            while item is not None:
+                i, out = item
+                if out.text or (not out.finished and not self.choices[i].started):
+                    await resp.write(self._chunk([self._delta_choice(i, out.text, None)]))
+                if out.finished:
+                    await resp.write(self._chunk([self._delta_choice(
+                        i, "", self.choices[i].finish_reason)]))
+                item = await self._next()
+        except (InvalidRequestError, UnsupportedFeatureError, PocketLLMError) as e:
+            await resp.write(R.sse(R.error_body(str(e), "server_error")))
+        if self.parsed.include_usage and not self.timed_out:
+            await resp.write(self._chunk([], self.usage()))
+        await resp.write(R.sse("[DONE]"))
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random checkpoints and engines over them, started once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ helper modules (tiny_checkpoints)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def llm_tiny(tiny_llama):
+    """One engine for the tests that only send requests (they must not break it)."""
+    from pocketllm import LLM, EngineArgs
+
+    llm = LLM(EngineArgs(model=tiny_llama, max_num_batched_tokens=64, seed=0))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from pocketllm.model_info import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,109 @@
+"""The process graph's lifecycle: startup, torch isolation, death, shutdown, no leftovers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pocketllm import LLM, EngineArgs, EngineDeadError, SamplingParams
+
+
+def group_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm._client.supervisor.procs.values()]
+
+
+def assert_all_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes left behind: {alive}")
+
+
+def test_import_does_not_load_torch():
+    code = "import sys, pocketllm, pocketllm.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_workers_load_torch(llm_tiny):
+    ready = llm_tiny._client.supervisor.ready
+    assert set(ready) == {"tokenizer", "detokenizer", "scheduler", "worker0"}
+    for stage, msg in ready.items():
+        assert msg.info["torch_loaded"] == (stage == "worker0"), stage
+
+
+def test_capabilities_declared(llm_tiny):
+    caps = llm_tiny.engine_caps()
+    assert caps.num_kv_blocks > 0 and caps.block_size == 16
+    assert caps.continuous_batching and caps.paged_kv and caps.chunked_prefill
+    assert caps.per_request_sampling and caps.vocab_size == llm_tiny.model_info.vocab_size
+
+
+def test_killed_worker_fails_requests_and_reaps_group(tiny_llama):
+    llm = LLM(EngineArgs(model=tiny_llama))
+    pids = group_pids(llm)
+    stream = llm.generate_stream("hello", SamplingParams(max_tokens=200,
+                                                         ignore_eos=True, temperature=0))
+    worker = llm._client.supervisor.procs["worker0"]
+    os.kill(worker.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        for _ in stream:
+            pass
+        # the stream may have finished before the kill landed: a later request must fail
+        llm.generate("again", SamplingParams(max_tokens=4))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(EngineDeadError):
+        llm.generate("later", SamplingParams(max_tokens=4))
+    assert_all_gone(pids)
+    llm.shutdown()
+
+
+def test_shutdown_with_block_and_gc_stop_everything(tiny_llama):
+    with LLM(EngineArgs(model=tiny_llama)) as llm:
+        pids = group_pids(llm)
+        run_dir = llm._client.supervisor.run_dir
+        assert oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
+        llm.generate("hi", SamplingParams(max_tokens=2))
+    assert_all_gone(pids)
+    assert not os.path.exists(run_dir)
+    with pytest.raises(EngineDeadError):
+        llm.generate("after", SamplingParams(max_tokens=2))
+
+    llm = LLM(EngineArgs(model=tiny_llama))
+    pids = group_pids(llm)
+    del llm
+    gc.collect()
+    assert_all_gone(pids)
+
+
+def test_interpreter_exit_stops_everything(tiny_llama):
+    code = (f"from pocketllm import LLM, EngineArgs; llm = LLM(EngineArgs(model={tiny_llama!r}));"
+            "print(' '.join(str(p.pid) for p in llm._client.supervisor.procs.values()), flush=True)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 4
+    assert_all_gone(pids)
+
+
+def test_parent_killed_takes_children(tiny_llama):
+    code = (f"import time; from pocketllm import LLM, EngineArgs; llm = LLM(EngineArgs(model={tiny_llama!r}));"
+            "print(' '.join(str(p.pid) for p in llm._client.supervisor.procs.values()), flush=True);"
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 4
+    proc.kill()
+    proc.wait()
+    assert_all_gone(pids)
