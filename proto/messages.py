@@ -225,6 +225,7 @@ class SchedulerStats(_Msg):
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached_free: int = 0  # free, but still holding a reusable cached prefix
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
     preemptions: int = 0  # cumulative

@@ -1,0 +1,69 @@
+"""One request as the scheduler tracks it: tokens, KV blocks, and what the workers hold."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from pocketllm.proto.messages import TokenizedRequest
+
+from .block_manager import hash_block
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable scheduler-side state of one request (identity matters: never copied)."""
+
+    def __init__(self, req: TokenizedRequest):
+        self.request_id = req.request_id
+        self.sampling = req.sampling
+        self.arrival_time = req.arrival_time
+        self.eos_token_ids = frozenset(req.eos_token_ids)
+        self.stop_token_ids = frozenset(req.sampling.stop_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.token_ids: list[int] = list(req.prompt_token_ids)  # prompt + generated
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        # KV state: tokens[:num_computed_tokens] have KV in block_ids.
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        # What the workers hold: None = nothing (never sent, or dropped after preemption).
+        self.worker_num_tokens: Optional[int] = None
+        self.worker_num_blocks = 0
+        self.announced = False  # DetokRequest sent to the detokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the hash chain over every full block of known tokens (tokens only grow)."""
+        for i in range(len(self.block_hashes), len(self.token_ids) // block_size):
+            parent = self.block_hashes[i - 1] if i else None
+            self.block_hashes.append(
+                hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids})")

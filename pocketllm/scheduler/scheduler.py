@@ -1,0 +1,400 @@
+"""Continuous batching over a paged KV cache, with prefix caching and preemption.
+
+One step: ``schedule()`` -> the workers run the ``StepPlan`` -> ``update(plan,
+result)`` -> next ``schedule()``. Policy of one step, under a token budget of
+``max_num_batched_tokens`` and at most ``max_num_seqs`` running requests:
+
+1. decodes (running requests with one token left to compute), oldest first;
+2. the next chunk of running requests still in prefill;
+3. waiting requests, first come first served, while seats, budget and blocks
+   allow (none when this step preempted something: memory is short).
+
+Without chunked prefill a prompt is scheduled whole; one longer than the whole
+budget is scheduled alone as the only prefill of its step (it could never fit
+otherwise). Blocks are allocated for exactly the tokens computed this step.
+When a running request needs a block and none is free, the newest running
+request is preempted by recompute: its blocks are freed, it goes back to the
+front of the waiting queue with all its tokens, and workers are told to drop
+it. Workers must apply ``finished_request_ids`` before ``new_requests``.
+
+Prefix-cache blocks are published only after the step that computed them
+succeeded, so no request ever reads KV that is not there yet.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from pocketllm.errors import InvalidRequestError
+from pocketllm.proto.messages import (CachedRequestData, DetokRequest, NewRequestData, StepPlan,
+                                      StepResult, TokenBatch, TokenDelta, TokenizedRequest,
+                                      TokenLogprobs)
+
+from .block_manager import BlockManager, blocks_for
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
+        self.preempted_ids: list[str] = []  # ids workers must drop in this very plan
+        self.preempted = False
+        self.has_prefill = False
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req] = n
+        self.budget -= n
+        if req.num_tokens - req.num_computed_tokens > 1:
+            self.has_prefill = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self._requests: dict[str, Request] = {}  # every waiting or running request
+        self._finished_ids: list[str] = []  # for the next plan's finished_request_ids
+        self._next_step_id = 0
+        self._inflight: Optional[tuple[int, list[tuple[Request, int, bool]]]] = None
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ requests in
+
+    def add_request(self, req: TokenizedRequest) -> Optional[str]:
+        """Queue it, or return why it can never be served."""
+        cfg = self.config
+        n = len(req.prompt_token_ids)
+        if req.request_id in self._requests:
+            return f"request id {req.request_id!r} is already in use"
+        if n == 0:
+            return "the prompt is empty: at least one token is needed"
+        if req.sampling.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {req.sampling.max_tokens}"
+        if n >= cfg.max_model_len:
+            return (f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
+                    "it leaves no room for a generated token")
+        limit = min(n + req.sampling.max_tokens, cfg.max_model_len)
+        need = blocks_for(limit, cfg.block_size)
+        if need > cfg.num_kv_blocks:
+            return (f"the request may grow to {limit} tokens ({n} prompt + up to "
+                    f"{limit - n} generated), needing {need} KV blocks of {cfg.block_size} tokens, "
+                    f"but the KV cache has only {cfg.num_kv_blocks}; lower max_tokens or shorten "
+                    "the prompt")
+        request = Request(req)
+        self._requests[req.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def abort(self, request_ids: list[str], reason: str = "abort") -> TokenBatch:
+        """Remove requests; unknown or finished ids are ignored. ``reason == "stop"``
+        (a stop string matched downstream) removes silently; otherwise each removed
+        request gets a final delta with finish_reason "abort"."""
+        batch = TokenBatch(new_requests=[], deltas=[])
+        for rid in request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, "stop" if reason == "stop" else "abort")
+            if reason != "stop":
+                self._emit(batch, req, finish_reason="abort")
+        return batch
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> Optional[StepPlan]:
+        """The next step's plan, or None when no request is waiting or running."""
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called again before update() of the previous plan")
+        if not self._requests:
+            return None
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        if not step.scheduled:
+            # Impossible by construction (the oldest request always fits alone);
+            # raising beats an engine loop that spins forever.
+            raise RuntimeError(f"scheduler made no progress: {self.running} {list(self.waiting)}")
+        return self._build_plan(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        for req in list(self.running):  # decodes first
+            if step.budget <= 0:
+                return
+            if req.status is RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+                self._allocate_or_preempt(step, req, 1)
+        for req in list(self.running):  # then prefill chunks already under way
+            if step.budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING or req in step.scheduled:
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                n = min(remaining, step.budget)
+            elif remaining <= step.budget or not step.has_prefill:
+                n = remaining  # never reached in practice: unchunked prompts finish in one step
+            else:
+                continue
+            self._allocate_or_preempt(step, req, n)
+
+    def _allocate_or_preempt(self, step: _Step, req: Request, n: int) -> None:
+        """Give a running request blocks for n more tokens (fewer, with chunked prefill,
+        if that is all that is free), preempting the newest running requests until it
+        fits; the request itself may be that newest one."""
+        bm, bs = self.block_manager, self.config.block_size
+        while True:
+            need = blocks_for(req.num_computed_tokens + n, bs) - len(req.block_ids)
+            if need <= bm.num_free_blocks:
+                break
+            if self.config.enable_chunked_prefill:
+                fit = (len(req.block_ids) + bm.num_free_blocks) * bs - req.num_computed_tokens
+                if fit >= 1:
+                    n = fit
+                    continue
+            victim = self.running[-1]
+            self._preempt(step, victim)
+            if victim is req:
+                return
+        if need > 0:
+            req.block_ids += bm.allocate(need)
+        step.add(req, n)
+
+    def _preempt(self, step: _Step, req: Request) -> None:
+        self.running.remove(req)
+        if req in step.scheduled:
+            step.budget += step.scheduled.pop(req)
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        if req.worker_num_tokens is not None:
+            step.preempted_ids.append(req.request_id)
+            req.worker_num_tokens, req.worker_num_blocks = None, 0
+        step.preempted = True
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, step: _Step) -> None:
+        cfg, bm = self.config, self.block_manager
+        while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            matched = self._match_prefix(req)
+            num_computed = len(matched) * cfg.block_size
+            remaining = req.num_tokens - num_computed
+            if cfg.enable_chunked_prefill:
+                n = min(remaining, step.budget)
+            elif remaining <= step.budget:
+                n = remaining
+            elif remaining > cfg.max_num_batched_tokens and not step.has_prefill:
+                n = remaining  # can never fit the budget: run it whole, as the step's only prefill
+            else:
+                break
+            need = blocks_for(num_computed + n, cfg.block_size) - len(matched)
+            if need > bm.num_free_blocks - bm.num_unreferenced(matched):
+                break  # FCFS: later requests wait behind it
+            self.waiting.popleft()
+            bm.acquire(matched)
+            req.block_ids = matched + bm.allocate(need)
+            req.num_computed_tokens = num_computed
+            req.num_cached_blocks = len(matched)
+            if cfg.enable_prefix_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_computed
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            step.add(req, n)
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.config.block_size
+        req.update_block_hashes(bs)
+        # Leave at least one token to compute: the step must produce logits to sample.
+        return self.block_manager.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
+
+    def _build_plan(self, step: _Step) -> StepPlan:
+        new, cached, new_counts, cached_counts = [], [], [], []
+        new_entries, cached_entries = [], []
+        for req, n in step.scheduled.items():
+            samples = req.num_computed_tokens + n == req.num_tokens
+            if req.worker_num_tokens is None:
+                new.append(NewRequestData(req.request_id, list(req.token_ids), list(req.block_ids),
+                                          req.num_computed_tokens, req.sampling))
+                new_counts.append(n)
+                new_entries.append((req, n, samples))
+            else:
+                cached.append(CachedRequestData(req.request_id,
+                                                req.token_ids[req.worker_num_tokens:],
+                                                req.block_ids[req.worker_num_blocks:],
+                                                req.num_computed_tokens))
+                cached_counts.append(n)
+                cached_entries.append((req, n, samples))
+            req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids)
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        finished = self._finished_ids + step.preempted_ids
+        self._finished_ids = []
+        self._inflight = (step_id, new_entries + cached_entries)
+        return StepPlan(step_id=step_id, new_requests=new, cached_requests=cached,
+                        num_scheduled_tokens=new_counts + cached_counts,
+                        finished_request_ids=finished)
+
+    # ------------------------------------------------------------ results in
+
+    def update(self, plan: StepPlan, result: StepResult) -> TokenBatch:
+        """Apply a step's result: advance computed tokens, append sampled tokens,
+        decide finishes. Requests aborted since schedule() are skipped."""
+        if self._inflight is None or self._inflight[0] != plan.step_id:
+            raise RuntimeError(f"update() for step {plan.step_id}, which is not the step in flight")
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
+        entries = self._inflight[1]
+        self._inflight = None
+        batch = TokenBatch(new_requests=[], deltas=[])
+        if result.error is not None:
+            for req, _, _ in entries:
+                if not req.is_finished:
+                    self._finish(req, "error")
+                    self._emit(batch, req, finish_reason="error", error=result.error)
+            return batch
+        index = {rid: i for i, rid in enumerate(result.request_ids)}
+        for req, n, samples in entries:
+            if req.is_finished:
+                continue  # aborted while the step ran: its token is dropped
+            req.num_computed_tokens += n
+            self._cache_full_blocks(req)
+            if not samples:
+                continue
+            i = index.get(req.request_id)
+            if i is None:
+                msg = f"the worker returned no token for request {req.request_id!r}"
+                self._finish(req, "error")
+                self._emit(batch, req, finish_reason="error", error=msg)
+                continue
+            token = result.token_ids[i]
+            logprob = result.logprobs[i] if i < len(result.logprobs) else None
+            req.token_ids.append(token)
+            self._after_token(batch, req, token, logprob)
+        return batch
+
+    def _after_token(self, batch: TokenBatch, req: Request, token: int,
+                     logprob: Optional[TokenLogprobs]) -> None:
+        is_eos = token in req.eos_token_ids and not req.sampling.ignore_eos
+        if is_eos or token in req.stop_token_ids:
+            self._finish(req, "stop")  # the stop token is counted but never shown
+            self._emit(batch, req, finish_reason="stop", num_hidden_tokens=1)
+            return
+        reason = None
+        if (req.num_output_tokens >= req.sampling.max_tokens
+                or req.num_tokens >= self.config.max_model_len):
+            reason = "length"
+            self._finish(req, reason)
+        self._emit(batch, req, [token], [logprob] if logprob is not None else [], reason)
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Publish the blocks this step filled with computed KV."""
+        if not self.config.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.config.block_size
+        if full <= req.num_cached_blocks:
+            return
+        req.update_block_hashes(self.config.block_size)
+        for i in range(req.num_cached_blocks, full):
+            self.block_manager.cache_block(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = full
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.block_manager.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.request_id]
+        if req.worker_num_tokens is not None:
+            self._finished_ids.append(req.request_id)
+
+    def _emit(self, batch: TokenBatch, req: Request, token_ids: Optional[list[int]] = None,
+              logprobs: Optional[list] = None, finish_reason: Optional[str] = None,
+              error: Optional[str] = None, num_hidden_tokens: int = 0) -> None:
+        if not req.announced:
+            batch.new_requests.append(
+                DetokRequest(req.request_id, req.num_prompt_tokens, req.sampling))
+            req.announced = True
+        batch.deltas.append(TokenDelta(
+            req.request_id, token_ids or [], logprobs or [], finish_reason,
+            req.num_cached_tokens or 0, error, num_hidden_tokens))
+
+    # ------------------------------------------------------------ introspection
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_cached_free": bm.num_cached_free_blocks,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "preemptions": self.num_preemptions,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on any inconsistency (for tests and debugging)."""
+        bs = self.config.block_size
+        refs: dict[int, int] = {}
+        for req in self.running:
+            assert req.status is RequestStatus.RUNNING and self._requests[req.request_id] is req
+            assert len(req.block_ids) == blocks_for(req.num_computed_tokens, bs) or (
+                self._inflight is not None), f"{req} holds blocks it has not filled"
+            assert req.num_computed_tokens < req.num_tokens, f"{req} has nothing left to compute"
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{req} repeats a block"
+            for b in req.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        for req in self.waiting:
+            assert req.status is RequestStatus.WAITING and self._requests[req.request_id] is req
+            assert not req.block_ids and req.num_computed_tokens == 0, f"waiting {req} holds KV"
+        assert len(self._requests) == len(self.running) + len(self.waiting)
+        assert len(self.running) <= self.config.max_num_seqs
+        self.block_manager.check_invariants(refs)

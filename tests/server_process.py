@@ -1,0 +1,52 @@
+"""Starting `pocketllm serve` as a real subprocess for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, ready_timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pocketllm", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.first_ready_status = None
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                status = httpx.get(self.url + "/ready", timeout=2).status_code
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            if self.first_ready_status is None:
+                self.first_ready_status = status
+            if status == 200:
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not become ready")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,169 @@
+"""Test harness for the scheduler: a fake paged worker and a step loop (no tests here).
+
+The fake worker keeps what a real rank keeps (per-request tokens, block table,
+computed count) and a KV "cache" of slots. Every computed token writes
+(token, digest of its whole prefix) into its slot; sampling reads the whole
+context back through the block table and checks each slot, so a block shared
+by mistake, overwritten by another request or matched from a wrong prefix
+fails loudly. The next token is a function of the tokens read back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, TokenBatch, TokenizedRequest
+from pocketllm.scheduler.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+
+
+def next_token(tokens: list[int]) -> int:
+    tail = tokens[-4:]
+    return (sum(t * (i + 3) for i, t in enumerate(tail)) + 7 * len(tokens)) % VOCAB
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int = 8, eos: tuple = (),
+                 **sampling) -> TokenizedRequest:
+    return TokenizedRequest(rid, list(prompt), SamplingSpec(max_tokens=max_tokens, **sampling),
+                            eos_token_ids=list(eos))
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32,
+                max_model_len=256)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+class FakeWorker:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}
+        self.reqs: dict[str, dict] = {}
+        self.computed = Counter()  # request id -> tokens computed over its life
+        self.fail_next = False
+        self.logprobs = False
+
+    def _slot(self, state: dict, pos: int) -> tuple[int, int]:
+        return state["blocks"][pos // self.block_size], pos % self.block_size
+
+    def _expected(self, tokens: list[int], pos: int) -> tuple[int, int]:
+        return tokens[pos], hash(tuple(tokens[:pos + 1]))
+
+    def step(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_request_ids:
+            assert rid in self.reqs, f"told to drop {rid}, which this rank never held"
+            del self.reqs[rid]
+        for new in plan.new_requests:
+            assert new.request_id not in self.reqs, f"{new.request_id} sent as new twice"
+            state = dict(tokens=list(new.token_ids), blocks=list(new.block_ids),
+                         computed=new.num_computed_tokens)
+            self.reqs[new.request_id] = state
+            for pos in range(new.num_computed_tokens):  # prefix-cache hits must hold real KV
+                assert self.kv.get(self._slot(state, pos)) == self._expected(state["tokens"], pos), \
+                    f"{new.request_id}: cached prefix slot {pos} holds wrong KV"
+        for cached in plan.cached_requests:
+            state = self.reqs[cached.request_id]
+            state["tokens"] += cached.new_token_ids
+            state["blocks"] += cached.new_block_ids
+            assert cached.num_computed_tokens == state["computed"], cached.request_id
+        ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.cached_requests]
+        assert len(ids) == len(set(ids)) == len(plan.num_scheduled_tokens) > 0
+        if self.fail_next:
+            self.fail_next = False
+            return StepResult(plan.step_id, error="simulated forward failure")
+        samplers = []
+        for rid, n in zip(ids, plan.num_scheduled_tokens):  # write every slot first...
+            state = self.reqs[rid]
+            start, tokens = state["computed"], state["tokens"]
+            assert 1 <= n and start + n <= len(tokens), f"{rid}: {start}+{n} of {len(tokens)}"
+            assert len(state["blocks"]) * self.block_size >= start + n, f"{rid}: too few blocks"
+            for pos in range(start, start + n):
+                self.kv[self._slot(state, pos)] = self._expected(tokens, pos)
+            state["computed"] += n
+            self.computed[rid] += n
+            if state["computed"] == len(tokens):
+                samplers.append(rid)
+        out_ids, out_tokens, out_lp = [], [], []
+        for rid in samplers:  # ...then attend: read the whole context back
+            state = self.reqs[rid]
+            context = []
+            for pos in range(len(state["tokens"])):
+                slot = self.kv[self._slot(state, pos)]
+                assert slot == self._expected(state["tokens"], pos), f"{rid}: KV corrupt at {pos}"
+                context.append(slot[0])
+            out_ids.append(rid)
+            out_tokens.append(next_token(context))
+            out_lp.append(None)
+        if self.logprobs:
+            from pocketllm.proto.messages import TokenLogprobs
+            out_lp = [TokenLogprobs(-0.5, [t], [-0.5]) for t in out_tokens]
+        return StepResult(plan.step_id, out_ids, out_tokens, out_lp)
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    hidden: int = 0
+    cached: int = 0
+    error: Optional[str] = None
+    prompt_len: int = -1
+
+
+class Driver:
+    """Runs schedule -> worker -> update, checking invariants and the TokenBatch stream."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.sched = Scheduler(cfg)
+        self.worker = FakeWorker(cfg.block_size)
+        self.outcomes: dict[str, Outcome] = {}
+        self.plans: list[StepPlan] = []
+
+    def add(self, req: TokenizedRequest) -> None:
+        assert self.sched.add_request(req) is None
+
+    def collect(self, batch: TokenBatch) -> None:
+        for d in batch.new_requests:
+            assert d.request_id not in self.outcomes, f"{d.request_id} announced twice"
+            self.outcomes[d.request_id] = Outcome(prompt_len=d.prompt_len)
+        for delta in batch.deltas:
+            out = self.outcomes[delta.request_id]  # KeyError: delta before its DetokRequest
+            assert out.finish_reason is None, f"{delta.request_id} got a delta after finishing"
+            out.tokens += delta.token_ids
+            out.finish_reason = delta.finish_reason
+            out.hidden += delta.num_hidden_tokens
+            out.cached = delta.num_cached_tokens
+            out.error = delta.error
+            if delta.logprobs:
+                assert len(delta.logprobs) == len(delta.token_ids)
+
+    def step(self, between: Optional[Callable[[StepPlan], None]] = None) -> Optional[StepPlan]:
+        plan = self.sched.schedule()
+        if plan is None:
+            return None
+        self.sched.check_invariants()
+        self.plans.append(plan)
+        result = self.worker.step(plan)
+        if between is not None:
+            between(plan)
+        self.collect(self.sched.update(plan, result))
+        self.sched.check_invariants()
+        return plan
+
+    def run(self, max_steps: int = 5000) -> dict[str, Outcome]:
+        for _ in range(max_steps):
+            if self.step() is None:
+                break
+        assert not self.sched.has_unfinished()
+        return self.outcomes
+
+
+def solo(req: TokenizedRequest, **cfg) -> Outcome:
+    """What a request produces alone, with room to spare."""
+    d = Driver(config(**{"num_kv_blocks": 512, "max_model_len": 256, **cfg}))
+    d.add(req)
+    return d.run()[req.request_id]
