@@ -215,7 +215,8 @@ def test_caller_messages_not_mutated_and_text_parts(server):
     (json.dumps({"messages": MSG, "n": 100000}).encode(), 400),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 4000}]}).encode(), 400),
     (b'{"messages": [{"role": "user", "content": "' + b"x" * (9 << 20) + b'"}]}', 413),
-])
+], ids=["malformed", "utf8", "not-object", "empty-messages", "bad-role", "messages-string",
+        "huge-n", "too-long", "over-size"])
 def test_bad_input_is_refused_and_costs_nothing(server, raw, status):
     r = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=60,
                    headers={"Content-Type": "application/json"})

@@ -33,6 +33,7 @@ class SchedulerLoop:
         self.scheduler: Scheduler | None = None
         self.pending_result: StepResult | None = None
         self.stats_sent_at = 0.0
+        self.stats_shape = (0, 0)
         # Aborts that overtook their request (the frontend sends them here directly).
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
 
@@ -85,11 +86,14 @@ class SchedulerLoop:
             raise SystemExit(0)
 
     def publish_stats(self, force: bool = False) -> None:
+        """Send the gauges when the batch's shape changed, or at most every STATS_INTERVAL_S."""
+        stats = self.scheduler.stats()
+        shape = (stats["running"], stats["waiting"])
         now = time.monotonic()
-        if not force and now - self.stats_sent_at < STATS_INTERVAL_S:
+        if not force and shape == self.stats_shape and now - self.stats_sent_at < STATS_INTERVAL_S:
             return
-        self.stats_sent_at = now
-        self.to_frontend.send(codec.encode(SchedulerStats(**self.scheduler.stats())))
+        self.stats_sent_at, self.stats_shape = now, shape
+        self.to_frontend.send(codec.encode(SchedulerStats(**stats)))
 
     def emit(self, batch: TokenBatch) -> None:
         if batch.deltas or batch.new_requests:

@@ -56,9 +56,10 @@ def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Applicat
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
-    except web.HTTPRequestEntityTooLarge as e:
-        return R.error_response(413, f"the request body is over this server's limit "
-                                f"({e.max_size} bytes)", code="request_too_large")
+    except web.HTTPRequestEntityTooLarge:
+        return R.error_response(413, f"the request body is over this server's limit of "
+                                f"{request.app._client_max_size} bytes",
+                                code="request_too_large")
     except web.HTTPNotFound:
         return R.error_response(404, f"no route {request.method} {request.path}: this server "
                                 "serves /v1/chat/completions, /v1/completions, /v1/models, "
