@@ -1,0 +1,78 @@
+"""`pocketllm serve` on the embedded default model: the README's examples, and disconnects."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server_process import ServerProcess
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess()  # no --model: the embedded Gemma 3 270M
+    yield srv
+    assert srv.stop() == 0
+
+
+def readme_block(lang: str, needle: str) -> str:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", open(README).read(), re.S)
+    return next(b for b in blocks if needle in b)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M).group(1))
+
+
+@pytest.mark.slow
+def test_readme_curl_example(server):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    cmd = readme_block("bash", "curl").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True)
+    reply = json.loads(out.stdout)
+    assert reply["choices"][0]["message"]["content"].strip()
+    assert reply["model"] == "gemma-3-270m-q4_k_m"
+
+
+@pytest.mark.slow
+def test_readme_openai_example(server):
+    code = readme_block("python", "OpenAI(").replace("127.0.0.1:8000",
+                                                      f"127.0.0.1:{server.port}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_disconnect_frees_blocks_within_a_second(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": "Write a long essay about the ocean.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+        deadline = time.monotonic() + 2
+        while metric(server, "pocketllm_kv_blocks_used") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metric(server, "pocketllm_kv_blocks_used") > 0
+        assert metric(server, "pocketllm_requests_running") == 1
+    left = time.monotonic()
+    while time.monotonic() - left < 1.0 and metric(server, "pocketllm_kv_blocks_used") > 0:
+        time.sleep(0.02)
+    assert metric(server, "pocketllm_kv_blocks_used") == 0
+    assert metric(server, "pocketllm_requests_running") == 0
+    assert metric(server, "pocketllm_requests_waiting") == 0
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pocketllm_requests_total{finish_reason="abort"} 1.0' in text
