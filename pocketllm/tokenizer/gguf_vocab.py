@@ -1,0 +1,258 @@
+"""A HuggingFace ``tokenizers.Tokenizer`` built from a GGUF file's vocabulary metadata.
+
+A GGUF carries no tokenizer.json, only llama.cpp's description of one:
+``tokenizer.ggml.model`` is ``"llama"`` (SentencePiece-style BPE over
+``▁``-escaped text with byte fallback, e.g. Llama 2, Gemma) or ``"gpt2"``
+(byte-level BPE with explicit merges, e.g. Llama 3, Qwen). The tokenizer built
+here follows transformers' GGUF conversion, which tests use as the reference:
+
+* SentencePiece files list no merges; they are recovered from the vocabulary
+  (every split of a token into two tokens is a merge), ranked by the token's
+  score, or for Gemma by its position in the file (Gemma's scores do not
+  follow its merge order).
+* Control tokens (type 3) become special added tokens: matched whole in text,
+  skipped by ``decode(skip_special_tokens=True)``. User-defined tokens (type 4)
+  become plain added tokens, also matched whole.
+* BOS (and EOS) is added by the post-processor as ``tokenizer.ggml.add_bos_token``
+  (``add_eos_token``) says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                        pre_tokenizers, processors)
+
+from ..errors import CheckpointError, UnsupportedFeatureError
+from ..gguf_meta import read_gguf_header
+
+# llama.cpp token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_SPACE = "\u2581"  # SentencePiece's escaped space
+_POSITION_RANKED_ARCHS = {"gemma", "gemma2", "gemma3"}
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# tokenizer.ggml.pre -> the regex that splits text before byte-level BPE; None = GPT-2's own.
+_BYTE_LEVEL_SPLITS = {
+    None: None, "default": None, "gpt2": None,
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def tokenizer_from_gguf(path: str) -> Tokenizer:
+    meta = read_gguf_header(path).metadata
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise CheckpointError(f"{path!r} carries no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{path!r}: {len(types)} token types for {len(tokens)} tokens")
+    if kind == "llama":
+        tok, tokens = _sentencepiece_bpe(meta, tokens)
+    elif kind == "gpt2":
+        tok, tokens = _byte_level_bpe(meta, tokens, path)
+    else:
+        raise UnsupportedFeatureError(
+            f"{path!r}: GGUF tokenizer model {kind!r} is not supported (PocketLLM reads 'llama' and 'gpt2')")
+    _add_special_tokens(tok, meta, tokens, types, byte_level=kind == "gpt2")
+    _set_post_processor(tok, meta, tokens, default_add_bos=kind == "llama")
+    return tok
+
+
+# ------------------------------------------------------------------ SentencePiece-style
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> tuple[Tokenizer, list[str]]:
+    # Gemma stores runs of spaces as real spaces; the text they must match is ▁-escaped.
+    tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    arch = meta.get("general.architecture")
+    if arch in _POSITION_RANKED_ARCHS:
+        ranks = np.arange(len(tokens), dtype=np.float64)
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
+        ranks = -np.asarray(scores, dtype=np.float64)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab=_vocab(tokens), merges=_merges_from_vocab(tokens, ranks),
+                     unk_token=tokens[unk_id] if unk_id is not None else None,
+                     fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(bpe)
+    if meta.get("tokenizer.ggml.add_space_prefix", arch not in _POSITION_RANKED_ARCHS):
+        # "▁" before the first word only, as SentencePiece's add_dummy_prefix; dropped on decode
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first",
+                                                     split=False)
+        tail = [decoders.Strip(content=" ", left=1, right=0)]
+    else:
+        tok.normalizer = normalizers.Replace(" ", _SPACE)
+        tail = []
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), *tail])
+    return tok, tokens
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    return {t: i for i, t in enumerate(tokens)}
+
+
+# Two polynomial string hashes modulo primes below 2**31, combined into one 62-bit key.
+_HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 999_983))
+
+
+def _merges_from_vocab(tokens: list[str], ranks: np.ndarray) -> list[tuple[str, str]]:
+    """Every (left, right) with left + right == some token and both tokens, best first.
+
+    Order: by the merged token's rank, then longer left piece first, then longer
+    right piece, then token order -- transformers' ``generate_merges`` order.
+    Tokens are hashed in numpy, one group per token length, instead of slicing
+    ~1M candidate pieces in Python. A hash collision could only add a merge whose
+    pieces are not tokens, which ``tokenizers`` refuses loudly, never a silent loss.
+    """
+    n = len(tokens)
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
+    full = np.zeros(n, dtype=np.int64)
+    rows, cuts, left, right = [], [], [], []
+    for length in np.unique(lens).tolist():
+        if length == 0:
+            continue
+        idx = np.flatnonzero(lens == length)
+        words = np.array([tokens[i] for i in idx.tolist()], dtype=f"<U{length}")
+        codes = words.view(np.uint32).reshape(len(idx), length).astype(np.int64) + 1
+        prefix, suffix = _piece_hashes(codes)
+        full[idx] = prefix[:, length]
+        for k in range(1, length):
+            rows.append(idx)
+            cuts.append(np.full(len(idx), k, dtype=np.int64))
+            left.append(prefix[:, k])
+            right.append(suffix[:, k])
+    if not rows:
+        return []
+    rows_a, cuts_a = np.concatenate(rows), np.concatenate(cuts)
+    known = np.sort(full)
+    hit = _member(np.concatenate(left), known)
+    rows_a, cuts_a, right_a = rows_a[hit], cuts_a[hit], np.concatenate(right)[hit]
+    hit = _member(right_a, known)
+    rows_a, cuts_a = rows_a[hit], cuts_a[hit]
+    order = np.lexsort((rows_a, cuts_a - lens[rows_a], -cuts_a, ranks[rows_a]))
+    return [(tokens[i][:k], tokens[i][k:])
+            for i, k in zip(rows_a[order].tolist(), cuts_a[order].tolist())]
+
+
+def _member(keys: np.ndarray, sorted_known: np.ndarray) -> np.ndarray:
+    order = np.argsort(keys)  # sorted queries make searchsorted walk memory in order
+    ordered = keys[order]
+    at = np.minimum(np.searchsorted(sorted_known, ordered), len(sorted_known) - 1)
+    found = np.empty(len(keys), dtype=bool)
+    found[order] = sorted_known[at] == ordered
+    return found
+
+
+def _piece_hashes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For words of equal length L: keys of every prefix [:k] and suffix [k:], k = 0..L."""
+    m, length = codes.shape
+    prefix = np.zeros((m, length + 1), dtype=np.int64)
+    suffix = np.zeros((m, length + 1), dtype=np.int64)
+    for p, base in _HASHES:
+        h = np.zeros((m, length + 1), dtype=np.int64)
+        for k in range(length):
+            h[:, k + 1] = (h[:, k] * base + codes[:, k]) % p
+        powers = np.ones(length + 1, dtype=np.int64)
+        for k in range(1, length + 1):
+            powers[k] = powers[k - 1] * base % p
+        # hash(w[k:]) = h[L] - h[k] * base^(L-k)
+        tail = (h[:, length:length + 1] - h * powers[::-1] % p) % p
+        prefix = (prefix << 31) | h
+        suffix = (suffix << 31) | tail
+    return prefix, suffix
+
+
+# ------------------------------------------------------------------ byte-level BPE
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to
+    themselves, the other 68 bytes to U+0100 onwards, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str], path: str) -> tuple[Tokenizer, list[str]]:
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in _BYTE_LEVEL_SPLITS:
+        raise UnsupportedFeatureError(
+            f"{path!r}: GGUF pre-tokenizer {pre!r} is not supported; PocketLLM knows "
+            f"{', '.join(sorted(k for k in _BYTE_LEVEL_SPLITS if k))}")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise CheckpointError(f"{path!r}: a 'gpt2' GGUF tokenizer needs tokenizer.ggml.merges")
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # A token written outside the byte alphabet (rare) is respelled byte by byte.
+    tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
+              for t in tokens]
+    bpe = models.BPE(vocab=_vocab(tokens), merges=[tuple(m.split(" ", 1)) for m in merges],
+                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    tok = Tokenizer(bpe)
+    split = _BYTE_LEVEL_SPLITS[pre]
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok, tokens
+
+
+# ------------------------------------------------------------------ special tokens
+
+
+def _add_special_tokens(tok: Tokenizer, meta: dict, tokens: list[str], types: list[int],
+                        byte_level: bool) -> None:
+    spelled = set(_byte_alphabet().values()) if byte_level else None
+    types_a = np.asarray(types)
+    special_ids = set(np.flatnonzero(types_a == CONTROL).tolist())
+    # the named special tokens are special even where a file forgets to mark them CONTROL
+    for key in ("bos", "eos", "unknown", "padding", "eot"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            special_ids.add(int(token_id))
+    control = [AddedToken(tokens[i], special=True, normalized=False)
+               for i in sorted(special_ids)
+               if spelled is None or set(tokens[i]) <= spelled]
+    tok.add_special_tokens(control)
+    # USER_DEFINED tokens (e.g. "\n\n", "<think>") are matched whole in text, like llama.cpp does.
+    original = meta["tokenizer.ggml.tokens"]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i in np.flatnonzero(types_a == USER_DEFINED).tolist()
+            if tokens[i] == original[i]]  # one respelled to "▁▁" can't match raw text as written
+    tok.add_tokens(user)
+
+
+def _set_post_processor(tok: Tokenizer, meta: dict, tokens: list[str], default_add_bos: bool) -> None:
+    pieces, specials = [], []
+    for key, default, where in (("bos", default_add_bos, 0), ("eos", False, 1)):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if meta.get(f"tokenizer.ggml.add_{key}_token", default) and token_id is not None:
+            pieces.append((where, tokens[token_id]))
+            specials.append((tokens[token_id], int(token_id)))
+    if not pieces:
+        return
+    before = [t for where, t in pieces if where == 0]
+    after = [t for where, t in pieces if where == 1]
+    single = " ".join([*(f"{t}:0" for t in before), "$A:0", *(f"{t}:0" for t in after)])
+    pair = " ".join([single, *(f"{t}:1" for t in before), "$B:1", *(f"{t}:1" for t in after)])
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                       special_tokens=specials)

@@ -1,0 +1,138 @@
+"""Weights from a GGUF file, as HuggingFace-named float32 tensors in HF shapes.
+
+llama.cpp's converter renames every tensor and changes two things on the way;
+this undoes both so the values equal the HF checkpoint's:
+
+* ``llama`` architecture: the rows of q/k are permuted per head so that llama.cpp
+  can rotate adjacent pairs (x0, y0, x1, y1, ...) where HF rotates halves
+  (x0..x_{d/2-1}, y0..). ``unpermute_rope_rows`` restores the halves.
+* ``gemma3``: Gemma's RMSNorm multiplies by ``1 + w``; the converter stores
+  ``w + 1`` so llama.cpp can multiply by the stored value. We subtract 1.
+
+Tensor data is memory-mapped and dequantized per tensor with numpy (gguf_quants
+says why not torch), so only one tensor's float copy is being built at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from pocketllm.errors import CheckpointError
+from pocketllm.gguf_meta import GGUFTensorInfo, read_gguf_header
+
+from .gguf_quants import GGML_TYPES, SUPPORTED_TYPES, dequantize, type_name
+
+if TYPE_CHECKING:
+    from pocketllm.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# blk.{i}.<gguf> -> model.layers.{i}.<hf>; suffix .weight / .bias is kept.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+# Gemma 3 norms four times per layer; llama.cpp's ffn_norm is its pre-MLP norm.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# Tensors llama.cpp derives from the config and HF does not store as parameters.
+# rope_freqs holds Llama 3.1's rope scaling factors; the HF model recomputes them
+# from config["rope_scaling"].
+_DERIVED = {"rope_freqs.weight"}
+
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str, family: str) -> str:
+    """The HF parameter name of a GGUF tensor; CheckpointError if it is not one we know."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_NAME.fullmatch(gguf_name)
+    names = _GEMMA3_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+    if m is None or m.group(2) not in names:
+        raise CheckpointError(f"GGUF tensor {gguf_name!r} is not part of a {family} model")
+    layer, part, kind = m.groups()
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of q/k rows (its convert script's ``permute``).
+
+    GGUF row ``h*d + 2j + t`` is HF row ``h*d + t*d/2 + j`` (t in {0, 1}).
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's transform (HF -> GGUF); the inverse of ``unpermute_rope_rows``."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> torch.Tensor:
+    if t.ggml_type not in SUPPORTED_TYPES:
+        raise CheckpointError(
+            f"{path!r}: tensor {t.name!r} has GGML type {type_name(t.ggml_type)}, which PocketLLM "
+            f"cannot dequantize (supported: {', '.join(sorted(type_name(x) for x in SUPPORTED_TYPES))})")
+    _, block_elems, block_bytes = GGML_TYPES[t.ggml_type]
+    n_elements = int(np.prod(t.shape))
+    if not t.shape or t.shape[0] % block_elems:
+        raise CheckpointError(f"{path!r}: tensor {t.name!r} of shape {t.shape} does not split into "
+                              f"{type_name(t.ggml_type)} blocks of {block_elems}")
+    n_bytes = n_elements // block_elems * block_bytes
+    if t.offset + n_bytes > data.size:
+        raise CheckpointError(f"{path!r} is truncated: tensor {t.name!r} ends past the end of the file")
+    values = dequantize(data[t.offset:t.offset + n_bytes], t.ggml_type)
+    # GGUF lists the fastest-varying dimension first; HF shapes list it last
+    return torch.from_numpy(values).view(tuple(reversed(t.shape)))
+
+
+def load_gguf_weights(path: str, info: "ModelInfo") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, float32 CPU tensor in HF shape) for every tensor of the file."""
+    header = read_gguf_header(path)
+    family = info.family
+    cfg = info.hf_config
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for gguf_name, t in header.tensors.items():
+        if gguf_name in _DERIVED:
+            logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
+                           path, gguf_name)
+            continue
+        name = hf_name(gguf_name, family)
+        w = _read_tensor(data, t, path)
+        if family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rope_rows(w, n_heads)
+        elif family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rope_rows(w, n_kv_heads)
+        elif family == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0
+        yield name, w
