@@ -1,0 +1,27 @@
+"""Fill a model's parameters from its checkpoint: safetensors, GGUF or dummy weights."""
+
+from __future__ import annotations
+
+from pocketllm.config import EngineArgs
+from pocketllm.errors import CheckpointError
+from pocketllm.model_info import ModelInfo
+
+from ..models.base import CausalLM
+
+
+def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs) -> None:
+    fmt = "dummy" if args.load_format == "dummy" else info.format
+    if fmt == "dummy":
+        from .dummy import init_dummy_weights
+
+        init_dummy_weights(model, args.seed)
+    elif fmt == "safetensors":
+        from .safetensors import load_safetensors_weights
+
+        model.load_weights(load_safetensors_weights(info.path))
+    elif fmt == "gguf":
+        from .gguf import load_gguf_weights  # written alongside; dequantizes to float32
+
+        model.load_weights(load_gguf_weights(info.path, info))
+    else:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}")

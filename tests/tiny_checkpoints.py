@@ -1,0 +1,219 @@
+"""Tiny random HF checkpoints (with a real tokenizer) for tests, plus a hand scheduler.
+
+``make_tiny_checkpoint(family, path)`` writes a transformers model of the family
+("llama", "qwen2", "qwen3", "gemma3") with random weights, a byte-level BPE
+tokenizer trained on a fixed corpus, a chat template and a generation config.
+Each (family, overrides) is built once per process and copied afterwards.
+
+``PlanDriver`` plays the scheduler for a ``ModelRunner``: it hands out blocks and
+builds StepPlans (new requests, per-step diffs, chunked prefill, preemption).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|end|>"]
+PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 7
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog while a small cat watches from the warm window.
+Engines that serve language models batch many requests together, page their key value caches
+in fixed blocks, and sample one token per running sequence at every step of the loop.
+A scheduler decides which prompts to prefill and which sequences to decode; when memory runs
+short it preempts the newest request and recomputes it later, never corrupting another one.
+Hello world! Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 and 3.14159 appear in text too.
+She sells sea shells by the sea shore; Peter Piper picked a peck of pickled peppers.
+Paris is the capital of France, Berlin of Germany, Rome of Italy and Madrid of Spain.
+def main():\n    print("hello, world")\n    return 0\n
+{"name": "tool", "arguments": {"city": "Tokyo", "unit": "celsius"}} <think>why?</think>
+Rain falls softly on quiet streets; bright lights blink, travellers hurry, trains depart.
+Mathematics, physics, chemistry and biology explain patterns found throughout nature.
+"""
+
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2,
+                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                  rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], num_hidden_layers=2, rope_theta=1e6,
+                  tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, head_dim=32,
+                  rope_theta=1e6, tie_word_embeddings=False),
+    # Two sliding layers (window 8) and one global layer, with Gemma's own scalars.
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   sliding_window=8, query_pre_attn_scalar=24, rope_theta=1e6,
+                   rope_local_base_freq=1e4, tie_word_embeddings=True),
+}
+COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+              bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+_built: dict[str, str] = {}
+_cache_root: Optional[str] = None
+
+
+def make_tiny_checkpoint(family: str, path: Optional[str] = None,
+                         overrides: Optional[dict] = None) -> str:
+    """Write the tiny checkpoint of ``family`` into ``path`` (a fresh temp dir if None)."""
+    global _cache_root
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILY_CONFIGS)}")
+    key = family + json.dumps(overrides or {}, sort_keys=True)
+    if key not in _built:
+        if _cache_root is None:
+            _cache_root = tempfile.mkdtemp(prefix="pocketllm-tiny-")
+        built = os.path.join(_cache_root, f"{family}-{len(_built)}")
+        _build(family, built, overrides or {})
+        _built[key] = built
+    if path is None:
+        return _built[key]
+    shutil.copytree(_built[key], path, dirs_exist_ok=True)
+    return str(path)
+
+
+def _build(family: str, path: str, overrides: dict) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+    config = AutoConfig.for_model(model_type[family], **cfg_dict)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Larger than HF's init so the tiny model has confident (tie-free) greedy choices,
+        # and non-trivial norm weights so (1 + w) handling is exercised.
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.normal_(0.0, 0.1)
+                if family != "gemma3":
+                    param.add_(1.0)
+            elif "embed" in name and config.tie_word_embeddings:
+                param.normal_(0.0, 0.03)  # else the tied head mostly echoes the last token
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_OF_TURN_ID],
+                   "pad_token_id": PAD_ID}, f)
+
+
+def _write_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS_ID)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+                   "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+                   "chat_template": CHAT_TEMPLATE, "model_max_length": 512}, f)
+
+
+# ---------------------------------------------------------------------- a hand scheduler
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    spec: object
+    max_new: int
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    sent_tokens: int = 0  # how many tokens the runner holds
+    sent_blocks: int = 0
+    known: bool = False  # the runner holds its state
+    generated: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+
+class PlanDriver:
+    """Drives a ModelRunner with StepPlans, as a minimal scheduler would."""
+
+    def __init__(self, runner, chunk: Optional[int] = None, shuffle_blocks: Optional[int] = None):
+        self.runner, self.chunk, self.step = runner, chunk, 0
+        self.free = list(range(runner.num_kv_blocks))
+        if shuffle_blocks is not None:
+            random.Random(shuffle_blocks).shuffle(self.free)
+        self.reqs: dict[str, _Req] = {}
+        self.finished: list[str] = []
+
+    def add(self, rid: str, prompt: list[int], spec, max_new: int) -> None:
+        self.reqs[rid] = _Req(list(prompt), spec, max_new)
+
+    def preempt(self, rid: str) -> None:
+        """Drop the request's KV; it comes back as a new request with all its tokens."""
+        req = self.reqs[rid]
+        self.free.extend(req.blocks)
+        req.blocks, req.computed, req.known, req.sent_blocks = [], 0, False, 0
+        self.finished.append(rid)
+
+    def step_once(self, only: Optional[list[str]] = None):
+        from pocketllm.proto.messages import CachedRequestData, NewRequestData, StepPlan
+
+        bs = self.runner.block_size
+        plan = StepPlan(step_id=self.step, finished_request_ids=self.finished)
+        self.finished = []
+        scheduled: list[tuple[str, int]] = []
+        new, cached, n_new, n_cached = [], [], [], []
+        for rid, req in self.reqs.items():
+            if len(req.generated) >= req.max_new or (only is not None and rid not in only):
+                continue
+            n = len(req.tokens) - req.computed
+            if self.chunk:
+                n = min(n, self.chunk)
+            while len(req.blocks) * bs < req.computed + n:
+                req.blocks.append(self.free.pop(0))
+            if not req.known:
+                new.append(NewRequestData(rid, list(req.tokens), list(req.blocks), req.computed,
+                                          req.spec))
+                n_new.append(n)
+                req.known = True
+            else:
+                cached.append(CachedRequestData(rid, req.tokens[req.sent_tokens:],
+                                                req.blocks[req.sent_blocks:], req.computed))
+                n_cached.append(n)
+            req.sent_tokens, req.sent_blocks = len(req.tokens), len(req.blocks)
+            scheduled.append((rid, n))
+        plan.new_requests, plan.cached_requests = new, cached
+        plan.num_scheduled_tokens = n_new + n_cached
+        result = self.runner.execute(plan)
+        assert result.error is None, result.error
+        for rid, n in scheduled:
+            self.reqs[rid].computed += n
+        for rid, token, lp in zip(result.request_ids, result.token_ids, result.logprobs):
+            req = self.reqs[rid]
+            req.tokens.append(token)
+            req.generated.append(token)
+            req.logprobs.append(lp)
+            if len(req.generated) >= req.max_new:
+                self.free.extend(req.blocks)
+                self.finished.append(rid)
+        self.step += 1
+        return result
+
+    def run(self) -> dict[str, list[int]]:
+        while any(len(r.generated) < r.max_new for r in self.reqs.values()):
+            self.step_once()
+        return {rid: r.generated for rid, r in self.reqs.items()}

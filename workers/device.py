@@ -1,0 +1,83 @@
+"""Where the worker runs: device and dtype choice, CPU threads, and the KV-cache budget."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_CAP_BYTES = 4 << 30  # the CPU KV budget never exceeds 4 GiB
+EXTRA_BLOCKS = 4  # slack above the most any set of sequences can hold
+
+
+def choose_device(args: EngineArgs) -> torch.device:
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UnsupportedFeatureError("device='cuda' was asked for but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def choose_dtype(args: EngineArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[args.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def configure_cpu_threads() -> int:
+    """Use every core this process may run on, unless the user pinned a count."""
+    if "OMP_NUM_THREADS" in os.environ or "POCKETLLM_NUM_THREADS" in os.environ:
+        wanted = int(os.environ.get("POCKETLLM_NUM_THREADS") or os.environ["OMP_NUM_THREADS"])
+    else:
+        try:
+            wanted = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            wanted = os.cpu_count() or 1
+    wanted = max(1, wanted)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return wanted
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem  # K and V
+
+
+def num_kv_blocks(args: EngineArgs, max_model_len: int, bytes_per_block: int,
+                  device: torch.device) -> int:
+    """How many KV blocks to allocate (see EngineArgs for the knobs, in priority order).
+
+    An explicit ``num_kv_blocks`` is honoured exactly; a budget in bytes is capped at
+    what ``max_num_seqs`` full-length sequences could ever use, since more is waste.
+    """
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    if args.kv_cache_memory_gb is not None:
+        budget = int(args.kv_cache_memory_gb * (1 << 30))
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(args.gpu_memory_utilization * free)
+    else:
+        import psutil
+
+        budget = min(int(args.cpu_kv_cache_fraction * psutil.virtual_memory().available),
+                     CPU_KV_CAP_BYTES)
+    useful = args.max_num_seqs * math.ceil(max_model_len / args.block_size) + EXTRA_BLOCKS
+    blocks = min(budget // bytes_per_block, useful)
+    if blocks < 1:
+        raise InvalidRequestError(
+            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes; "
+            "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks",
+            "num_kv_blocks")
+    return int(blocks)

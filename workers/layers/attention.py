@@ -1,0 +1,201 @@
+"""Attention over a paged KV cache: per-step metadata and the torch reference backend.
+
+The KV cache of a layer is a flat tensor of slots ``[num_blocks * block_size, kv_heads,
+head_dim]``; a token at position ``p`` of a sequence lives in slot
+``block_ids[p // block_size] * block_size + p % block_size``.
+
+``build_metadata`` runs once per step, on the host, and computes every index
+and mask the layers need (slots to write, slots to gather, masks per window
+size), so the layer loop does no Python bookkeeping. A faster backend (Triton,
+GPU) only has to implement ``AttentionBackend.forward`` over the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, as the runner knows it on the host."""
+
+    block_ids: Sequence[int]
+    start: int  # first position computed this step (tokens before it are in the cache)
+    num_tokens: int  # positions start .. start + num_tokens - 1
+    row: int  # index of its first token in the flattened batch
+
+
+@dataclass
+class KVView:
+    """Which keys a group of queries reads, for one window size."""
+
+    gather: Optional[torch.Tensor]  # [B, Lk] cache slots; None: the step's own fresh k/v rows
+    mask: Optional[torch.Tensor]  # [B, 1, Q, Lk] bool, True = attend; None: see ``causal``
+    causal: bool  # no mask: plain causal (Q == Lk) or nothing to mask (a lone decode)
+
+
+@dataclass
+class AttentionGroup:
+    """Queries attended in one SDPA call: one prefill chunk, or every decode token."""
+
+    rows: Union[slice, torch.Tensor]  # rows of the flattened batch
+    batch: int
+    q_len: int
+    views: dict[Optional[int], KVView]  # by window size (None = full attention)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    groups: list[AttentionGroup]
+    num_tokens: int
+    covers_all_rows: bool  # a single group holding every row, in order
+
+
+def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
+                   windows: Sequence[Optional[int]], device: torch.device,
+                   pad_slot: int) -> AttentionMetadata:
+    """``pad_slot``: a slot that always holds zeros, read by the padding of batched decodes
+    (masked out, but it must not hold NaN garbage, since 0 * NaN is NaN)."""
+    windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    slots: list[torch.Tensor] = []
+    groups: list[AttentionGroup] = []
+    decodes: list[ScheduledSeq] = []
+    for seq in seqs:
+        table = torch.tensor(seq.block_ids, dtype=torch.long)
+        positions = torch.arange(seq.start, seq.start + seq.num_tokens)
+        slots.append(_slots(table, positions, block_size))
+        if seq.num_tokens == 1:
+            decodes.append(seq)
+        else:
+            groups.append(_prefill_group(seq, table, block_size, windows, device))
+    if decodes:
+        groups.append(_decode_group(decodes, block_size, windows, device, pad_slot))
+    num_tokens = sum(s.num_tokens for s in seqs)
+    only = groups[0].rows if len(groups) == 1 else None
+    covers_all = isinstance(only, slice) and only.start == 0 and only.stop == num_tokens
+    slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+    return AttentionMetadata(slot_mapping.to(device), groups, num_tokens, covers_all)
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _prefill_group(seq: ScheduledSeq, table: torch.Tensor, block_size: int,
+                   windows: Sequence[Optional[int]], device: torch.device) -> AttentionGroup:
+    n, end = seq.num_tokens, seq.start + seq.num_tokens
+    q_pos = torch.arange(seq.start, end)
+    views = {}
+    for window in windows:
+        lo = 0 if window is None else max(0, seq.start - window + 1)
+        if seq.start == 0 and (window is None or n <= window):
+            views[window] = KVView(None, None, True)  # fresh rows, plain causal
+            continue
+        kv_pos = torch.arange(lo, end)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - window
+        gather = None if seq.start == 0 else _slots(table, kv_pos, block_size)[None].to(device)
+        views[window] = KVView(gather, mask[None, None].to(device), False)
+    return AttentionGroup(slice(seq.row, seq.row + n), 1, n, views)
+
+
+def _decode_group(seqs: Sequence[ScheduledSeq], block_size: int,
+                  windows: Sequence[Optional[int]], device: torch.device,
+                  pad_slot: int) -> AttentionGroup:
+    # Each decode token attends to the last min(len, window) positions of its sequence;
+    # sequences are padded to the longest and the padding is masked out.
+    lengths = torch.tensor([s.start + 1 for s in seqs])
+    width = max(len(s.block_ids) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+    views = {}
+    for window in windows:
+        counts = lengths if window is None else lengths.clamp(max=window)
+        lk = int(counts.max())
+        offs = torch.arange(lk)[None, :]
+        kv_pos = lengths[:, None] - counts[:, None] + offs
+        valid = offs < counts[:, None]
+        kv_pos = torch.where(valid, kv_pos, 0)
+        gather = tables.gather(1, kv_pos // block_size) * block_size + kv_pos % block_size
+        gather = torch.where(valid, gather, pad_slot)
+        uniform = bool((counts == lk).all())
+        mask = None if uniform else valid[:, None, None, :].to(device)
+        views[window] = KVView(gather.to(device), mask, uniform)
+    return AttentionGroup(_rows([s.row for s in seqs], device), len(seqs), 1, views)
+
+
+def _rows(rows: list[int], device: torch.device) -> Union[slice, torch.Tensor]:
+    """A slice when the rows are consecutive (no gather/scatter copy), else an index."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first."""
+
+
+class TorchAttention:
+    """Reference backend: gather each group's K/V from the cache, then SDPA (GQA-aware)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = None if meta.covers_all_rows else torch.empty_like(q)
+        for group in meta.groups:
+            view = group.views[window]
+            qg = _take(q, group.rows).view(group.batch, group.q_len, *q.shape[1:]).transpose(1, 2)
+            if view.gather is None:
+                kg, vg = _take(k, group.rows).unsqueeze(0), _take(v, group.rows).unsqueeze(0)
+            else:  # index_select on the flat index: far cheaper than advanced indexing
+                shape = (*view.gather.shape, *k.shape[1:])
+                flat = view.gather.view(-1)
+                kg = k_cache.index_select(0, flat).view(shape)
+                vg = v_cache.index_select(0, flat).view(shape)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, Lk, D]
+            causal = view.causal and group.q_len > 1
+            if softcap is None:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=view.mask,
+                                                    is_causal=causal, scale=scale, enable_gqa=True)
+            else:
+                og = _softcapped_attention(qg, kg, vg, view.mask, causal, scale, softcap)
+            og = og.transpose(1, 2).reshape(-1, *q.shape[1:])
+            if out is None:
+                return og
+            if isinstance(group.rows, slice):
+                out[group.rows] = og
+            else:
+                out.index_copy_(0, group.rows, og)
+        return out
+
+
+def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: Optional[torch.Tensor], causal: bool, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """tanh-capped scores (Gemma 2 style), which SDPA cannot express."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)

@@ -1,0 +1,22 @@
+"""RMSNorm, computed in float32 whatever the model dtype (as the reference models do)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``. Gemma's ``(1 + w)`` form is folded into ``weight`` at load."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        # Norm weights stay float32: they are tiny and bf16 would round Gemma's 1 + w.
+        self.weight = nn.Parameter(torch.ones(dim, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps).to(x.dtype)

@@ -1,0 +1,27 @@
+"""Random weights from config.json alone (``load_format="dummy"``), for benchmarks and tests."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.base import CausalLM
+
+DUMMY_STD = 0.02  # small, so activations and logits stay in a sane range
+
+
+def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> None:
+    """Deterministic in ``seed``: drawn on the CPU in a fixed order, then copied to the device."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, target in sorted(model.weight_targets().items()):
+            shape = target.shape
+            if name.endswith("norm.weight"):  # identity norms (Gemma stores w of 1 + w)
+                value = torch.zeros(shape) if target.transform is not None else torch.ones(shape)
+            elif name.endswith(".bias"):
+                value = torch.zeros(shape)
+            else:
+                value = torch.randn(shape, generator=gen) * std
+            if target.transform is not None:
+                value = target.transform(value)
+            dest = target.param if target.rows is None else target.param[target.rows]
+            dest.copy_(value)

@@ -1,0 +1,99 @@
+"""ArchConfig: one normalized description of a decoder-only transformer.
+
+Each family module turns a checkpoint's ``hf_config`` into an ``ArchConfig``,
+filling missing keys exactly as the matching transformers config class does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pocketllm.errors import CheckpointError
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attn_scale: float
+    layer_windows: list[Optional[int]]  # per layer: sliding window size, None = full attention
+    layer_rope: list[str]  # per layer: key into ``rope``
+    rope: dict[str, dict] = field(default_factory=dict)  # HF-style rope parameters per kind
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    embed_scale: Optional[float] = None
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"config: {name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"config: num_attention_heads={self.num_heads} is not a multiple "
+                                  f"of num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise CheckpointError(f"config: head_dim={self.head_dim} must be even for rotary")
+        if len(self.layer_windows) != self.num_layers or len(self.layer_rope) != self.num_layers:
+            raise CheckpointError(f"config: layer_types has {len(self.layer_windows)} entries, "
+                                  f"expected num_hidden_layers={self.num_layers}")
+
+
+def get(hf: dict, key: str, default: Any) -> Any:
+    """hf[key], or ``default`` when the key is missing or null (as HF config defaults do)."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def as_int(hf: dict, key: str, default: Any) -> int:
+    value = get(hf, key, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"config: {key}={value!r} is not an integer") from None
+
+
+def layer_kinds(hf: dict, num_layers: int, default: list[str]) -> list[str]:
+    kinds = hf.get("layer_types") or default
+    bad = [k for k in kinds if k not in (FULL, SLIDING)]
+    if bad:
+        raise CheckpointError(f"config: unsupported layer_types {sorted(set(bad))}")
+    if len(kinds) != num_layers:
+        raise CheckpointError(f"config: layer_types has {len(kinds)} entries, "
+                              f"expected num_hidden_layers={num_layers}")
+    return list(kinds)
+
+
+def rope_params(hf: dict, kind: Optional[str], default_theta: float,
+                theta_key: str = "rope_theta", use_scaling: bool = True) -> dict:
+    """HF rope parameters for one layer kind, from either config layout.
+
+    transformers 5 writes ``rope_parameters`` (flat, or nested per layer kind);
+    older checkpoints write ``rope_theta`` (+ ``rope_local_base_freq``) and ``rope_scaling``.
+    """
+    new = hf.get("rope_parameters")
+    if isinstance(new, dict) and new:
+        nested = set(new) <= {FULL, SLIDING}
+        params = dict((new.get(kind) if nested else new) or {})
+    else:
+        params = dict(hf.get("rope_scaling") or {}) if use_scaling else {}
+    params.setdefault("rope_theta", get(hf, theta_key, default_theta))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params

@@ -1,0 +1,46 @@
+"""The one model registry: checkpoint architecture -> model class and config parser."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.model_info import ModelInfo
+
+from ..layers.attention import AttentionBackend
+from .base import CausalLM
+from .config import ArchConfig
+from .gemma3 import Gemma3ForCausalLM, gemma3_arch_config
+from .llama import LlamaForCausalLM, llama_arch_config
+
+ConfigParser = Callable[[dict, str], ArchConfig]
+
+MODELS: dict[str, tuple[type[CausalLM], ConfigParser]] = {
+    "LlamaForCausalLM": (LlamaForCausalLM, llama_arch_config),
+    "MistralForCausalLM": (LlamaForCausalLM, llama_arch_config),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, llama_arch_config),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, llama_arch_config),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, gemma3_arch_config),
+    "Gemma3ForConditionalGeneration": (Gemma3ForCausalLM, gemma3_arch_config),
+}
+
+
+def arch_config(info: ModelInfo) -> ArchConfig:
+    if info.architecture not in MODELS:
+        raise UnsupportedFeatureError(
+            f"architecture {info.architecture!r} has no model here; "
+            f"supported: {', '.join(sorted(MODELS))}")
+    _cls, parse = MODELS[info.architecture]
+    cfg = parse(info.hf_config, info.architecture)
+    cfg.validate()
+    return cfg
+
+
+def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
+                dtype: torch.dtype) -> CausalLM:
+    """An uninitialised model of the checkpoint's architecture (weights come from a loader)."""
+    cfg = arch_config(info)
+    cls, _parse = MODELS[info.architecture]
+    return cls(cfg, backend, device, dtype)

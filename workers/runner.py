@@ -1,0 +1,170 @@
+"""ModelRunner: the worker's data plane. Loads weights, owns the paged KV cache,
+runs one flattened forward per StepPlan and samples.
+
+The runner never appends the tokens it samples: the next plan's
+``new_token_ids`` carries them, so every rank holds the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.model_info import ModelInfo
+from pocketllm.proto.messages import (SamplingSpec, StepPlan, StepResult, TokenLogprobs,
+                                      WorkerCapabilities)
+
+from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
+                     kv_bytes_per_block, num_kv_blocks)
+from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
+from .layers.sampler import Sampler
+from .loader import load_model_weights
+from .models.registry import build_model
+
+logger = logging.getLogger("pocketllm.worker")
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    block_ids: list[int]
+    sampling: SamplingSpec
+
+
+class StepError(RuntimeError):
+    """A plan this runner cannot execute (unknown request, out-of-range blocks...)."""
+
+
+class ModelRunner:
+    def __init__(self, info: ModelInfo, args: EngineArgs, rank: int = 0, world_size: int = 1):
+        if world_size != 1 or rank != 0:
+            raise UnsupportedFeatureError("tensor parallelism is not implemented in the worker yet")
+        started = time.perf_counter()
+        self.info, self.args, self.rank, self.world_size = info, args, rank, world_size
+        self.device = choose_device(args)
+        self.dtype = choose_dtype(args, self.device)
+        if self.device.type == "cpu":
+            configure_cpu_threads()
+        self.backend = TorchAttention()
+        with torch.inference_mode():
+            self.model = build_model(info, self.backend, self.device, self.dtype)
+            load_model_weights(self.model, info, args)
+        self.model.eval()
+        cfg = self.model.cfg
+        self.block_size = args.block_size
+        self.max_model_len = info.max_model_len
+        per_block = kv_bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+                                       cfg.head_dim, self.dtype)
+        self.num_kv_blocks = num_kv_blocks(args, self.max_model_len, per_block, self.device)
+        # One extra block past the end stays zero: padding of batched decodes reads it.
+        slots = (self.num_kv_blocks + 1) * self.block_size
+        self.pad_slot = self.num_kv_blocks * self.block_size
+        self.kv = torch.empty(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim,
+                              device=self.device, dtype=self.dtype)
+        self.kv[:, :, self.pad_slot:].zero_()
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
+        self.sampler = Sampler(args.seed)
+        self.requests: dict[str, _RequestState] = {}
+        self.load_seconds = time.perf_counter() - started
+        logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
+                    self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
+                    self.load_seconds)
+
+    def capabilities(self) -> WorkerCapabilities:
+        return WorkerCapabilities(
+            device=str(self.device), dtype=dtype_name(self.dtype),
+            architecture=self.info.architecture, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.args.max_num_seqs,
+            max_model_len=self.max_model_len, vocab_size=self.model.cfg.vocab_size,
+            tensor_parallel_size=self.world_size,
+            chunked_prefill=self.args.enable_chunked_prefill,
+            prefix_caching=self.args.enable_prefix_caching,
+            max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3))
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Never raises: a failure comes back as ``StepResult.error``."""
+        try:
+            with torch.inference_mode():
+                return self._execute(plan)
+        except Exception as e:  # the worker process must outlive a bad step
+            logger.exception("step %s failed", plan.step_id)
+            return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ internals
+
+    def _update_states(self, plan: StepPlan) -> list[tuple[str, _RequestState, int]]:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        entries = []
+        for new in plan.new_requests:  # new, or back after preemption: replaces any old state
+            self._check_blocks(new.request_id, new.block_ids)
+            state = _RequestState(list(new.token_ids), list(new.block_ids), new.sampling)
+            self.requests[new.request_id] = state
+            entries.append((new.request_id, state, new.num_computed_tokens))
+        for cached in plan.cached_requests:
+            state = self.requests.get(cached.request_id)
+            if state is None:
+                raise StepError(f"request {cached.request_id!r} is not known to this worker")
+            self._check_blocks(cached.request_id, cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            entries.append((cached.request_id, state, cached.num_computed_tokens))
+        if len(plan.num_scheduled_tokens) != len(entries):
+            raise StepError(f"num_scheduled_tokens has {len(plan.num_scheduled_tokens)} entries "
+                            f"for {len(entries)} requests")
+        return entries
+
+    def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
+        if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_kv_blocks):
+            raise StepError(f"request {rid!r}: block ids outside [0, {self.num_kv_blocks})")
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        entries = self._update_states(plan)
+        seqs: list[ScheduledSeq] = []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[tuple[str, _RequestState]] = []
+        for (rid, state, start), n in zip(entries, plan.num_scheduled_tokens):
+            if n == 0:
+                continue
+            end = start + n
+            if start < 0 or n < 0 or end > len(state.token_ids):
+                raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
+                                f"{len(state.token_ids)} known")
+            if end > len(state.block_ids) * self.block_size:
+                raise StepError(f"request {rid!r}: {end} tokens need more than its "
+                                f"{len(state.block_ids)} blocks")
+            seqs.append(ScheduledSeq(state.block_ids, start, n, len(input_ids)))
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append((rid, state))
+        if not seqs:
+            return StepResult(step_id=plan.step_id)
+        meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, max(positions), meta, self.kv_caches)
+        if not sample_rows:
+            return StepResult(step_id=plan.step_id)
+        if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
+            hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
+        else:
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, device=self.device))
+        logits = self.model.compute_logits(hidden)
+        specs = [state.sampling for _rid, state in samplers]
+        out = self.sampler(logits, specs, [len(state.token_ids) for _rid, state in samplers])
+        logprobs: list[Optional[TokenLogprobs]] = out.logprobs
+        return StepResult(step_id=plan.step_id, request_ids=[rid for rid, _state in samplers],
+                          token_ids=out.token_ids, logprobs=logprobs)
