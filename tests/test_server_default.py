@@ -60,7 +60,8 @@ def test_disconnect_frees_blocks_within_a_second(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
             "prompt": "Write a long essay about the ocean.", "max_tokens": 400,
             "ignore_eos": True, "stream": True}) as r:
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # keep the iterator alive: closing it would hang up early
+        for line in lines:
             if line.startswith("data: {"):
                 break
         deadline = time.monotonic() + 2

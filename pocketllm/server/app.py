@@ -177,7 +177,7 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
             return await group.respond(request)
         finally:
             state.groups.pop(rid, None)
-            group.abort_unfinished()
+            group.close()
     except PromptTooLongError as e:
         return R.error_response(400, str(e), param=e.param, code="context_length_exceeded")
     except InvalidRequestError as e:
@@ -197,6 +197,6 @@ async def cancel_request(request: web.Request) -> web.Response:
     if group is None or group.finished:
         return R.error_response(404, f"no active request {rid!r} (unknown or already finished)",
                                 code="not_found")
-    group.abort_unfinished()
+    group.cancel()
     return web.json_response({"id": rid, "object": "request.cancelled", "cancelled": True})
 

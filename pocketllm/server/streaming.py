@@ -51,10 +51,21 @@ class ChoiceGroup:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def abort_unfinished(self) -> None:
+    def cancel(self) -> None:
+        """Abort every running choice; their final deltas still reach this group."""
         live = [rid for rid, c in zip(self.ids, self.choices) if c.finish_reason is None]
         if live:
             self.client.abort(live)
+
+    def close(self) -> None:
+        """The exchange is over (done, timed out, or the client left): stop what still runs
+        and count it as aborted, since nobody will read its last delta."""
+        self.cancel()
+        now = time.monotonic()
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                c.timer.on_finish(now, "abort", c.prompt_tokens, c.completion_tokens)
 
     def _submit(self) -> None:
         loop = asyncio.get_running_loop()
