@@ -85,6 +85,15 @@ def test_bad_engine_args_fail_before_loading(tmp_path):
         LLM(EngineArgs(model=str(garbage)))
 
 
+@pytest.mark.parametrize("keep", [1 << 20, 200 << 20], ids=["in-header", "in-tensor-data"])
+def test_truncated_gguf_is_a_checkpoint_error(default_model_path, tmp_path, keep):
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        cut.write_bytes(f.read(keep))
+    with pytest.raises(CheckpointError):
+        LLM(EngineArgs(model=str(cut)))
+
+
 def test_unreadable_checkpoint(tiny_llama, tmp_path):
     if os.geteuid() == 0:
         pytest.skip("root can read a mode-000 file")

@@ -14,7 +14,7 @@ def main(ctx: StageContext) -> None:
     from .runner import ModelRunner  # torch is imported here, in the worker only
 
     runner = ModelRunner(ctx.info, ctx.args, rank=rank,
-                         world_size=ctx.args.tensor_parallel_size)
+                         world_size=ctx.args.tensor_parallel_size, show_progress=rank == 0)
     to_scheduler.send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
     ctx.ready(info={"rank": rank})
     decoder = codec.decoder_for("worker")

@@ -44,7 +44,8 @@ class StepError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, info: ModelInfo, args: EngineArgs, rank: int = 0, world_size: int = 1):
+    def __init__(self, info: ModelInfo, args: EngineArgs, rank: int = 0, world_size: int = 1,
+                 show_progress: bool = False):
         if world_size != 1 or rank != 0:
             raise UnsupportedFeatureError("tensor parallelism is not implemented in the worker yet")
         started = time.perf_counter()
@@ -56,7 +57,7 @@ class ModelRunner:
         self.backend = TorchAttention()
         with torch.inference_mode():
             self.model = build_model(info, self.backend, self.device, self.dtype)
-            load_model_weights(self.model, info, args)
+            load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
         cfg = self.model.cfg
         self.block_size = args.block_size

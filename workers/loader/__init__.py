@@ -9,8 +9,17 @@ from pocketllm.model_info import ModelInfo
 from ..models.base import CausalLM
 
 
-def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs) -> None:
+def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs,
+                       show_progress: bool = False) -> None:
     fmt = "dummy" if args.load_format == "dummy" else info.format
+
+    def tracked(tensors):
+        if not show_progress:
+            return tensors
+        from .progress import with_progress
+
+        return with_progress(tensors, len(model.weight_targets()))
+
     if fmt == "dummy":
         from .dummy import init_dummy_weights
 
@@ -18,10 +27,10 @@ def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs) -> No
     elif fmt == "safetensors":
         from .safetensors import load_safetensors_weights
 
-        model.load_weights(load_safetensors_weights(info.path))
+        model.load_weights(tracked(load_safetensors_weights(info.path)))
     elif fmt == "gguf":
         from .gguf import load_gguf_weights  # written alongside; dequantizes to float32
 
-        model.load_weights(load_gguf_weights(info.path, info))
+        model.load_weights(tracked(load_gguf_weights(info.path, info)))
     else:
         raise CheckpointError(f"unknown checkpoint format {fmt!r}")
