@@ -39,7 +39,11 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    startup_timeout: float = 300.0
+    startup_timeout: float = 300.0  # seconds for every process to report ready
+    shutdown_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL (and the HTTP drain)
+    rendezvous_dir: Optional[str] = None  # parent of the private run directory (never removed)
+    master_addr: str = "127.0.0.1"  # torch.distributed rendezvous for tensor-parallel ranks
+    master_port: int = 0  # 0: a free port chosen at startup
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,11 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
+        for name in ("startup_timeout", "shutdown_timeout"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive", name)
+        if not 0 <= self.master_port < 65536:
+            raise InvalidRequestError("master_port must be in 0..65535", "master_port")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be a positive integer", "num_kv_blocks")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

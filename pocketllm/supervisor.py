@@ -32,7 +32,10 @@ class Supervisor:
         self.args = args
         self.info = info
         self.on_death = on_death
-        self.run_dir = tempfile.mkdtemp(prefix="pocketllm-")  # mode 0700
+        if args.rendezvous_dir is not None and not os.path.isdir(args.rendezvous_dir):
+            raise EngineStartupError(f"rendezvous directory {args.rendezvous_dir!r} does not exist")
+        # A fresh private directory (mode 0700), inside the caller's parent if one was given.
+        self.run_dir = tempfile.mkdtemp(prefix="pocketllm-", dir=args.rendezvous_dir)
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, StageReady] = {}
         self._stopping = threading.Event()
@@ -123,10 +126,10 @@ class Supervisor:
 
     # ---------------------------------------------------------------- stop
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop and reap every process (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
         with self._shutdown_lock:
-            self._shutdown(timeout)
+            self._shutdown(self.args.shutdown_timeout if timeout is None else timeout)
 
     def _shutdown(self, timeout: float) -> None:
         self._stopping.set()

@@ -31,6 +31,7 @@ class ServerState:
     api_key: Optional[str] = None
     request_timeout: Optional[float] = None
     client: Optional[EngineClient] = None  # None until the engine is ready
+    draining: bool = False  # SIGTERM received: finish what runs, accept nothing new
     metrics: Metrics = field(default_factory=Metrics)
     groups: dict[str, ChoiceGroup] = field(default_factory=dict)  # active, by request id
 
@@ -96,6 +97,8 @@ async def ready(request: web.Request) -> web.Response:
     client = _engine(request)
     if client is None:
         return web.json_response({"status": "loading"}, status=503)
+    if request.app[STATE].draining:
+        return web.json_response({"status": "draining"}, status=503)
     if not client.supervisor.alive():
         return web.json_response({"status": "dead"}, status=503)
     return web.json_response({"status": "ready"})
@@ -169,6 +172,9 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
         if client is None:
             return R.error_response(503, "the model is still loading; retry when /ready says 200",
                                     "service_unavailable", code="loading")
+        if state.draining:
+            return R.error_response(503, "the server is shutting down", "service_unavailable",
+                                    code="shutting_down")
         if rid in state.groups:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
         group = ChoiceGroup(state, client, parsed, kind, rid)

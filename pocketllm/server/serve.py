@@ -27,7 +27,6 @@ class ServeOptions:
     api_key: Optional[str] = None
     request_timeout: Optional[float] = None
     max_body_bytes: int = 8 << 20
-    shutdown_timeout: float = 10.0
 
 
 def default_model_name(args: EngineArgs) -> str:
@@ -50,7 +49,7 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     state = ServerState(model_name=opts.served_model_name or default_model_name(args),
                         api_key=opts.api_key, request_timeout=opts.request_timeout)
     runner = web.AppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=opts.shutdown_timeout)
+                           access_log=None, shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port)
     await site.start()
@@ -91,6 +90,13 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
             await asyncio.wait_for(asyncio.shield(stopper), 0.5)
         except asyncio.TimeoutError:
             pass
+    if exit_code == 0 and state.groups:  # drain: let in-flight requests finish
+        state.draining = True
+        log.info("draining %d in-flight request(s), up to %.0f s", len(state.groups),
+                 args.shutdown_timeout)
+        deadline = loop.time() + args.shutdown_timeout
+        while state.groups and loop.time() < deadline:
+            await asyncio.sleep(0.05)
     log.info("shutting down")
     await runner.cleanup()
     await asyncio.to_thread(state.client.close)

@@ -1,0 +1,94 @@
+"""`pocketllm serve` as a process group: drain on SIGTERM, reaping on death, timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server_process import ServerProcess, free_port
+
+
+def group_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def assert_gone(procs: list[psutil.Process], timeout: float = 15) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, f"left behind: {alive}"
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama, tmp_path):
+    srv = ServerProcess("--model", tiny_llama, "--max-model-len", "4096",
+                        "--tensor-parallel-rendezvous-dir", str(tmp_path))
+    children = group_of(srv.proc)
+    run_dirs = [p for p in os.listdir(tmp_path) if p.startswith("pocketllm-")]
+    assert len(run_dirs) == 1
+    assert stat.S_IMODE(os.stat(tmp_path / run_dirs[0]).st_mode) == 0o700
+    finish, text = [], []
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "prompt": "drain", "max_tokens": 3000, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        text.append(chunk["choices"][0]["text"])
+                        finish.append(chunk["choices"][0]["finish_reason"])
+                    else:
+                        finish.append(chunk["usage"]["completion_tokens"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while not text:
+        time.sleep(0.01)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "late"}, timeout=10)
+    assert refused.status_code == 503
+    t.join(60)
+    assert finish[-2:] == ["length", 3000]  # the in-flight request ran to its end
+    assert srv.proc.wait(30) == 0
+    assert_gone(children)
+    assert tmp_path.exists() and not os.listdir(tmp_path)  # the caller's parent survives
+
+
+def test_killed_worker_takes_the_server_down_nonzero(tiny_llama):
+    srv = ServerProcess("--model", tiny_llama, "--tensor-parallel-shutdown-timeout", "3")
+    children = group_of(srv.proc)
+    worker = next(p for p in children if "pocketllm.workers" in " ".join(p.cmdline()))
+    worker.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert srv.proc.wait(30) == 1
+    assert time.monotonic() - t0 < 10
+    assert_gone(children)
+
+
+def test_startup_timeout_exits_nonzero(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
+                             "--port", str(port), "--tensor-parallel-startup-timeout", "0.2"])
+    try:
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_tensor_parallel_above_one_refused_clearly(tiny_llama):
+    out = subprocess.run([sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
+                          "--tensor-parallel-size", "2"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "tensor_parallel_size=2 is not supported" in out.stderr
