@@ -1,0 +1,47 @@
+"""Hermes-style calls, as Qwen3's (and Qwen2.5's) template asks for them:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+The body is one JSON object with exactly the keys "name" (a non-empty string)
+and "arguments" (an object). Its arguments are JSON already, so they are passed
+through as given (re-serialized compactly), not re-typed against the schema.
+Anything else inside the tags (extra keys, arguments as a string, trailing
+text, NaN) is a malformed call, which fails the whole parse (see base.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .base import (CALL_CLOSE, JSON_DECODER, HeldCallStream, IdFactory, MalformedCall,
+                   ParsedToolCalls, ToolSchemas, expect, new_call_id, parse_framed,
+                   skip_whitespace)
+
+
+def read_hermes_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, dict, int]:
+    pos = skip_whitespace(text, pos)
+    try:
+        body, pos = JSON_DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError) as e:
+        raise MalformedCall(f"not a JSON object: {e}") from e
+    if not isinstance(body, dict) or set(body) != {"name", "arguments"}:
+        raise MalformedCall('a call is {"name": ..., "arguments": {...}}')
+    name, arguments = body["name"], body["arguments"]
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        raise MalformedCall("name must be a non-empty string and arguments an object")
+    return name, arguments, expect(text, skip_whitespace(text, pos), CALL_CLOSE)
+
+
+class HermesToolParser:
+    name = "hermes"
+
+    def __init__(self, id_factory: IdFactory = new_call_id):
+        self._new_id = id_factory
+
+    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
+        return parse_framed(text, tools, read_hermes_call, self._new_id)
+
+    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
+        return HeldCallStream(self, tools)
