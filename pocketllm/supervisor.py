@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,12 @@ from .proto import PROTOCOL_VERSION, codec, endpoints
 from .proto.messages import StageFailed, StageReady
 
 log = logging.getLogger("pocketllm.supervisor")
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
 
 class Supervisor:
@@ -55,13 +62,16 @@ class Supervisor:
     def start(self, timeout: Optional[float] = None) -> None:
         """Start every stage and wait for each to report ready; on failure reap all and raise."""
         world = self.args.tensor_parallel_size
+        # torch.distributed rendezvous of the ranks (only used when world > 1).
+        dist_env = {"MASTER_ADDR": self.args.master_addr,
+                    "MASTER_PORT": str(self.args.master_port or _free_port(self.args.master_addr))}
         try:
             self._spawn("tokenizer", "pocketllm.tokenizer")
             self._spawn("detokenizer", "pocketllm.detokenizer")
             self._spawn("scheduler", "pocketllm.scheduler")
             for rank in range(world):
                 rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                            "TP_RANK": str(rank), "TP_WORLD": str(world)}
+                            "TP_RANK": str(rank), "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
             self._await_ready(timeout or self.args.startup_timeout)
         except BaseException:
