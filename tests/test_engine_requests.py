@@ -198,6 +198,17 @@ def test_chat_uses_checkpoint_template(llm_tiny):
         llm_tiny.chat([{"role": "user", "content": "x"}], tools=[{"type": "function"}])
 
 
+def test_chat_does_not_mutate_the_callers_messages(llm_tiny):
+    import copy
+
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]}]
+    before = copy.deepcopy(messages)
+    llm_tiny.chat(messages, SamplingParams(max_tokens=2))
+    assert messages == before
+
+
 def test_async_llm_mirrors_sync(tiny_llama, llm_tiny):
     expected = llm_tiny.generate("async hello", GREEDY)[0]
 
