@@ -33,6 +33,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-startup-timeout", type=float, default=300.0,
+                   help="seconds for every process to load and report ready")
+    g.add_argument("--tensor-parallel-shutdown-timeout", type=float, default=10.0,
+                   help="seconds to drain and stop before SIGKILL")
+    g.add_argument("--tensor-parallel-master-addr", default="127.0.0.1")
+    g.add_argument("--tensor-parallel-master-port", type=int, default=0)
+    g.add_argument("--tensor-parallel-rendezvous-dir", default=None,
+                   help="parent directory for the private run directory (never removed)")
     g.add_argument("--backend-options", type=json.loads, default=None,
                    help="JSON object of backend-specific options")
 
@@ -47,6 +55,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
+        startup_timeout=ns.tensor_parallel_startup_timeout,
+        shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
+        master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
+        rendezvous_dir=ns.tensor_parallel_rendezvous_dir,
         backend_options=ns.backend_options or {})
 
 
@@ -98,6 +110,24 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from .bench.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(
+        url=ns.url, endpoint=ns.endpoint, concurrency=ns.concurrency,
+        request_rate=ns.request_rate, num_requests=ns.num_requests, input_len=ns.input_len,
+        output_len=ns.output_len, seed=ns.seed,
+        api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"), model=ns.model,
+        timeout=ns.timeout)
+    result = run_serve_bench(cfg)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=2)
+        print(f"wrote {ns.json}", file=sys.stderr)
+    print(result.table())
+    return 0 if result.summary()["completed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +164,27 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--warmup", type=int, default=1)
     lat.add_argument("--peer", default=None, help="transformers: run it on the same checkpoint")
     lat.set_defaults(func=cmd_bench_latency)
+
+    bs = bench.add_parser("serve", help="load a RUNNING server with streaming requests: "
+                          "TTFT, ITL, E2E percentiles and throughput")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server's root URL")
+    bs.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
+    loop = bs.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: requests in flight (default 8)")
+    loop.add_argument("--request-rate", type=float, default=None,
+                      help="open loop: Poisson arrivals at this many requests/s")
+    bs.add_argument("--num-requests", type=int, default=100)
+    bs.add_argument("--input-len", type=int, default=128,
+                    help="prompt length in random words (about one token each)")
+    bs.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
+    bs.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    bs.add_argument("--api-key", default=None, help="(or POCKETLLM_API_KEY)")
+    bs.add_argument("--model", default=None,
+                    help="the model field to send (default: the first of GET /v1/models)")
+    bs.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    bs.add_argument("--json", default=None, metavar="FILE", help="write every figure here")
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 
