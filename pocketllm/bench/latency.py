@@ -35,6 +35,9 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
     load_s = time.perf_counter() - t0
     try:
         sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        if prompt_ids is None and llm.model_info.tokenizer_path is None:
+            # dummy weights without a vocabulary: a fixed run of token ids
+            prompt_ids = [(7 * i + 11) % llm.model_info.vocab_size for i in range(32)]
         target = prompt_ids if prompt_ids is not None else prompt
         ttfts, tps = [], []
         for i in range(warmup + runs):

@@ -37,6 +37,13 @@ class TokenizerStage:
 
     def _tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         sampling = req.sampling
+        if self.loaded.placeholder and (req.prompt is not None or req.messages is not None):
+            raise InvalidRequestError(
+                "this checkpoint has no tokenizer (dummy weights from a bare config.json): "
+                "send prompts as token ids, or pass a tokenizer", "prompt")
+        if self.loaded.placeholder and sampling.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none",
+                                      "stop")
         if req.messages is not None:
             opts = dict(req.chat_options)
             add_gen = opts.pop("add_generation_prompt", True)

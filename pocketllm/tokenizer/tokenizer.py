@@ -13,32 +13,38 @@ from ..model_info import ModelInfo
 class LoadedTokenizer:
     tokenizer: "tokenizers.Tokenizer"  # noqa: F821
     special_tokens: dict[str, str]  # bos_token / eos_token as chat templates expect them
+    placeholder: bool = False  # dummy weights without a vocabulary: token i reads "<i>"
 
     def token_id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self.tokenizer.token_to_id(token)
 
 
 def load_tokenizer(info: ModelInfo) -> LoadedTokenizer:
-    if info.format == "gguf":
+    path = info.tokenizer_path
+    if path is None:
+        if info.format == "dummy":
+            return LoadedTokenizer(placeholder_tokenizer(info.vocab_size), {}, placeholder=True)
+        raise CheckpointError(f"{info.path!r} has no tokenizer.json; PocketLLM reads the "
+                              "fast-tokenizer format (save it with a recent transformers), or "
+                              "pass --tokenizer")
+    if path.endswith(".gguf"):
+        from ..gguf_meta import read_gguf_metadata
         from .gguf_vocab import tokenizer_from_gguf
 
-        tok = tokenizer_from_gguf(info.tokenizer_path)
+        tok = tokenizer_from_gguf(path)
+        meta = read_gguf_metadata(path)
         specials = {}
         for name, key in (("bos_token", "tokenizer.ggml.bos_token_id"),
                           ("eos_token", "tokenizer.ggml.eos_token_id")):
-            tid = info.tokenizer_config.get(key)
-            if tid is not None:
-                specials[name] = tok.id_to_token(int(tid))
+            if meta.get(key) is not None:
+                specials[name] = tok.id_to_token(int(meta[key]))
         return LoadedTokenizer(tok, specials)
-    if not info.tokenizer_path:
-        raise CheckpointError(f"{info.path!r} has no tokenizer.json; PocketLLM reads the "
-                              "fast-tokenizer format (save it with a recent transformers)")
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(info.tokenizer_path)
+        tok = Tokenizer.from_file(path)
     except Exception as e:
-        raise CheckpointError(f"cannot load {info.tokenizer_path!r}: {e}") from None
+        raise CheckpointError(f"cannot load {path!r}: {e}") from None
     specials = {}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = info.tokenizer_config.get(name)
@@ -47,3 +53,15 @@ def load_tokenizer(info: ModelInfo) -> LoadedTokenizer:
         if isinstance(value, str):
             specials[name] = value
     return LoadedTokenizer(tok, specials)
+
+
+def placeholder_tokenizer(vocab_size: int) -> "tokenizers.Tokenizer":  # noqa: F821
+    """For random weights from a bare config.json (benchmarks): every id decodes to the
+    visible ``<id>`` and text prompts are refused by the tokenizer stage, so nothing
+    pretends the output is language."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.decoder = decoders.Fuse()
+    return tok
