@@ -68,9 +68,19 @@ def default_model_path() -> str:
     return str(embedded.assemble())
 
 
+def shipped_config_dir(name: str) -> Optional[str]:
+    """A model shape shipped with PocketLLM (``pocketllm/configs/<name>/config.json``)."""
+    from importlib import resources
+
+    candidate = resources.files("pocketllm").joinpath("configs", name, "config.json")
+    return os.path.dirname(str(candidate)) if candidate.is_file() else None
+
+
 def load_model_info(args: EngineArgs) -> ModelInfo:
     path = args.model or default_model_path()
     path = os.path.expanduser(path)
+    if not os.path.exists(path) and args.load_format == "dummy" and shipped_config_dir(path):
+        path = shipped_config_dir(path)  # e.g. --model llama-3-8b --load-format dummy
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint not found: {path!r}")
     if not os.access(path, os.R_OK):
@@ -82,10 +92,26 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
         info = _gguf_info(path)
     else:
         info = _hf_dir_info(path, fmt)
+    if args.tokenizer is not None:
+        _use_tokenizer(info, os.path.expanduser(args.tokenizer))
     info.eos_token_ids, info.eos_source = resolve_eos(args, info)
     if args.max_model_len is not None:
         info.max_model_len = args.max_model_len
     return info
+
+
+def _use_tokenizer(info: ModelInfo, path: str) -> None:
+    """--tokenizer: a tokenizer.json, a directory holding one, or a .gguf vocabulary."""
+    if os.path.isdir(path):
+        tok_json = os.path.join(path, "tokenizer.json")
+        cfg = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            info.tokenizer_config = _read_json(cfg)
+            info.chat_template = info.tokenizer_config.get("chat_template", info.chat_template)
+        path = tok_json
+    if not os.path.isfile(path):
+        raise CheckpointError(f"tokenizer not found: {path!r}")
+    info.tokenizer_path = path
 
 
 # ------------------------------------------------------------------ HF directory
