@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import EngineArgs
 from ..sampling import SamplingParams
@@ -20,6 +20,7 @@ class LatencyResult:
     ttft_s: float  # median
     decode_tps: float  # median tokens/s after the first token
     runs: int
+    batched: dict = field(default_factory=dict)  # batch size -> output tokens/s
 
     def row(self) -> str:
         return (f"{self.name:<14} {self.load_s:>8.2f} {self.ttft_s * 1000:>10.1f} "
@@ -27,7 +28,8 @@ class LatencyResult:
 
 
 def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
-                  output_len: int, runs: int, warmup: int) -> tuple[LatencyResult, list[int]]:
+                  output_len: int, runs: int, warmup: int, batch_sizes: tuple[int, ...] = ()
+                  ) -> tuple[LatencyResult, list[int]]:
     from .. import LLM
 
     t0 = time.perf_counter()
@@ -53,10 +55,33 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
                 ttfts.append(first - start)
                 tps.append((n - 1) / (end - first))
         ids = _prompt_ids(llm, target)
+        batched = {b: batch_decode_tps(llm, ids, b, output_len, runs) for b in batch_sizes}
     finally:
         llm.shutdown()
-    return LatencyResult("pocketllm", load_s, statistics.median(ttfts),
-                         statistics.median(tps), runs), ids
+    result = LatencyResult("pocketllm", load_s, statistics.median(ttfts),
+                           statistics.median(tps), runs)
+    result.batched = batched
+    return result, ids
+
+
+def batch_decode_tps(llm, ids: list[int], batch: int, output_len: int, runs: int) -> float:
+    """Output tokens/s of ``batch`` sequences decoding together: the time of a full run
+    minus that of a prefill-only run. Each sequence's first token differs, so the prefix
+    cache cannot fold them into one."""
+    vocab = llm.model_info.vocab_size
+    prompts = [[(ids[0] + i) % vocab] + ids[1:] for i in range(batch)]
+    full = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rates = []
+    for _ in range(runs):
+        llm.generate(prompts, first)  # warm, and fills the prefix cache for both runs below
+        t0 = time.perf_counter()
+        llm.generate(prompts, first)
+        t1 = time.perf_counter()
+        llm.generate(prompts, full)
+        t2 = time.perf_counter()
+        rates.append(batch * (output_len - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+    return statistics.median(rates)
 
 
 def _prompt_ids(llm, target) -> list[int]:
@@ -72,6 +97,9 @@ def report(results: list[LatencyResult], output_len: int) -> str:
     lines = [f"decode of {output_len} tokens, batch 1, greedy; medians",
              f"{'engine':<14} {'load s':>8} {'TTFT ms':>10} {'decode tok/s':>12}"]
     lines += [r.row() for r in results]
+    for r in results:
+        for b, tps in r.batched.items():
+            lines.append(f"{r.name:<14} batch {b:>3}: {tps:>10.1f} output tok/s (decode)")
     if len(results) == 2 and results[1].decode_tps > 0:
         a, b = results
         lines.append(f"ratio {a.name}/{b.name}: decode {a.decode_tps / b.decode_tps:.2f}x, "
