@@ -8,10 +8,14 @@ head_dim]``; a token at position ``p`` of a sequence lives in slot
 and mask the layers need (slots to write, slots to gather, masks per window
 size), so the layer loop does no Python bookkeeping. A faster backend (Triton,
 GPU) only has to implement ``AttentionBackend.forward`` over the same metadata.
+With ``kernel_tables=True`` it holds, instead of the per-group gathers and masks,
+block tables and lengths as int32 tensors (``PagedSeqs``) that the Triton
+kernels read (``workers/kernels``).
 """
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, Union
 
@@ -49,18 +53,37 @@ class AttentionGroup:
 
 
 @dataclass
+class PagedSeqs:
+    """Sequences of one kind (decodes, or prefill chunks) as the Triton kernels read them."""
+
+    block_tables: torch.Tensor  # [B, W] int32; padded with block 0, never read past seq_lens
+    seq_lens: torch.Tensor  # [B] int32: cached tokens once this step's are written
+    q_start: torch.Tensor  # [B] int32: the sequence's first row in the flattened batch
+    q_lens: torch.Tensor  # [B] int32: its rows this step
+    max_seq_len: int  # host copies of the maxima: grid sizes without a device sync
+    max_q_len: int
+    lone_fresh_rows: Optional[slice] = None  # the rows of a lone sequence starting at 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # empty when built with kernel_tables=True
     num_tokens: int
     covers_all_rows: bool  # a single group holding every row, in order
+    block_size: int = 0
+    decode: Optional[PagedSeqs] = None  # kernel_tables=True: the one-token sequences
+    prefill: Optional[PagedSeqs] = None  # kernel_tables=True: the others
 
 
 def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
                    windows: Sequence[Optional[int]], device: torch.device,
-                   pad_slot: int) -> AttentionMetadata:
+                   pad_slot: int, kernel_tables: bool = False) -> AttentionMetadata:
     """``pad_slot``: a slot that always holds zeros, read by the padding of batched decodes
-    (masked out, but it must not hold NaN garbage, since 0 * NaN is NaN)."""
+    (masked out, but it must not hold NaN garbage, since 0 * NaN is NaN).
+    ``kernel_tables``: build the Triton kernels' tables instead of the torch groups."""
+    if kernel_tables:
+        return _kernel_metadata(seqs, block_size, device)
     windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
     slots: list[torch.Tensor] = []
     groups: list[AttentionGroup] = []
@@ -80,6 +103,55 @@ def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     covers_all = isinstance(only, slice) and only.start == 0 and only.stop == num_tokens
     slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
     return AttentionMetadata(slot_mapping.to(device), groups, num_tokens, covers_all)
+
+
+def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
+                     device: torch.device) -> AttentionMetadata:
+    """Every int the kernels need, packed on the host into one int32 buffer and sent
+    to the device in one copy (no per-sequence tensors, no masks)."""
+    flat: list[int] = []
+    for seq in seqs:  # slot mapping: one range per block touched, not one op per token
+        pos, end = seq.start, seq.start + seq.num_tokens
+        while pos < end:
+            block, offset = divmod(pos, block_size)
+            take = min(block_size - offset, end - pos)
+            base = seq.block_ids[block] * block_size + offset
+            flat.extend(range(base, base + take))
+            pos += take
+    num_tokens = len(flat)
+    kinds = ([s for s in seqs if s.num_tokens == 1], [s for s in seqs if s.num_tokens > 1])
+    widths = []
+    for kind in kinds:  # per kind: seq_lens, q_start, q_lens, then the [B, W] block table
+        width = max((-(-(s.start + s.num_tokens) // block_size) for s in kind), default=0)
+        widths.append(width)
+        flat.extend(s.start + s.num_tokens for s in kind)
+        flat.extend(s.row for s in kind)
+        flat.extend(s.num_tokens for s in kind)
+        for s in kind:
+            table = s.block_ids[:width]
+            flat.extend(table)
+            flat.extend([0] * (width - len(table)))
+    # array -> frombuffer is ~4x faster than torch.tensor(list) for a long list
+    packed = torch.frombuffer(array.array("i", flat), dtype=torch.int32) if flat else \
+        torch.empty(0, dtype=torch.int32)
+    packed = packed.clone() if device.type == "cpu" else packed.to(device)
+    meta = AttentionMetadata(packed[:num_tokens], [], num_tokens, False, block_size)
+    at = num_tokens
+    for name, kind, width in zip(("decode", "prefill"), kinds, widths):
+        if not kind:
+            continue
+        b = len(kind)
+        lens, starts, q_lens = (packed[at + i * b:at + (i + 1) * b] for i in range(3))
+        at += 3 * b
+        tables = packed[at:at + b * width].view(b, width)
+        at += b * width
+        lone = kind[0] if len(kind) == 1 and kind[0].start == 0 else None
+        setattr(meta, name, PagedSeqs(tables, lens, starts, q_lens,
+                                      max(s.start + s.num_tokens for s in kind),
+                                      max(s.num_tokens for s in kind),
+                                      slice(lone.row, lone.row + lone.num_tokens) if lone
+                                      else None))
+    return meta
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""Triton attention kernels (kv write, paged decode, prefill) against the torch reference
+backend, over random paged caches. On CPU they run under Triton's interpreter, so the
+sizes stay small; on a CUDA machine the same tests run the compiled kernels."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kernel_modules import load_kernels
+
+K, DEVICE = load_kernels()
+import torch  # noqa: E402  (load_kernels skips the module when torch/triton are missing)
+
+from pocketllm.workers.layers.attention import (ScheduledSeq, TorchAttention,  # noqa: E402
+                                                build_metadata)
+
+BS, BLOCKS = 4, 96
+
+
+def make_step(specs, heads, kv_heads, dim, dtype=torch.float32, seed=0):
+    """specs: (tokens already cached, tokens this step) per sequence. Returns the
+    scheduled seqs, q/k/v of this step and caches holding the cached part (the rest NaN,
+    so a read of an unwritten slot shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(BLOCKS))
+    random.Random(seed).shuffle(free)  # non-contiguous block tables
+    slots = BLOCKS * BS + BS
+    k_cache = torch.full((slots, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[BLOCKS * BS:] = 0  # the zero padding block the torch path reads
+    v_cache[BLOCKS * BS:] = 0
+    seqs, qs, ks, vs, row = [], [], [], [], 0
+    for cached, n in specs:
+        blocks = [free.pop() for _ in range(math.ceil((cached + n) / BS) + 1)]  # one spare
+        k = torch.randn(cached + n, kv_heads, dim, generator=gen).to(dtype)
+        v = torch.randn(cached + n, kv_heads, dim, generator=gen).to(dtype)
+        for p in range(cached):
+            slot = blocks[p // BS] * BS + p % BS
+            k_cache[slot], v_cache[slot] = k[p], v[p]
+        seqs.append(ScheduledSeq(blocks, cached, n, row))
+        qs.append(torch.randn(n, heads, dim, generator=gen).to(dtype))
+        ks.append(k[cached:])
+        vs.append(v[cached:])
+        row += n
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return seqs, to(torch.cat(qs)), to(torch.cat(ks)), to(torch.cat(vs)), to(k_cache), to(v_cache)
+
+
+def run_both(specs, heads, kv_heads, dim, window, softcap, dtype=torch.float32, seed=0,
+             backend=None):
+    seqs, q, k, v, k_cache, v_cache = make_step(specs, heads, kv_heads, dim, dtype, seed)
+    scale = dim ** -0.5
+    pad = BLOCKS * BS
+    ref_meta = build_metadata(seqs, BS, [window], DEVICE, pad)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = TorchAttention().forward(q, k, v, ref_k, ref_v, ref_meta, window, scale, softcap)
+    meta = build_metadata(seqs, BS, [window], DEVICE, pad, kernel_tables=True)
+    backend = backend or K.attention_backend.TritonAttention()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, window, scale, softcap)
+    # the cache writes must match too (NaN where neither wrote)
+    torch.testing.assert_close(k_cache, ref_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, ref_v, equal_nan=True, atol=0, rtol=0)
+    return out, ref
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (6, 2.0)])
+def test_mixed_step_matches_torch_backend(window, softcap):
+    # fresh prefill, chunk over a cached prefix, and decodes of different lengths, GQA 2
+    specs = [(0, 7), (5, 6), (9, 1), (2, 1), (13, 1), (0, 1)]
+    out, ref = run_both(specs, heads=4, kv_heads=2, dim=32, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_long_chunk_over_long_prefix(window):
+    # key tiles entirely before the diagonal (unmasked path) and several query blocks;
+    # head_dim 24 is not a power of two (masked lanes); GQA 4 over one KV head
+    out, ref = run_both([(150, 70), (3, 20)], heads=4, kv_heads=1, dim=24, window=window,
+                        softcap=None, seed=3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 30, 5])
+def test_lone_fresh_prefill_on_sdpa(window):
+    # a lone prompt from position 0 may take SDPA (window 5 < 11 rows: it must not)
+    backend = K.attention_backend.TritonAttention()
+    backend.sdpa_fresh_min_tokens = {128: 8, 256: 8}
+    out, ref = run_both([(0, 11), (6, 1)], heads=4, kv_heads=2, dim=32, window=window,
+                        softcap=None, seed=11, backend=backend)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="Triton's interpreter gets tl.dot on "
+                    "bfloat16 wrong (numpy has no bfloat16); checked compiled on CUDA")
+def test_bfloat16_step():
+    out, ref = run_both([(0, 9), (20, 1), (7, 1)], heads=8, kv_heads=2, dim=32, window=None,
+                        softcap=None, dtype=torch.bfloat16, seed=5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (37, 2.5)])
+def test_split_decode_merges_partial_softmaxes(window, softcap):
+    # force small partitions: several splits per sequence, some sequences shorter than
+    # the others (splits past their end do nothing; the merge must ignore them)
+    seqs, q, k, v, k_cache, v_cache = make_step([(200, 1), (33, 1), (90, 1)], 4, 2, 32, seed=7)
+    meta = build_metadata(seqs, BS, [window], DEVICE, BLOCKS * BS, kernel_tables=True)
+    K.kv_write.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    d = meta.decode
+    args = (q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start, d.max_seq_len, BS, 0.2,
+            window, softcap)
+    whole = K.paged_decode_attention.paged_decode_attention(*args, partition=256)
+    poisoned = torch.full_like(q, float("nan"))
+    split = K.paged_decode_attention.paged_decode_attention(*args, out=poisoned, partition=16)
+    ref_meta = build_metadata(seqs, BS, [window], DEVICE, BLOCKS * BS)
+    ref = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), ref_meta, window,
+                                   0.2, softcap)
+    torch.testing.assert_close(whole, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(split, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_small_tiles_many_query_blocks():
+    seqs, q, k, v, k_cache, v_cache = make_step([(10, 50), (0, 33)], 2, 2, 16, seed=9)
+    meta = build_metadata(seqs, BS, [7], DEVICE, BLOCKS * BS, kernel_tables=True)
+    K.kv_write.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    p = meta.prefill
+    out = K.prefill_attention.prefill_attention(
+        q, k_cache, v_cache, p.block_tables, p.seq_lens, p.q_start, p.q_lens, p.max_q_len, BS,
+        0.25, 7, None, out=torch.full_like(q, float("nan")), tiles=(16, 16, 4, 1))
+    ref_meta = build_metadata(seqs, BS, [7], DEVICE, BLOCKS * BS)
+    ref = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), ref_meta, 7, 0.25,
+                                   None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_metadata_layout():
+    seqs = [ScheduledSeq([7, 3, 9], 5, 6, 0), ScheduledSeq([4, 1], 6, 1, 6),
+            ScheduledSeq([2], 0, 3, 7)]
+    meta = build_metadata(seqs, 4, [None], torch.device("cpu"), 40, kernel_tables=True)
+    torch_meta = build_metadata(seqs, 4, [None], torch.device("cpu"), 40)
+    assert meta.slot_mapping.tolist() == torch_meta.slot_mapping.tolist()
+    assert meta.groups == [] and meta.block_size == 4 and meta.num_tokens == 10
+    d, p = meta.decode, meta.prefill
+    assert (d.seq_lens.tolist(), d.q_start.tolist(), d.q_lens.tolist()) == ([7], [6], [1])
+    assert d.block_tables.tolist() == [[4, 1]] and (d.max_seq_len, d.max_q_len) == (7, 1)
+    assert p.seq_lens.tolist() == [11, 3] and p.q_start.tolist() == [0, 7]
+    assert p.block_tables.tolist() == [[7, 3, 9], [2, 0, 0]]
+    assert (p.max_seq_len, p.max_q_len) == (11, 6)
+    assert build_metadata(seqs[1:2], 4, [None], torch.device("cpu"), 40,
+                          kernel_tables=True).prefill is None

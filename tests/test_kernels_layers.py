@@ -1,0 +1,106 @@
+"""Triton RMSNorm (+ residual), rotary, gated activation and KV write against the torch
+layers they replace (interpreter on CPU, compiled on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_modules import load_kernels
+
+K, DEVICE = load_kernels()
+import torch  # noqa: E402
+
+from pocketllm.workers.layers.activation import act_and_mul, get_activation  # noqa: E402
+from pocketllm.workers.layers.norm import RMSNorm  # noqa: E402
+from pocketllm.workers.layers.rotary import RotaryTable, apply_rotary  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def reference_norm(dim, eps, seed):
+    norm = RMSNorm(dim, eps, DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(rand(dim, seed=seed) * 0.5 + 1)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 100])
+def test_add_rms_norm_matches_layer(dtype, dim):
+    norm = reference_norm(dim, 1e-6, seed=1)
+    x, residual = rand(7, dim, dtype=dtype, seed=2), rand(7, dim, dtype=dtype, seed=3)
+    out, new_residual = K.rmsnorm.add_rms_norm(x, residual, norm.weight, norm.eps)
+    expected_residual = x + residual  # in the model dtype, as the decoder layers add
+    # Bit-exact when compiled; the interpreter truncates float32 -> bfloat16 (1 ulp).
+    exact = DEVICE.type == "cuda" or dtype == torch.float32
+    torch.testing.assert_close(new_residual, expected_residual, atol=0,
+                               rtol=0 if exact else 2 ** -7)
+    with torch.no_grad():
+        torch.testing.assert_close(out, norm(expected_residual), **TOL[dtype])
+        torch.testing.assert_close(K.rmsnorm.rms_norm(x, norm.weight, norm.eps), norm(x),
+                                   **TOL[dtype])
+
+
+def test_rms_norm_per_head_on_a_fused_projection_view():
+    # Qwen3/Gemma3 q_norm: [T, H, D] heads taken out of a wider qkv row (strided view)
+    norm = reference_norm(16, 1e-6, seed=4)
+    qkv = rand(5, 3 * 4 * 16, seed=5)
+    q = qkv[:, :64].view(5, 4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(K.rmsnorm.rms_norm(q, norm.weight, norm.eps), norm(q),
+                                   **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_reference_on_qkv_views(dtype):
+    heads, kv_heads, dim, tokens = 4, 2, 32, 6
+    table = RotaryTable(dim, {"rope_theta": 10000.0}, 64, DEVICE, dtype)
+    positions = torch.tensor([0, 1, 5, 17, 3, 40], device=DEVICE)
+    cos, sin = table.lookup(positions, 40)
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=6)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    got_q, got_k = K.rotary.apply_rotary_qk(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, expected_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_activation_matches_layer(hidden_act, dtype):
+    gate_up = rand(5, 2 * 1500, dtype=dtype, seed=7) * 3  # 1500: two column blocks, ragged
+    expected = act_and_mul(get_activation(hidden_act), gate_up)
+    torch.testing.assert_close(K.gated_act.act_and_mul(gate_up, hidden_act), expected,
+                               **TOL[dtype])
+
+
+def test_gated_activation_refuses_unknown():
+    from pocketllm.errors import UnsupportedFeatureError
+
+    with pytest.raises(UnsupportedFeatureError):
+        K.gated_act.act_and_mul(rand(2, 8), "relu2")
+
+
+def test_kv_write_scatters_rows_and_skips_negative_slots():
+    kv_heads, dim = 3, 24
+    qkv = rand(5, 5 * kv_heads * dim, seed=8)  # k/v as strided views of a fused row
+    k = qkv[:, :kv_heads * dim].view(5, kv_heads, dim)
+    v = qkv[:, kv_heads * dim:2 * kv_heads * dim].view(5, kv_heads, dim)
+    k_cache = torch.full((40, kv_heads, dim), float("nan"), device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.tensor([9, 2, -1, 33, 0], dtype=torch.int32, device=DEVICE)
+    K.kv_write.write_kv(k, v, k_cache, v_cache, slots)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot], k[row]) and torch.equal(v_cache[slot], v[row])
+    untouched = [s for s in range(40) if s not in (9, 2, 33, 0)]
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()

@@ -1,0 +1,65 @@
+"""TritonAttention: the ``AttentionBackend`` of the GPU path.
+
+Per layer and step: one kv_write launch, then one paged-decode launch (plus its
+merge when split) for the one-token sequences and one prefill launch for the
+chunks; each writes its own rows of the output. It reads the metadata that
+``build_metadata(..., kernel_tables=True)`` builds (see ``kernel_tables``).
+
+One exception, measured: a lone long prompt computed from position 0 (no cached
+prefix, no window cutting it, no soft-cap) goes to PyTorch's SDPA on the step's
+own k/v rows, whose flash kernel beats the Triton one there (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..layers.attention import AttentionMetadata
+from .kv_write import write_kv
+from .paged_decode_attention import paged_decode_attention
+from .prefill_attention import prefill_attention
+
+
+class TritonAttention:
+    # The runner passes this to build_metadata: these kernels read block tables, not groups.
+    kernel_tables = True
+    # From this many rows a lone fresh prefill runs on SDPA, by head_dim up to 128 / 256
+    # (tuned on an H200).
+    sdpa_fresh_min_tokens = {128: 512, 256: 512}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first."""
+        if meta.decode is None and meta.prefill is None:
+            if meta.num_tokens:
+                raise ValueError("TritonAttention needs build_metadata(..., kernel_tables=True)")
+            return torch.empty_like(q)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        if meta.decode is not None:
+            d = meta.decode
+            paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
+                                   d.max_seq_len, meta.block_size, scale, window, softcap, out)
+        p = meta.prefill
+        rows = p.lone_fresh_rows if p is not None else None
+        if (rows is not None and softcap is None and (window is None or window >= p.max_q_len)
+                and p.max_q_len >= self.sdpa_fresh_min_tokens[128 if q.shape[2] <= 128 else 256]):
+            out[rows] = _sdpa_causal(q[rows], k[rows], v[rows], scale)
+        elif p is not None:
+            prefill_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens, p.q_start,
+                              p.q_lens, p.max_q_len, meta.block_size, scale, window, softcap,
+                              out)
+        return out
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention of one sequence's rows: [L, H, D] in, [L, H, D] out."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                         k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

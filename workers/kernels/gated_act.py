@@ -1,0 +1,58 @@
+"""Gated activation: ``act(gate) * up`` over a fused ``[gate | up]`` projection.
+
+Reference: ``layers.activation.act_and_mul`` (torch rounds after the activation
+and again after the product; this computes in float32 and rounds once). SiLU
+for Llama/Qwen/Mistral, the tanh GELU for Gemma, the erf GELU for the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pocketllm.errors import UnsupportedFeatureError
+
+# HF ``hidden_act`` name -> the kernel's activation.
+KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                      "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+@triton.jit
+def _act_mul_kernel(GateUp, Out, inter, stride_in, stride_out,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    row = GateUp + token.to(tl.int64) * stride_in
+    gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACT == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 there; exp stays finite
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 1 + tanh(inner)
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    tl.store(Out + token.to(tl.int64) * stride_out + cols, (act * up).to(Out.dtype.element_ty),
+             mask=ok)
+
+
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
+    """gate_up [T, 2I] -> act(gate) * up [T, I]; ``hidden_act`` is the HF config name."""
+    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    if act is None:
+        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    tokens, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(tokens, inter, device=gate_up.device, dtype=gate_up.dtype)
+    if tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_mul_kernel[(tokens, triton.cdiv(inter, block))](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), ACT=act, BLOCK=block,
+        num_warps=4 if block >= 512 else 1)
+    return out

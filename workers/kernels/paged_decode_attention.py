@@ -1,0 +1,196 @@
+"""Paged attention for decode: one query token per sequence over its cached K/V.
+
+Reference: the decode group of ``layers.attention.TorchAttention`` (gather the
+cache by block table, SDPA). Here one program serves one (sequence, KV head,
+split) and all the query heads that share that KV head (GQA), so each K/V row is
+read from memory once per step. When the batch is too small to fill the GPU
+(few sequences x KV heads), each sequence's keys are cut into splits that run in
+parallel and a second kernel merges their partial softmaxes (flash-decoding).
+
+Masking: a sequence of length L attends to positions ``[L - window, L)`` clamped
+at 0 (``window`` 0 = full). Scores are ``scale * q.k``, optionally soft-capped
+``softcap * tanh(s / softcap)`` before the softmax (Gemma 2 style).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch shape, tuned on an H200 under CUDA graphs (``bench --tune`` sweeps them).
+TILES = {128: (64, 4), 256: (64, 4)}  # by head_dim up to 128 / 256: (keys per loop, warps)
+MIN_PARTITION = 128  # fewest keys per split
+PROGRAMS_PER_SM = 2  # a small batch is split until the launch has about this many
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp (no libdevice dependency, so it also runs under the interpreter);
+    # |x| > 15 is +-1 in float32 anyway, and the clamp keeps exp finite.
+    x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
+                   stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
+                   stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
+                   scale, softcap, window, partition,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    start = lo + split * partition
+    if start < seq_len:  # a split past this sequence's end has nothing to do
+        end = tl.minimum(seq_len, start + partition)
+        heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
+        head_ok = tl.arange(0, BLOCK_H) < GROUP
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        row = tl.load(QRows + seq).to(tl.int64)
+        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        table = BlockTables + seq.to(tl.int64) * stride_bt
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            ok = pos < end
+            page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
+            slot = page * PAGE + pos % PAGE
+            kv_mask = ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + slot[:, None] * stride_kslot + kv_head * stride_kh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if SOFTCAP:
+                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+            else:
+                s = s * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out_mask = head_ok[:, None] & dim_ok[None, :]
+        if SPLIT:
+            base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(PartOut + base[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
+                     mask=out_mask)
+            tl.store(PartLse + base, m_i + tl.log2(l_i), mask=head_ok)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(Out.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(Out, PartOut, PartLse, SeqLens, QRows,
+                  stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
+                  window, partition,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(SeqLens + seq)
+    span = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
+    used = tl.cdiv(span, partition)  # splits that ran for this sequence
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    base = seq.to(tl.int64) * stride_pb + head * stride_ph + splits * stride_ps
+    lse = tl.load(PartLse + base, mask=splits < used, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(PartOut + base[:, None] * HEAD_DIM + dims[None, :],
+                   mask=(splits < used)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+    row = tl.load(QRows + seq).to(tl.int64)
+    tl.store(Out + row * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_partition(num_seqs: int, num_kv_heads: int, span: int, device: torch.device,
+                     block_n: int) -> int:
+    """Keys per split: the whole span when the batch already fills the GPU, else enough
+    splits for about PROGRAMS_PER_SM programs per multiprocessor, each of at least
+    MIN_PARTITION keys."""
+    programs = num_seqs * num_kv_heads
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    if programs >= sms or span <= MIN_PARTITION:
+        return max(span, 1)
+    splits = min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), triton.cdiv(span, MIN_PARTITION))
+    return triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           q_rows: torch.Tensor, max_seq_len: int, block_size: int,
+                           scale: float, window: Optional[int] = None,
+                           softcap: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                           partition: Optional[int] = None,
+                           tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Attention of one query row per sequence over its paged cache.
+
+    q: [T, H, D] (rows ``q_rows[b]`` are sequence b's query); k/v_cache: [slots, Hkv, D]
+    with slot = block * block_size + offset; block_tables: [B, W] int32; seq_lens: [B]
+    int32 (the query is the last position); ``max_seq_len`` is seq_lens.max() known on
+    the host. Writes rows ``q_rows`` of ``out`` ([T, H, D], allocated if None).
+    ``partition`` forces the split size in tokens (tests); None chooses it. ``tiles``
+    overrides (BLOCK_N, warps), for tuning.
+    """
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0:
+        return out
+    group = heads // kv_heads
+    span = max_seq_len if not window else min(max_seq_len, window)
+    block_n, warps = tiles or TILES[128 if dim <= 128 else 256]
+    if partition is None:
+        partition = choose_partition(num_seqs, kv_heads, span, q.device, block_n)
+    num_splits = triton.cdiv(span, partition)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_seqs, heads, num_splits, dim, device=q.device,
+                               dtype=torch.float32)
+        part_lse = torch.empty(num_seqs, heads, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = triton.next_power_of_2(dim)
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, q_rows,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), heads * num_splits, num_splits, 1,
+        scale, softcap or 1.0, window or 0, partition,
+        GROUP=group, HEAD_DIM=dim, PAGE=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision, num_warps=warps)
+    if split:
+        _merge_kernel[(num_seqs, heads)](
+            out, part_out, part_lse, seq_lens, q_rows, out.stride(0), out.stride(1),
+            heads * num_splits, num_splits, 1, window or 0, partition,
+            HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4)
+    return out
