@@ -41,6 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-master-port", type=int, default=0)
     g.add_argument("--tensor-parallel-rendezvous-dir", default=None,
                    help="parent directory for the private run directory (never removed)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index; 0 runs the scheduler and HTTP, others only ranks")
+    g.add_argument("--tensor-parallel-secret-file", default=None,
+                   help="shared secret (same file on every host) authenticating remote ranks")
     g.add_argument("--backend-options", type=json.loads, default=None,
                    help="JSON object of backend-specific options")
 
@@ -58,7 +63,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
-        rendezvous_dir=ns.tensor_parallel_rendezvous_dir,
+        rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
+        node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
         backend_options=ns.backend_options or {})
 
 
@@ -94,8 +100,9 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     from .bench.latency import DEFAULT_PROMPT, report, run_pocketllm
 
     args = engine_args_from(ns)
+    batches = tuple(int(b) for b in ns.batch_sizes.split(",") if b) if ns.batch_sizes else ()
     ours, prompt_ids = run_pocketllm(args, None, ns.prompt or DEFAULT_PROMPT, ns.output_len,
-                                     ns.runs, ns.warmup)
+                                     ns.runs, ns.warmup, batches)
     results = [ours]
     if ns.peer == "transformers":
         from .bench.peer_transformers import run_transformers
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--runs", type=int, default=3)
     lat.add_argument("--warmup", type=int, default=1)
     lat.add_argument("--peer", default=None, help="transformers: run it on the same checkpoint")
+    lat.add_argument("--batch-sizes", default="",
+                     help="also measure decode output tok/s at these batch sizes, e.g. 1,64")
     lat.set_defaults(func=cmd_bench_latency)
 
     bs = bench.add_parser("serve", help="load a RUNNING server with streaming requests: "

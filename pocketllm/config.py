@@ -44,6 +44,9 @@ class EngineArgs:
     rendezvous_dir: Optional[str] = None  # parent of the private run directory (never removed)
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous for tensor-parallel ranks
     master_port: int = 0  # 0: a free port chosen at startup
+    nnodes: int = 1  # hosts the tensor-parallel ranks span
+    node_rank: int = 0  # this host's index; host 0 runs the scheduler and the HTTP server
+    tensor_parallel_secret_file: Optional[str] = None  # shared secret for ranks on other hosts
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,10 +61,10 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedFeatureError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-                "tensor parallelism has not landed; use tensor_parallel_size=1.")
+        # Whether the model's heads split across this many ranks is the worker's check.
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidRequestError("tensor_parallel_size must be a positive integer",
+                                      "tensor_parallel_size")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
@@ -70,8 +73,21 @@ class EngineArgs:
         for name in ("startup_timeout", "shutdown_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive", name)
-        if not 0 <= self.master_port < 65536:
-            raise InvalidRequestError("master_port must be in 0..65535", "master_port")
+        if not 0 <= self.master_port < 65535:
+            raise InvalidRequestError("master_port must be in 0..65534", "master_port")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1 or not (
+                0 <= self.node_rank < self.nnodes):
+            raise InvalidRequestError("nnodes must be >= 1 and node_rank in 0..nnodes-1",
+                                      "node_rank")
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise InvalidRequestError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                    f"nnodes={self.nnodes} (the same number of ranks on every host)", "nnodes")
+            if self.master_port == 0:
+                raise InvalidRequestError(
+                    "ranks on several hosts need an explicit master_port (the same on every "
+                    "host); the plan link uses master_port + 1", "master_port")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be a positive integer", "num_kv_blocks")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -90,11 +90,20 @@ class StageContext:
                                                        kind=kind)))
 
 
+def _exit_on_sigterm() -> None:
+    signal.sigwait({signal.SIGTERM})
+    os._exit(0)
+
+
 def run_stage(stage: str, main: Callable[[StageContext], None]) -> None:
     """Entry point of a stage process: ``python -m pocketllm.<stage> RUN_DIR [...]``."""
-    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # SIGTERM is taken by one thread that waits for nothing else: a handler in the main
+    # thread can be missed while it sits inside a blocking socket call. Blocked before any
+    # thread starts, so every thread (torch's included) inherits the mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_sigterm, daemon=True, name="sigterm").start()
+    die_with_parent()
     ctx = StageContext(stage, sys.argv[1])
     try:
         main(ctx)

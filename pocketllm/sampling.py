@@ -9,6 +9,7 @@ from .errors import InvalidRequestError
 from .proto.messages import SamplingSpec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries; the OpenAI API's own cap, and it bounds the per-step work
 
 
 @dataclass
@@ -25,6 +26,12 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: not asked; k: the sampled token and k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI penalties, over the generated tokens: logit -= f * count + p * (count > 0)
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    presence_penalty: float = 0.0  # in [-2, 2]
+    # HF/CTRL rule over prompt + generated tokens: logit / r if logit > 0 else logit * r
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,6 +62,33 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"it must be an integer in 0..{MAX_LOGPROBS}")
+        for param in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, param)
+            if not _is_num(value) or not -2 <= value <= 2:
+                raise bad(param, "it must be a number in [-2, 2]")
+        if (not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0
+                or self.repetition_penalty == float("inf")):
+            raise bad("repetition_penalty", "it must be a number > 0 (1 turns it off)")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise InvalidRequestError(
+                f"logit_bias must map token ids to numbers, not {type(bias).__name__}",
+                "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most "
+                                      f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise InvalidRequestError(f"logit_bias key {token!r} is not a token id (an "
+                                          "integer >= 0)", "logit_bias")
+            if not _is_num(value) or not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias[{token}] = {value!r} is invalid: it must "
+                                          "be a number in [-100, 100]", "logit_bias")
 
     def to_spec(self, max_tokens: Optional[int] = None) -> SamplingSpec:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -65,7 +99,19 @@ class SamplingParams:
             ignore_eos=self.ignore_eos, stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids), logprobs=self.logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            frequency_penalty=float(self.frequency_penalty),
+            presence_penalty=float(self.presence_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()})
+
+
+def check_token_ids_in_vocab(spec: SamplingSpec, vocab_size: int) -> None:
+    """Refuse logit_bias ids the model cannot produce (needs the vocabulary: tokenizer stage)."""
+    bad = sorted(t for t in spec.logit_bias if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{vocab_size - 1})", "logit_bias")
 
 
 def _is_int(v: object) -> bool:

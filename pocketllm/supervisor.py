@@ -21,6 +21,7 @@ from .config import EngineArgs
 from .errors import CheckpointError, EngineStartupError, UnsupportedFeatureError
 from .model_info import ModelInfo
 from .process import write_settings
+from .remote import read_secret
 from .proto import PROTOCOL_VERSION, codec, endpoints
 from .proto.messages import StageFailed, StageReady
 
@@ -39,6 +40,8 @@ class Supervisor:
         self.args = args
         self.info = info
         self.on_death = on_death
+        if args.nnodes > 1:
+            read_secret(args.tensor_parallel_secret_file)  # fail now, not inside a stage
         if args.rendezvous_dir is not None and not os.path.isdir(args.rendezvous_dir):
             raise EngineStartupError(f"rendezvous directory {args.rendezvous_dir!r} does not exist")
         # A fresh private directory (mode 0700), inside the caller's parent if one was given.
@@ -65,13 +68,17 @@ class Supervisor:
         # torch.distributed rendezvous of the ranks (only used when world > 1).
         dist_env = {"MASTER_ADDR": self.args.master_addr,
                     "MASTER_PORT": str(self.args.master_port or _free_port(self.args.master_addr))}
+        local = world // self.args.nnodes
+        first = self.args.node_rank * local  # this host's ranks: first .. first + local - 1
         try:
-            self._spawn("tokenizer", "pocketllm.tokenizer")
-            self._spawn("detokenizer", "pocketllm.detokenizer")
-            self._spawn("scheduler", "pocketllm.scheduler")
-            for rank in range(world):
-                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                            "TP_RANK": str(rank), "TP_WORLD": str(world), **dist_env}
+            if self.args.node_rank == 0:  # the control plane lives with rank 0
+                self._spawn("tokenizer", "pocketllm.tokenizer")
+                self._spawn("detokenizer", "pocketllm.detokenizer")
+                self._spawn("scheduler", "pocketllm.scheduler")
+            for rank in range(first, first + local):
+                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank - first),
+                            "WORLD_SIZE": str(world), "TP_RANK": str(rank),
+                            "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
             self._await_ready(timeout or self.args.startup_timeout)
         except BaseException:
@@ -160,3 +167,26 @@ class Supervisor:
             self._inbox.close(linger=0)
             self._zmq.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def run_worker_node(args: EngineArgs) -> int:
+    """`pocketllm serve --node-rank K` (K > 0): this host's ranks only, no HTTP.
+
+    Runs until SIGINT/SIGTERM (exit 0) or until a rank exits (exit 1) — which is also how
+    it ends when rank 0's host goes away: its ranks stop hearing heartbeats and exit.
+    """
+    from .model_info import load_model_info
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    died: list[str] = []
+    sup = Supervisor(args, load_model_info(args), on_death=lambda reason: (died.append(reason),
+                                                                          stop.set()))
+    sup.start()
+    log.info("node %d: ranks ready", args.node_rank)
+    stop.wait()
+    sup.shutdown()
+    if died:
+        log.error("stopping: %s", died[0])
+    return 1 if died else 0

@@ -37,6 +37,11 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     logprobs: Optional[int] = None  # None = not asked; 0 = sampled token only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Penalties and bias act on the sampling logits only (logprobs stay raw).
+    frequency_penalty: float = 0.0  # OpenAI: times the token's count in the output
+    presence_penalty: float = 0.0  # OpenAI: once if the token is in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: divides (or multiplies) over prompt + output
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
 
 
 class GenerateRequest(_Msg):
@@ -143,6 +148,7 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     per_request_top_k: bool = True
     max_logprobs: int = 20
     load_seconds: float = 0.0
+    attention_backend: str = "TorchAttention"  # or "TritonAttention" (CUDA)
 
 
 class WorkerReady(_Msg):
@@ -262,7 +268,7 @@ class Ping(_Msg):
 
 FrontendInbound = Union[RequestOutput, RequestError, SchedulerStats]
 TokenizerInbound = Union[GenerateRequest, Shutdown]
-SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown]
-WorkerInbound = Union[StepPlan, Shutdown]
+SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown, Ping]
+WorkerInbound = Union[StepPlan, Shutdown, Ping]
 DetokenizerInbound = Union[TokenBatch, Shutdown]
 SupervisorInbound = Union[StageReady, StageFailed]

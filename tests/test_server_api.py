@@ -135,8 +135,10 @@ def test_langchain(server):
 # ---------------------------------------------------------------- field contract
 
 REFUSED_CHAT = [
-    ("stop", 5), ("logprobs", 3), ("top_logprobs", 50), ("frequency_penalty", 0.5),
-    ("presence_penalty", -1), ("logit_bias", {"1": 5}), ("tool_choice", "required"),
+    ("stop", 5), ("logprobs", 3), ("top_logprobs", 50), ("frequency_penalty", 2.5),
+    ("presence_penalty", -3), ("presence_penalty", "1"), ("repetition_penalty", 0),
+    ("logit_bias", {"abc": 5}), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
+    ("logit_bias", {str(i): 1 for i in range(301)}), ("tool_choice", "required"),
     ("parallel_tool_calls", False), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 129), ("n", 0),
     ("n", 1.5), ("temperature", "hot"), ("max_tokens", 0), ("top_p", 0), ("unknown_field", 1),
@@ -164,7 +166,8 @@ def test_logprobs_refused_when_streaming(server):
 
 REFUSED_COMPLETION = [
     ("logprobs", True), ("logprobs", 21), ("top_logprobs", 2), ("echo", True),
-    ("suffix", "end"), ("best_of", 2), ("stop", [1, 2]), ("logit_bias", {"5": 1}),
+    ("suffix", "end"), ("best_of", 2), ("stop", [1, 2]), ("logit_bias", {"-5": 1}),
+    ("logit_bias", {"5": "x"}), ("frequency_penalty", -2.5), ("repetition_penalty", -1),
 ]
 
 
@@ -177,6 +180,8 @@ def test_refused_completion_field(server, field, value):
 
 @pytest.mark.parametrize("field, value", [
     ("logprobs", False), ("frequency_penalty", 0), ("presence_penalty", 0.0), ("logit_bias", {}),
+    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("repetition_penalty", 1.2),
+    ("logit_bias", {"1": 5, "300": -100}),
     ("stop", []), ("stop", ["", "x"]), ("tool_choice", "auto"), ("parallel_tool_calls", True),
     ("response_format", {"type": "text"}), ("user", "u1"), ("store", False),
     ("metadata", {"a": "b"}), ("service_tier", "auto"), ("model", "something-else"),
@@ -186,6 +191,30 @@ def test_accepted_defaults_and_inert_fields(server, field, value):
     r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 4, field: value})
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny"
+
+
+def test_penalties_and_bias_act(server):
+    def tokens(**kw):
+        r = post(server, "/v1/completions", {"prompt": "The sea is", "temperature": 0,
+                                             "max_tokens": 12, "ignore_eos": True, "logprobs": 1,
+                                             **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]
+
+    def distinct(lp):  # a token's bytes name it (its text may be a lone "\ufffd")
+        return len({tuple(t["bytes"]) for t in lp["content"]})
+
+    assert distinct(tokens()) < 12  # the tiny model repeats itself...
+    assert distinct(tokens(presence_penalty=2.0)) == 12  # ...unless penalised
+    forced = tokens(logit_bias={"300": 100})
+    assert distinct(forced) == 1
+    # logprobs rank the model's own distribution: the forced token is not its top choice
+    assert forced["token_logprobs"][0] < max(forced["top_logprobs"][0].values())
+
+
+def test_logit_bias_outside_vocabulary(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
 def test_max_completion_tokens_wins(server):

@@ -86,9 +86,14 @@ def test_startup_timeout_exits_nonzero(tiny_llama):
             proc.kill()
 
 
-def test_tensor_parallel_above_one_refused_clearly(tiny_llama):
+def test_tensor_parallel_size_the_heads_do_not_divide_refused_clearly(tiny_llama):
+    # tiny llama: 4 attention heads, which 3 ranks cannot split; every rank refuses at startup
     out = subprocess.run([sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
-                          "--tensor-parallel-size", "2"], capture_output=True, text=True,
+                          "--port", str(free_port()), "--tensor-parallel-size", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
+                          "--tensor-parallel-size", "0"], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 2
-    assert "tensor_parallel_size=2 is not supported" in out.stderr
+    assert out.returncode == 2 and "tensor_parallel_size must be a positive integer" in out.stderr

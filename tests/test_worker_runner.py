@@ -140,8 +140,9 @@ def test_kv_budget_rules():
     assert blocks(max_num_seqs=1, block_size=16) == 4 + 4  # CPU RAM share, capped the same way
 
 
-def test_tensor_parallel_is_refused(tmp_path):
-    path = make_tiny_checkpoint("llama", str(tmp_path / "l"))
+def test_tensor_parallel_with_heads_that_do_not_split_is_refused(tmp_path):
+    path = make_tiny_checkpoint("llama", str(tmp_path / "l"))  # 4 heads, 2 KV heads
     args = EngineArgs(model=path, device="cpu")
-    with pytest.raises(UnsupportedFeatureError):
-        ModelRunner(load_model_info(args), args, rank=0, world_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="num_attention_heads=4 is not divisible "
+                                                      "by tensor_parallel_size=3"):
+        ModelRunner(load_model_info(args), args, rank=0, world_size=3)

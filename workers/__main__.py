@@ -1,30 +1,58 @@
 """Worker process (one per tensor-parallel rank): ``python -m pocketllm.workers RUN_DIR RANK``."""
 
+import logging
+import os
 import sys
 
 from pocketllm.process import StageContext, run_stage
 from pocketllm.proto import codec, endpoints
 from pocketllm.proto.messages import Shutdown, WorkerReady
 
+logger = logging.getLogger("pocketllm.worker")
+
 
 def main(ctx: StageContext) -> None:
     rank = int(sys.argv[2])
-    inbox = ctx.pull(endpoints.worker(ctx.run_dir, rank))
-    to_scheduler = ctx.push(endpoints.scheduler(ctx.run_dir))
-    from .runner import ModelRunner  # torch is imported here, in the worker only
+    args = ctx.args
+    world = args.tensor_parallel_size
+    if rank < world // args.nnodes:  # on rank 0's host: local sockets
+        inbox = ctx.pull(endpoints.worker(ctx.run_dir, rank))
+        recv, send = inbox.recv, ctx.push(endpoints.scheduler(ctx.run_dir)).send
+    else:  # another host: the authenticated TCP link to rank 0's scheduler
+        from pocketllm.remote import SchedulerLink, plan_endpoint, read_secret
 
-    runner = ModelRunner(ctx.info, ctx.args, rank=rank,
-                         world_size=ctx.args.tensor_parallel_size, show_progress=rank == 0)
-    to_scheduler.send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
-    ctx.ready(info={"rank": rank})
-    decoder = codec.decoder_for("worker")
-    while True:
-        plan = decoder.decode(inbox.recv())
-        if isinstance(plan, Shutdown):
-            return
-        result = runner.execute(plan)
-        if rank == 0:
-            to_scheduler.send(codec.encode(result))
+        link = SchedulerLink(ctx.zmq, plan_endpoint(args.master_addr, args.master_port),
+                             read_secret(args.tensor_parallel_secret_file), rank)
+        recv, send = link.recv, link.send
+    # torch is imported here, in the worker only
+    from . import distributed
+    from .models.base import check_tensor_parallel
+    from .models.registry import arch_config
+    from .runner import ModelRunner
+
+    # Every rank refuses a model whose heads do not split before the rendezvous,
+    # so none is left waiting for the others.
+    check_tensor_parallel(arch_config(ctx.info), world)
+    distributed.init_from_env(ctx.args, rank, world)
+    try:
+        runner = ModelRunner(ctx.info, ctx.args, rank=rank, world_size=world,
+                             show_progress=rank == 0)
+        send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
+        ctx.ready(info={"rank": rank, "tensor_parallel_size": world})
+        decoder = codec.decoder_for("worker")
+        while True:
+            plan = decoder.decode(recv())
+            if isinstance(plan, Shutdown):
+                return
+            try:
+                result = runner.execute(plan)  # every rank runs the same plan (collectives inside)
+            except distributed.RankFailure:
+                logger.exception("tensor-parallel step %s failed; stopping this rank", plan.step_id)
+                os._exit(1)  # no process-group teardown: a peer is gone or out of step
+            if rank == 0:  # only rank 0 holds the logits and samples
+                send(codec.encode(result))
+    finally:
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

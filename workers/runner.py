@@ -7,6 +7,7 @@ The runner never appends the tokens it samples: the next plan's
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -15,17 +16,18 @@ from typing import Optional
 import torch
 
 from pocketllm.config import EngineArgs
-from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.proto.messages import (SamplingSpec, StepPlan, StepResult, TokenLogprobs,
                                       WorkerCapabilities)
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
                      kv_bytes_per_block, num_kv_blocks)
+from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
-from .layers.sampler import Sampler
+from .layers.sampler import Sampler, TokenHistory, uses_output_counts, uses_penalties
 from .loader import load_model_weights
-from .models.registry import build_model
+from .models.base import check_tensor_parallel
+from .models.registry import arch_config, build_model
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -37,44 +39,71 @@ class _RequestState:
     token_ids: list[int]
     block_ids: list[int]
     sampling: SamplingSpec
+    history: Optional[TokenHistory] = None  # only for requests with penalties or logit_bias
 
 
 class StepError(RuntimeError):
     """A plan this runner cannot execute (unknown request, out-of-range blocks...)."""
 
 
+def choose_attention_backend(device: torch.device):
+    """Triton kernels on CUDA when Triton is there (POCKETLLM_TRITON=0 turns them off);
+    the torch reference everywhere else."""
+    from .kernels import kernels_usable
+
+    if kernels_usable(device):
+        from .kernels.attention_backend import TritonAttention
+
+        return TritonAttention()
+    return TorchAttention()
+
+
 class ModelRunner:
     def __init__(self, info: ModelInfo, args: EngineArgs, rank: int = 0, world_size: int = 1,
                  show_progress: bool = False):
-        if world_size != 1 or rank != 0:
-            raise UnsupportedFeatureError("tensor parallelism is not implemented in the worker yet")
         started = time.perf_counter()
+        # Tensor parallel: heads that do not split are refused before any weight is read;
+        # world > 1 needs distributed.init_from_env first (it also picks the CUDA device).
+        check_tensor_parallel(arch_config(info), world_size)
+        self.tp = current_group(world_size)
+        if self.tp.rank != rank:
+            raise RuntimeError(f"rank {rank} joined the process group as rank {self.tp.rank}")
         self.info, self.args, self.rank, self.world_size = info, args, rank, world_size
         self.device = choose_device(args)
         self.dtype = choose_dtype(args, self.device)
         if self.device.type == "cpu":
             configure_cpu_threads()
-        self.backend = TorchAttention()
+            share_cpu_threads(ranks_on_this_host(args))
+        self.backend = choose_attention_backend(self.device)
         with torch.inference_mode():
-            self.model = build_model(info, self.backend, self.device, self.dtype)
+            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
         cfg = self.model.cfg
         self.block_size = args.block_size
         self.max_model_len = info.max_model_len
-        per_block = kv_bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+        kv_heads = self.model.num_local_kv_heads  # this rank's share of the KV heads
+        per_block = kv_bytes_per_block(cfg.num_layers, self.block_size, kv_heads,
                                        cfg.head_dim, self.dtype)
-        self.num_kv_blocks = num_kv_blocks(args, self.max_model_len, per_block, self.device)
+        if self.device.type == "cpu":  # the ranks of a host share one RAM budget
+            per_block *= ranks_on_this_host(args)
+        # Every rank must hold what rank 0 declares: the smallest count wins.
+        self.num_kv_blocks = self.tp.min_int(
+            num_kv_blocks(args, self.max_model_len, per_block, self.device), self.device)
         # One extra block past the end stays zero: padding of batched decodes reads it.
         slots = (self.num_kv_blocks + 1) * self.block_size
         self.pad_slot = self.num_kv_blocks * self.block_size
-        self.kv = torch.empty(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim,
+        self.kv = torch.empty(cfg.num_layers, 2, slots, kv_heads, cfg.head_dim,
                               device=self.device, dtype=self.dtype)
         self.kv[:, :, self.pad_slot:].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, _RequestState] = {}
+        # Prompt lengths of dropped requests whose output counts matter: a preempted one
+        # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
+        # the scheduler readmits a preempted request before any newer one, so it stays found.
+        self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
                     self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
@@ -89,13 +118,17 @@ class ModelRunner:
             tensor_parallel_size=self.world_size,
             chunked_prefill=self.args.enable_chunked_prefill,
             prefix_caching=self.args.enable_prefix_caching,
-            max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3))
+            max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
+            attention_backend=type(self.backend).__name__)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Never raises: a failure comes back as ``StepResult.error``."""
+        """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel
+        forward's (``RankFailure``): the ranks are out of step and the worker must exit."""
         try:
             with torch.inference_mode():
                 return self._execute(plan)
+        except RankFailure:
+            raise
         except Exception as e:  # the worker process must outlive a bad step
             logger.exception("step %s failed", plan.step_id)
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
@@ -104,11 +137,16 @@ class ModelRunner:
 
     def _update_states(self, plan: StepPlan) -> list[tuple[str, _RequestState, int]]:
         for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         entries = []
         for new in plan.new_requests:  # new, or back after preemption: replaces any old state
             self._check_blocks(new.request_id, new.block_ids)
             state = _RequestState(list(new.token_ids), list(new.block_ids), new.sampling)
+            if uses_penalties(new.sampling):
+                prompt_len = self._dropped_prompt_lens.pop(new.request_id, len(new.token_ids))
+                state.history = TokenHistory(new.sampling, new.token_ids[:prompt_len],
+                                             new.token_ids[prompt_len:],
+                                             self.model.cfg.vocab_size)
             self.requests[new.request_id] = state
             entries.append((new.request_id, state, new.num_computed_tokens))
         for cached in plan.cached_requests:
@@ -118,11 +156,20 @@ class ModelRunner:
             self._check_blocks(cached.request_id, cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            if state.history is not None:
+                state.history.add_output(cached.new_token_ids)
             entries.append((cached.request_id, state, cached.num_computed_tokens))
         if len(plan.num_scheduled_tokens) != len(entries):
             raise StepError(f"num_scheduled_tokens has {len(plan.num_scheduled_tokens)} entries "
                             f"for {len(entries)} requests")
         return entries
+
+    def _drop(self, rid: str) -> None:
+        state = self.requests.pop(rid, None)
+        if state is not None and state.history is not None and uses_output_counts(state.sampling):
+            self._dropped_prompt_lens[rid] = state.history.prompt_len
+            while len(self._dropped_prompt_lens) > 4 * self.args.max_num_seqs + 64:
+                self._dropped_prompt_lens.popitem(last=False)
 
     def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
         if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_kv_blocks):
@@ -153,19 +200,30 @@ class ModelRunner:
                 samplers.append((rid, state))
         if not seqs:
             return StepResult(step_id=plan.step_id)
-        meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot)
+        meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
+                              kernel_tables=getattr(self.backend, "kernel_tables", False))
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, max(positions), meta, self.kv_caches)
-        if not sample_rows:
+        try:  # the ranks' collectives are in here
+            hidden = self.model(ids_t, pos_t, max(positions), meta, self.kv_caches)
+            if not sample_rows:
+                return StepResult(step_id=plan.step_id)
+            if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
+                hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
+            else:
+                hidden = hidden.index_select(0, torch.tensor(sample_rows, device=self.device))
+            logits = self.model.compute_logits(hidden)
+        except Exception as e:
+            if self.tp.world > 1:  # the other ranks may be left inside a collective
+                raise RankFailure(f"rank {self.rank} failed mid-forward: "
+                                  f"{type(e).__name__}: {e}") from e
+            raise
+        if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
             return StepResult(step_id=plan.step_id)
-        if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
-            hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
-        else:
-            hidden = hidden.index_select(0, torch.tensor(sample_rows, device=self.device))
-        logits = self.model.compute_logits(hidden)
         specs = [state.sampling for _rid, state in samplers]
-        out = self.sampler(logits, specs, [len(state.token_ids) for _rid, state in samplers])
+        histories = [state.history for _rid, state in samplers]
+        out = self.sampler(logits, specs, [len(state.token_ids) for _rid, state in samplers],
+                           histories if any(h is not None for h in histories) else None)
         logprobs: list[Optional[TokenLogprobs]] = out.logprobs
         return StepResult(step_id=plan.step_id, request_ids=[rid for rid, _state in samplers],
                           token_ids=out.token_ids, logprobs=logprobs)

@@ -23,7 +23,7 @@ INERT = {"model", "user", "store", "metadata", "service_tier"}
 COMMON = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
           "stream_options", "n", "stop", "logprobs", "ignore_eos", "stop_token_ids",
           "skip_special_tokens", "frequency_penalty", "presence_penalty", "logit_bias",
-          "request_id"}
+          "repetition_penalty", "request_id"}
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
              "tool_choice", "parallel_tool_calls", "thinking_mode", "reasoning_effort",
              "add_generation_prompt", "drop_thinking", "chat_template_kwargs"}
@@ -83,15 +83,6 @@ def _is_num(v: Any) -> bool:
 
 def _common(body: dict) -> tuple[SamplingParams, int, bool, bool]:
     """Sampling fields both endpoints share; returns (params, n, stream, include_usage)."""
-    for key in ("frequency_penalty", "presence_penalty"):
-        value = _typed(body, key, _is_num, "a number")
-        if value:
-            raise refuse(key, value, "the sampler has no repetition or presence term",
-                         f'Send "{key}" as 0 or leave it out.')
-    bias = _typed(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
-    if bias:
-        raise refuse("logit_bias", bias, "no per-token bias is applied",
-                     'Send an empty "logit_bias" or leave it out.')
     n = _typed(body, "n", _is_int, "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
@@ -124,11 +115,33 @@ def _common(body: dict) -> tuple[SamplingParams, int, bool, bool]:
                               "an array of token ids"),
         skip_special_tokens=_typed(body, "skip_special_tokens", lambda v: isinstance(v, bool),
                                    "a boolean"),
+        frequency_penalty=_typed(body, "frequency_penalty", _is_num, "a number"),
+        presence_penalty=_typed(body, "presence_penalty", _is_num, "a number"),
+        repetition_penalty=_typed(body, "repetition_penalty", _is_num, "a number"),
+        logit_bias=_logit_bias(body),
     )
     if params["temperature"] is not None and params["temperature"] > 2:
         raise InvalidRequestError('"temperature" must be between 0 and 2', "temperature")
     sp = SamplingParams(**{k: v for k, v in params.items() if v is not None})
     return sp, n, stream, bool(include_usage)
+
+
+def _logit_bias(body: dict) -> Optional[dict[int, float]]:
+    """OpenAI spells token ids as the object's keys ("50256"); values are numbers.
+    Ranges and the entry cap are checked by SamplingParams, the vocabulary by the tokenizer."""
+    bias = _typed(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise InvalidRequestError(f'invalid key in "logit_bias": {key!r}; keys are token '
+                                      "ids, written as non-negative integers", "logit_bias")
+        if not _is_num(value):
+            raise InvalidRequestError(f'"logit_bias" values must be numbers, not '
+                                      f"{_show('logit_bias.' + key, value)}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _max_tokens(body: dict, *keys: str) -> Optional[int]:

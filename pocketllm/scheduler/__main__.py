@@ -6,6 +6,8 @@ detokenizer when a stop string matched), WorkerReady and StepResult (ranks).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections import OrderedDict
 
@@ -13,9 +15,12 @@ import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, DetokRequest, RequestError, SchedulerStats, Shutdown,
+from ..proto.messages import (Abort, DetokRequest, Ping, RequestError, SchedulerStats, Shutdown,
                               StepResult, TokenBatch, TokenDelta, TokenizedRequest, WorkerReady)
+from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("pocketllm.scheduler")
 
 EARLY_ABORT_MEMORY = 4096
 STATS_INTERVAL_S = 0.1
@@ -25,8 +30,20 @@ class SchedulerLoop:
     def __init__(self, ctx: StageContext):
         self.ctx = ctx
         self.inbox = ctx.pull(endpoints.scheduler(ctx.run_dir))
-        world = ctx.args.tensor_parallel_size
-        self.ranks = [ctx.push(endpoints.worker(ctx.run_dir, r)) for r in range(world)]
+        args = ctx.args
+        world, local = args.tensor_parallel_size, args.tensor_parallel_size // args.nnodes
+        self.world = world
+        self.ranks = [ctx.push(endpoints.worker(ctx.run_dir, r)) for r in range(local)]
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.remote: RemoteRanks | None = None
+        if world > local:  # ranks on other hosts reach us over authenticated TCP
+            self.remote = RemoteRanks(ctx.zmq, plan_endpoint(args.master_addr, args.master_port),
+                                      read_secret(args.tensor_parallel_secret_file),
+                                      list(range(local, world)))
+            self.poller.register(self.remote.sock, zmq.POLLIN)
+        self.ready_ranks: dict[int, WorkerReady] = {}
+        self.early: list = []  # requests that arrive while ranks are still loading
         self.to_detok = ctx.push(endpoints.detokenizer(ctx.run_dir))
         self.to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
         self.decoder = codec.decoder_for("scheduler")
@@ -38,17 +55,9 @@ class SchedulerLoop:
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
 
     def start(self) -> None:
-        ready: dict[int, WorkerReady] = {}
-        early = []  # requests that arrive while ranks are still loading
-        while len(ready) < len(self.ranks):
-            msg = self.decoder.decode(self.inbox.recv())
-            if isinstance(msg, WorkerReady):
-                ready[msg.rank] = msg
-            elif isinstance(msg, Shutdown):
-                raise SystemExit(0)
-            else:
-                early.append(msg)
-        caps = ready[0].capabilities
+        while len(self.ready_ranks) < self.world:
+            self.drain(block=True)
+        caps = self.ready_ranks[0].capabilities
         args = self.ctx.args
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=caps.block_size, num_kv_blocks=caps.num_kv_blocks,
@@ -56,12 +65,18 @@ class SchedulerLoop:
             max_model_len=caps.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill))
         self.ctx.ready(capabilities=caps)
-        for msg in early:
+        for msg in self.early:
             self.handle(msg)
 
     def handle(self, msg) -> None:
         sched = self.scheduler
-        if isinstance(msg, TokenizedRequest):
+        if isinstance(msg, Shutdown):
+            raise SystemExit(0)
+        if isinstance(msg, WorkerReady):
+            self.ready_ranks[msg.rank] = msg
+        elif sched is None:
+            self.early.append(msg)
+        elif isinstance(msg, TokenizedRequest):
             if self.early_aborts.pop(msg.request_id, None) is not None:
                 self.emit(TokenBatch(
                     new_requests=[DetokRequest(msg.request_id, len(msg.prompt_token_ids),
@@ -82,8 +97,6 @@ class SchedulerLoop:
             self.emit(sched.abort(msg.request_ids, msg.reason))
         elif isinstance(msg, StepResult):
             self.pending_result = msg
-        elif isinstance(msg, Shutdown):
-            raise SystemExit(0)
 
     def publish_stats(self, force: bool = False) -> None:
         """Send the gauges when the batch's shape changed, or at most every STATS_INTERVAL_S."""
@@ -101,14 +114,32 @@ class SchedulerLoop:
 
     def drain(self, block: bool) -> None:
         """Handle every waiting message; when ``block``, wait for at least one."""
-        if block:
-            self.handle(self.decoder.decode(self.inbox.recv()))
+        handled = False
         while True:
-            try:
-                data = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.handle(self.decoder.decode(data))
+            if handled or not block:
+                timeout = 0
+            else:  # wake up for heartbeats when ranks live on other hosts
+                timeout = int(HEARTBEAT_S * 1000) if self.remote else None
+            events = dict(self.poller.poll(timeout))
+            if self.remote is not None:
+                self.check_remote()
+            if not events:
+                if handled or not block:
+                    return
+                continue
+            if self.inbox in events:
+                self.handle(self.decoder.decode(self.inbox.recv()))
+            if self.remote is not None and self.remote.sock in events:
+                msg = self.decoder.decode(self.remote.recv()[1])
+                if not isinstance(msg, Ping):
+                    self.handle(msg)
+            handled = True
+
+    def check_remote(self) -> None:
+        silent = self.remote.tick()
+        if silent is not None:  # exiting makes the supervisor reap the group and fail requests
+            log.error("rank %d on another host went silent; stopping", silent)
+            os._exit(1)
 
     def run(self) -> None:
         sched = self.scheduler
@@ -123,6 +154,8 @@ class SchedulerLoop:
             data = codec.encode(plan)
             for rank in self.ranks:
                 rank.send(data)
+            if self.remote is not None:
+                self.remote.send_all(data)
             while self.pending_result is None or self.pending_result.step_id != plan.step_id:
                 self.drain(block=True)
             result, self.pending_result = self.pending_result, None

@@ -36,6 +36,10 @@ def default_model_name(args: EngineArgs) -> str:
 
 
 def serve(args: EngineArgs, opts: ServeOptions) -> int:
+    if args.node_rank > 0:  # another host's ranks: no HTTP, no control plane
+        from ..supervisor import run_worker_node
+
+        return run_worker_node(args)
     try:
         import uvloop
 

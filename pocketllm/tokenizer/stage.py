@@ -11,6 +11,7 @@ from ..errors import (InvalidRequestError, PocketLLMError, PromptTooLongError,
 from ..model_info import ModelInfo
 from ..proto.messages import GenerateRequest, RequestError, TokenizedRequest
 from ..protocol.chat import ChatRenderer
+from ..sampling import check_token_ids_in_vocab
 from .tokenizer import load_tokenizer
 
 
@@ -77,6 +78,7 @@ class TokenizerStage:
         if max_tokens > room:
             max_tokens = room  # ends with finish_reason "length" at max_model_len
         sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+        check_token_ids_in_vocab(sampling, self.info.vocab_size)
         return TokenizedRequest(req.request_id, ids, sampling,
                                 eos_token_ids=list(self.info.eos_token_ids),
                                 arrival_time=req.arrival_time)

@@ -1,17 +1,73 @@
-"""Linear layers, the token embedding and the LM head.
+"""Linear layers, the token embedding and the LM head, split across tensor-parallel ranks.
 
-A ``Linear`` may stack several checkpoint matrices along its output dimension
-(q/k/v -> qkv, gate/up -> gate_up) so one matmul replaces several; ``shard(i)``
-says which rows the i-th checkpoint matrix fills at load time.
+* ``ColumnParallelLinear`` holds a slice of the output features (q/k/v heads,
+  gate/up columns); it needs no communication. It may stack several checkpoint
+  matrices along its output dimension (q/k/v -> qkv, gate/up -> gate_up) so one
+  matmul replaces several; each is sliced to this rank's part before stacking.
+* ``RowParallelLinear`` holds a slice of the input features (o_proj, down_proj)
+  and sums the partial outputs over the ranks: one all_reduce.
+* ``VocabParallelEmbedding`` / ``LMHead`` hold a slice of the vocabulary (padded
+  so every rank holds the same number of rows); the head's logits are gathered
+  on rank 0, which samples.
+
+Each layer says, as a ``Shard``, which part of a checkpoint tensor it holds, so a
+loader reads only that part. At world 1 every shard is the whole tensor and the
+forward passes are exactly the plain ones.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..distributed import SINGLE, TPGroup
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a checkpoint tensor: ``[start, stop)`` along ``dim``, of ``full``."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.full
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.whole else tensor.narrow(self.dim, self.start, self.size)
+
+
+def even_shard(full: int, tp: TPGroup, dim: int = 0) -> Shard:
+    """Rank r's r-th equal part (the caller checked that ``full`` divides by the world)."""
+    part = full // tp.world
+    return Shard(dim, tp.rank * part, (tp.rank + 1) * part, full)
+
+
+def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, Shard]:
+    """Rows each rank holds (the vocabulary padded to a multiple of the world) and this
+    rank's real rows; the last rank's slice may be short, or even empty."""
+    rows = math.ceil(vocab_size / tp.world)
+    start = min(tp.rank * rows, vocab_size)
+    return rows, Shard(0, start, min(start + rows, vocab_size), vocab_size)
+
+
+def _zero_padding(weight: torch.Tensor, valid: int) -> None:
+    # Padding rows are never looked up and give zero logits, which rank 0 trims.
+    if valid < weight.shape[0]:
+        with torch.no_grad():
+            weight[valid:].zero_()
 
 
 def _param(shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -19,53 +75,108 @@ def _param(shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> nn
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_sizes: Sequence[int] | int, bias: bool,
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; ``parts`` are this rank's slices (dim 0) of
+    the stacked checkpoint matrices, in stacking order."""
+
+    def __init__(self, in_features: int, parts: Sequence[Shard], bias: bool,
                  device: torch.device, dtype: torch.dtype):
         super().__init__()
-        self.out_sizes = [out_sizes] if isinstance(out_sizes, int) else list(out_sizes)
+        self.parts = list(parts)
+        self.out_sizes = [p.size for p in self.parts]
         self.in_features = in_features
         self.weight = _param((sum(self.out_sizes), in_features), device, dtype)
         self.bias: Optional[nn.Parameter] = (
             _param((sum(self.out_sizes),), device, dtype) if bias else None)
 
-    def shard(self, index: int) -> slice:
+    def out_rows(self, index: int) -> slice:
+        """The rows of ``weight`` that the index-th stacked matrix fills."""
         start = sum(self.out_sizes[:index])
         return slice(start, start + self.out_sizes[index])
+
+    def part_shard(self, index: int) -> Optional[Shard]:
+        """What the index-th checkpoint matrix contributes here (None: all of it)."""
+        part = self.parts[index]
+        return None if part.whole else part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Module):
-    """Token embedding, optionally scaled (Gemma multiplies by sqrt(hidden_size))."""
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks (``in_shard``, dim 1); the outputs are summed."""
+
+    def __init__(self, in_shard: Shard, out_features: int, bias: bool, device: torch.device,
+                 dtype: torch.dtype, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.in_shard, self.tp = in_shard, tp
+        self.weight = _param((out_features, in_shard.size), device, dtype)
+        # The bias is added once, after the sum, so every rank holds all of it.
+        self.bias: Optional[nn.Parameter] = _param((out_features,), device, dtype) if bias else None
+
+    def weight_shard(self) -> Optional[Shard]:
+        return None if self.in_shard.whole else self.in_shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary rows, optionally scaled (Gemma multiplies
+    by sqrt(hidden_size)). Ids outside the slice give zeros; the sum over ranks fills them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, device: torch.device,
-                 dtype: torch.dtype, scale: Optional[float] = None):
+                 dtype: torch.dtype, scale: Optional[float] = None, tp: TPGroup = SINGLE):
         super().__init__()
-        self.weight = _param((vocab_size, hidden_size), device, dtype)
+        self.tp = tp
+        rows, self.shard = vocab_shard(vocab_size, tp)
+        self.vocab_start, self.num_valid = self.shard.start, self.shard.size
+        self.weight = _param((rows, hidden_size), device, dtype)
+        _zero_padding(self.weight, self.num_valid)
         # The scale is rounded to the model dtype first, as the reference does.
         self.scale = None if scale is None else torch.tensor(scale, dtype=dtype).item()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.weight)
+        if self.tp.world == 1:
+            x = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.num_valid)
+            x = F.embedding(local.masked_fill(outside, 0), self.weight)
+            x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
         return x if self.scale is None else x * self.scale
 
 
 class LMHead(nn.Module):
-    """hidden -> vocabulary logits (float32), optionally soft-capped; may share the embedding."""
+    """hidden -> vocabulary logits (float32), optionally soft-capped; may share the embedding.
+
+    Each rank computes the logits of its vocabulary slice; rank 0 gathers and joins
+    them. ``forward`` returns None on the other ranks (they do not sample).
+    """
 
     def __init__(self, hidden_size: int, vocab_size: int, device: torch.device,
-                 dtype: torch.dtype, tied_to: Optional[Embedding] = None,
-                 softcap: Optional[float] = None):
+                 dtype: torch.dtype, tied_to: Optional[VocabParallelEmbedding] = None,
+                 softcap: Optional[float] = None, tp: TPGroup = SINGLE):
         super().__init__()
-        self.tied_to = tied_to
-        self.weight = None if tied_to is not None else _param((vocab_size, hidden_size), device, dtype)
-        self.softcap = softcap
+        self.tied_to, self.softcap, self.tp, self.vocab_size = tied_to, softcap, tp, vocab_size
+        self.weight: Optional[nn.Parameter] = None
+        self.shard: Optional[Shard] = None
+        if tied_to is None:  # the same vocabulary split as the embedding
+            rows, self.shard = vocab_shard(vocab_size, tp)
+            self.weight = _param((rows, hidden_size), device, dtype)
+            _zero_padding(self.weight, self.shard.size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         logits = F.linear(hidden, weight).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        if self.tp.world == 1:
+            return logits
+        parts = self.tp.gather_to_first(logits)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]

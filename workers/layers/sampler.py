@@ -6,18 +6,29 @@ inverse-CDF draw. A seeded request's uniform number depends only on (seed,
 position of the token being sampled), so its text does not depend on what else
 is in the batch and survives preemption. Log probabilities come from the raw
 logits, before any of these transforms.
+
+Before all that, rows whose request asked for them get penalties and bias
+(``apply_penalties``): repetition (HF/CTRL rule, prompt + output), then
+frequency and presence (OpenAI rule, output only), then logit_bias last, so a
+-100/+100 bias still bans/forces whatever the penalties did. Greedy rows take
+the argmax of these adjusted logits. A batch where no row uses them does no
+extra work.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from pocketllm.proto.messages import SamplingSpec, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+
+logger = logging.getLogger("pocketllm.worker")
 
 
 def seeded_uniform(seed: int, position: int) -> float:
@@ -36,6 +47,145 @@ def is_greedy(spec: SamplingSpec) -> bool:
     return spec.temperature == 0 or spec.top_k == 1
 
 
+def uses_output_counts(spec: SamplingSpec) -> bool:
+    return spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
+
+
+def uses_penalties(spec: SamplingSpec) -> bool:
+    return uses_output_counts(spec) or spec.repetition_penalty != 1.0 or bool(spec.logit_bias)
+
+
+class TokenHistory:
+    """What one request's penalties need, kept up to date token by token (never recounted).
+
+    Small CPU tensors, whatever the device: ``apply_penalties`` flattens every row's
+    into one index and ships it once per step, instead of one transfer per row and kind.
+    ``count_ids``/``counts``: distinct generated tokens and how often each came
+    (frequency/presence only; never the prompt). ``seen_ids``: distinct tokens of
+    prompt + output (repetition only). ``bias_ids``/``bias_values``: logit_bias, once.
+    """
+
+    def __init__(self, spec: SamplingSpec, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 vocab_size: int):
+        self.prompt_len = len(prompt_ids)
+        self.count_ids = self.counts = None
+        self._slots: dict[int, int] = {}  # token -> its index in count_ids
+        if uses_output_counts(spec):
+            self.count_ids = torch.empty(0, dtype=torch.long)
+            self.counts = torch.empty(0, dtype=torch.float32)
+        self.seen_ids = None
+        self._seen: set[int] = set()
+        if spec.repetition_penalty != 1.0:
+            self._seen = set(prompt_ids)
+            self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self.bias_ids = self.bias_values = None
+        if spec.logit_bias:
+            # The control plane refuses out-of-vocabulary ids; never index past the logits.
+            bias = {t: b for t, b in spec.logit_bias.items() if 0 <= t < vocab_size}
+            if len(bias) != len(spec.logit_bias):
+                logger.warning("logit_bias ids outside the vocabulary (%d) dropped", vocab_size)
+            self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+            self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.add_output(output_ids)
+
+    def add_output(self, token_ids: Iterable[int]) -> None:
+        token_ids = list(token_ids)
+        if not token_ids:
+            return
+        if self.count_ids is not None:
+            new_ids, new_counts = [], []
+            for token, n in collections.Counter(token_ids).items():
+                slot = self._slots.get(token)
+                if slot is None:
+                    self._slots[token] = len(self._slots)
+                    new_ids.append(token)
+                    new_counts.append(float(n))
+                else:
+                    self.counts[slot] += n
+            if new_ids:
+                self.count_ids = torch.cat([self.count_ids, torch.tensor(new_ids)])
+                self.counts = torch.cat([self.counts, torch.tensor(new_counts)])
+        if self.seen_ids is not None:
+            new = [t for t in dict.fromkeys(token_ids) if t not in self._seen]
+            if new:
+                self._seen.update(new)
+                self.seen_ids = torch.cat([self.seen_ids, torch.tensor(new)])
+
+    def output_counts(self) -> dict[int, int]:
+        """token -> times generated (for tests and debugging; not on the hot path)."""
+        if self.count_ids is None:
+            return {}
+        return dict(zip(self.count_ids.tolist(), map(int, self.counts.tolist())))
+
+
+def apply_penalties(logits: torch.Tensor, specs: Sequence[SamplingSpec],
+                    histories: Sequence[Optional[TokenHistory]]) -> None:
+    """Adjust, in place, the rows whose history is not None.
+
+    The index is built on the CPU for every row at once; on a GPU that costs two small
+    copies and a few kernels per kind, whatever the batch. Frequency/presence and
+    logit_bias are both additive, so they share one scatter (bias still lands after the
+    multiplicative repetition penalty).
+    """
+    rep, counted, biased = _Rows(), _Rows(), _Rows()
+    for row, (spec, h) in enumerate(zip(specs, histories)):
+        if h is None:
+            continue
+        if h.seen_ids is not None:
+            rep.add(row, h.seen_ids, spec.repetition_penalty)
+        if h.count_ids is not None and len(h.count_ids):
+            counted.add(row, h.count_ids, h.counts, spec.frequency_penalty,
+                        spec.presence_penalty)
+        if h.bias_ids is not None:
+            biased.add(row, h.bias_ids, h.bias_values)
+    if rep.rows:
+        index, (factor,) = rep.flat()
+        rows, ids = index.to(logits.device).unbind(0)
+        factor = factor.to(logits.device)
+        values = logits[rows, ids].float()
+        # HF/CTRL: a positive logit is divided by the penalty, a negative one multiplied.
+        logits[rows, ids] = torch.where(values > 0, values / factor, values * factor).to(
+            logits.dtype)
+    parts = []
+    if counted.rows:
+        index, (counts, freq, pres) = counted.flat()
+        # OpenAI: mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
+        parts.append((index, -(counts * freq + pres)))
+    if biased.rows:
+        index, (bias,) = biased.flat()
+        parts.append((index, bias))
+    if parts:
+        index = torch.cat([i for i, _v in parts], dim=1).to(logits.device)
+        delta = torch.cat([v for _i, v in parts]).to(logits.device, logits.dtype)
+        logits.index_put_(tuple(index.unbind(0)), delta, accumulate=True)
+
+
+class _Rows:
+    """Per-row token ids plus values, flattened into one [2, N] (row, id) index."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.ids: list[torch.Tensor] = []
+        self.columns: list[list] = []  # each: a per-entry tensor, or one number per row
+
+    def add(self, row: int, ids: torch.Tensor, *values) -> None:
+        self.rows.append(row)
+        self.ids.append(ids)
+        self.columns.append(list(values))
+
+    def flat(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        lengths = torch.tensor([len(i) for i in self.ids])
+        rows = torch.tensor(self.rows).repeat_interleave(lengths)
+        index = torch.stack([rows, torch.cat(self.ids)])
+        values = []
+        for column in zip(*self.columns):
+            if isinstance(column[0], torch.Tensor):
+                values.append(torch.cat(column))
+            else:  # one number per row, spread over that row's ids
+                values.append(torch.tensor(column, dtype=torch.float32).repeat_interleave(lengths))
+        return index, values
+
+
 @dataclass
 class SampleOutput:
     token_ids: list[int]
@@ -48,8 +198,17 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, specs: Sequence[SamplingSpec],
-                 positions: Sequence[int]) -> SampleOutput:
-        """logits [B, V] float32; ``positions[i]`` is the position the new token will take."""
+                 positions: Sequence[int],
+                 histories: Optional[Sequence[Optional[TokenHistory]]] = None) -> SampleOutput:
+        """logits [B, V] float32; ``positions[i]`` is the position the new token will take.
+
+        ``histories``: None when no row uses penalties or bias (the common case, no work);
+        else one per row, None for rows that use none. Penalised rows of ``logits`` are
+        adjusted in place, after the raw rows that logprobs need were copied out.
+        """
+        raw_rows = _raw_logprob_rows(logits, specs)
+        if histories is not None:
+            apply_penalties(logits, specs, histories)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(specs) if not is_greedy(s)]
         if random_rows:
@@ -59,7 +218,7 @@ class Sampler:
             drawn = _draw(logits[rows], [specs[i] for i in random_rows], uniforms.to(logits.device))
             tokens[rows] = drawn
         token_ids = tokens.tolist()
-        return SampleOutput(token_ids, _logprobs(logits, tokens, specs))
+        return SampleOutput(token_ids, _logprobs(raw_rows, tokens, specs))
 
     def _uniforms(self, specs: Sequence[SamplingSpec], positions: Sequence[int]) -> torch.Tensor:
         unseeded = [i for i, s in enumerate(specs) if s.seed is None]
@@ -105,14 +264,23 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.T
     return choice if index is None else index.gather(1, choice[:, None]).squeeze(1)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+def _raw_logprob_rows(logits: torch.Tensor,
+                      specs: Sequence[SamplingSpec]) -> Optional[torch.Tensor]:
+    """A copy of the raw rows whose request asked for logprobs (None if none did)."""
+    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
+    if not asked:
+        return None
+    return logits[torch.tensor(asked, device=logits.device)]
+
+
+def _logprobs(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
               specs: Sequence[SamplingSpec]) -> list[Optional[TokenLogprobs]]:
     asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
     out: list[Optional[TokenLogprobs]] = [None] * len(specs)
-    if not asked:
+    if raw_rows is None:
         return out
-    rows = torch.tensor(asked, device=logits.device)
-    logp = logits[rows].float().log_softmax(dim=-1)
+    rows = torch.tensor(asked, device=raw_rows.device)
+    logp = raw_rows.float().log_softmax(dim=-1)
     chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
     k = min(max(specs[i].logprobs for i in asked), logp.shape[-1])
     top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())

@@ -27,9 +27,10 @@ def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs,
     elif fmt == "safetensors":
         from .safetensors import load_safetensors_weights
 
-        model.load_weights(tracked(load_safetensors_weights(info.path)))
+        # lazy: each rank reads only its part of each tensor
+        model.load_weights(tracked(load_safetensors_weights(info.path, lazy=True)))
     elif fmt == "gguf":
-        from .gguf import load_gguf_weights  # written alongside; dequantizes to float32
+        from .gguf import load_gguf_weights  # one tensor dequantized at a time, then sliced
 
         model.load_weights(tracked(load_gguf_weights(info.path, info)))
     else:

@@ -10,18 +10,23 @@ DUMMY_STD = 0.02  # small, so activations and logits stay in a sane range
 
 
 def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> None:
-    """Deterministic in ``seed``: drawn on the CPU in a fixed order, then copied to the device."""
+    """Deterministic in ``seed``: drawn on the CPU in a fixed order, then copied to the device.
+
+    Every rank draws each whole tensor and keeps its part, so the model is the same
+    whatever the tensor-parallel size.
+    """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, target in sorted(model.weight_targets().items()):
-            shape = target.shape
+            shape = target.checkpoint_shape
             if name.endswith("norm.weight"):  # identity norms (Gemma stores w of 1 + w)
                 value = torch.zeros(shape) if target.transform is not None else torch.ones(shape)
             elif name.endswith(".bias"):
                 value = torch.zeros(shape)
             else:
                 value = torch.randn(shape, generator=gen) * std
+            if target.shard is not None:
+                value = target.shard.take(value)
             if target.transform is not None:
                 value = target.transform(value)
-            dest = target.param if target.rows is None else target.param[target.rows]
-            dest.copy_(value)
+            target.dest.copy_(value)

@@ -8,16 +8,18 @@ HF names map onto the (fused) parameters here, in ``weight_targets``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 from torch import nn
 
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
+from ..distributed import SINGLE, TPGroup
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.linear import Embedding, Linear, LMHead
+from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
+                             VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryTable, apply_rotary
 from .config import ArchConfig
@@ -25,15 +27,58 @@ from .config import ArchConfig
 RopeCosSin = tuple[torch.Tensor, torch.Tensor]
 
 
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet (see loader/safetensors.py)."""
+
+    shape: tuple[int, ...]
+
+    def read(self, shard: Optional[Shard]) -> torch.Tensor: ...
+
+
+def check_tensor_parallel(cfg: ArchConfig, world: int) -> None:
+    """Refuse, before any weight is read, a model whose heads do not split across ``world``."""
+    if world == 1:
+        return
+    problems = []
+    if cfg.num_heads % world:
+        problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by "
+                        f"tensor_parallel_size={world}")
+    if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
+        problems.append(f"num_key_value_heads={cfg.num_kv_heads} neither divides nor is "
+                        f"divisible by tensor_parallel_size={world}")
+    if cfg.intermediate_size % world:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by "
+                        f"tensor_parallel_size={world}")
+    if problems:
+        raise UnsupportedFeatureError(
+            f"{cfg.architecture} cannot be split across {world} tensor-parallel ranks: "
+            + "; ".join(problems) + ". Choose a tensor_parallel_size that divides the head counts.")
+
+
+def kv_head_range(cfg: ArchConfig, tp: TPGroup) -> tuple[int, int]:
+    """The KV heads this rank holds: its share, or (fewer KV heads than ranks) the one
+    KV head its query heads read, replicated on the ranks that share it."""
+    count = max(1, cfg.num_kv_heads // tp.world)
+    first = tp.rank * cfg.num_kv_heads // tp.world
+    return first, count
+
+
 class Attention(nn.Module):
+    """Query heads split evenly across ranks (column-parallel q/k/v, row-parallel o_proj)."""
+
     def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(cfg.hidden_size, self.split, cfg.qkv_bias, device, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, device, dtype)
+        d = cfg.head_dim
+        kv_first, self.num_kv_heads = kv_head_range(cfg, tp)
+        self.num_heads, self.head_dim = cfg.num_heads // tp.world, d
+        q_shard = even_shard(cfg.num_heads * d, tp)
+        kv_shard = Shard(0, kv_first * d, (kv_first + self.num_kv_heads) * d, cfg.num_kv_heads * d)
+        self.split = [q_shard.size, kv_shard.size, kv_shard.size]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard],
+                                             cfg.qkv_bias, device, dtype)
+        self.o_proj = RowParallelLinear(even_shard(cfg.num_heads * d, tp, dim=1), cfg.hidden_size,
+                                        cfg.o_bias, device, dtype, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
@@ -55,11 +100,16 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, device: torch.device, dtype: torch.dtype):
+    """Intermediate columns split across ranks (column-parallel gate/up, row-parallel down)."""
+
+    def __init__(self, cfg: ArchConfig, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE):
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, device, dtype)
-        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, device, dtype)
+        inter = even_shard(cfg.intermediate_size, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
+                                                 device, dtype)
+        self.down_proj = RowParallelLinear(even_shard(cfg.intermediate_size, tp, dim=1),
+                                           cfg.hidden_size, cfg.mlp_bias, device, dtype, tp)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,36 +118,62 @@ class GatedMLP(nn.Module):
 
 @dataclass
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows ``rows`` of ``param``, after ``transform``."""
+    """Where one checkpoint tensor goes: its part ``shard`` (None: all of it) fills rows
+    ``rows`` of ``param`` (None: all of it), after ``transform``."""
 
     param: torch.Tensor
     rows: Optional[slice] = None
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    shard: Optional[Shard] = None
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of the destination (this rank's part)."""
         return tuple(self.param[self.rows].shape if self.rows is not None else self.param.shape)
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape the whole checkpoint tensor must have."""
+        shape = list(self.shape)
+        if self.shard is not None:
+            shape[self.shard.dim] = self.shard.full
+        return tuple(shape)
+
+    @property
+    def dest(self) -> torch.Tensor:
+        return self.param if self.rows is None else self.param[self.rows]
+
+
+def _vocab_target(param: torch.Tensor, shard: Shard) -> WeightTarget:
+    # The vocabulary is padded per rank: only the first shard.size rows are real.
+    if shard.whole and shard.size == param.shape[0]:
+        return WeightTarget(param)
+    return WeightTarget(param, slice(0, shard.size), shard=None if shard.whole else shard)
 
 
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, over a flattened token batch."""
 
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, tp: TPGroup = SINGLE):
         super().__init__()
         cfg.validate()
-        self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype, cfg.embed_scale)
-        self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, device, dtype)
+        check_tensor_parallel(cfg, tp.world)
+        self.cfg, self.device, self.dtype, self.tp = cfg, device, dtype, tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype,
+                                                   cfg.embed_scale, tp)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, device, dtype, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied, cfg.final_softcap)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied,
+                              cfg.final_softcap, tp)
+        self.num_local_kv_heads = kv_head_range(cfg, tp)[1]  # what this rank's KV cache holds
         self.rotary = {kind: RotaryTable(cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings,
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype) -> nn.Module:
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
@@ -110,38 +186,31 @@ class CausalLM(nn.Module):
             x = layer(x, rope[kind], meta, kv)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the rows that sample (the norm is row-wise, so it runs here)."""
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Float32 logits for the rows that sample (the norm is row-wise, so it runs here);
+        None on every rank but 0 when tensor-parallel."""
         return self.lm_head(self.norm(hidden))
 
     # ------------------------------------------------------------------ weights
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF parameter name -> where it is stored here (override to add family params)."""
-        t: dict[str, WeightTarget] = {"model.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
-                                      "model.norm.weight": WeightTarget(self.norm.weight)}
+        t: dict[str, WeightTarget] = {
+            "model.embed_tokens.weight": _vocab_target(self.embed_tokens.weight,
+                                                       self.embed_tokens.shard),
+            "model.norm.weight": WeightTarget(self.norm.weight)}
         if self.lm_head.weight is not None:
-            t["lm_head.weight"] = WeightTarget(self.lm_head.weight)
+            t["lm_head.weight"] = _vocab_target(self.lm_head.weight, self.lm_head.shard)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                t[f"{p}self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, attn.qkv_proj.shard(j))
-                if attn.qkv_proj.bias is not None:
-                    t[f"{p}self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, attn.qkv_proj.shard(j))
-            t[f"{p}self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
-            if attn.o_proj.bias is not None:
-                t[f"{p}self_attn.o_proj.bias"] = WeightTarget(attn.o_proj.bias)
+            _stacked_targets(t, f"{p}self_attn.", ("q_proj", "k_proj", "v_proj"), attn.qkv_proj)
+            _row_parallel_targets(t, f"{p}self_attn.o_proj.", attn.o_proj)
             if attn.q_norm is not None:
                 t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            for j, name in enumerate(("gate_proj", "up_proj")):
-                t[f"{p}mlp.{name}.weight"] = WeightTarget(mlp.gate_up_proj.weight, mlp.gate_up_proj.shard(j))
-                if mlp.gate_up_proj.bias is not None:
-                    t[f"{p}mlp.{name}.bias"] = WeightTarget(mlp.gate_up_proj.bias, mlp.gate_up_proj.shard(j))
-            t[f"{p}mlp.down_proj.weight"] = WeightTarget(mlp.down_proj.weight)
-            if mlp.down_proj.bias is not None:
-                t[f"{p}mlp.down_proj.bias"] = WeightTarget(mlp.down_proj.bias)
+            _stacked_targets(t, f"{p}mlp.", ("gate_proj", "up_proj"), mlp.gate_up_proj)
+            _row_parallel_targets(t, f"{p}mlp.down_proj.", mlp.down_proj)
             for norm in layer.norm_names:
                 t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)
         return t
@@ -154,8 +223,13 @@ class CausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return name
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into place; every expected tensor must arrive."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]
+                     ) -> None:
+        """Copy checkpoint tensors into place; every expected tensor must arrive.
+
+        A tensor may be lazy (``shape`` + ``read(shard)``): then only this rank's part
+        of it is ever read. A full tensor is sliced here and dropped by the caller.
+        """
         targets = self.weight_targets()
         loaded: set[str] = set()
         with torch.no_grad():
@@ -167,16 +241,37 @@ class CausalLM(nn.Module):
                 if target is None:
                     raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint "
                                           f"for {self.cfg.architecture}")
-                if tuple(tensor.shape) != target.shape:
+                if tuple(tensor.shape) != target.checkpoint_shape:
                     raise CheckpointError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
-                                          f"expected {target.shape}")
+                                          f"expected {target.checkpoint_shape}")
+                if isinstance(tensor, torch.Tensor):
+                    part = tensor if target.shard is None else target.shard.take(tensor)
+                else:
+                    part = tensor.read(target.shard)
                 if target.transform is not None:
-                    tensor = target.transform(tensor.float())
-                dest = target.param if target.rows is None else target.param[target.rows]
-                dest.copy_(tensor)
+                    part = target.transform(part.float())
+                target.dest.copy_(part)
                 loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}"
                                   + (f"; also missing {missing[1:5]}{more}" if len(missing) > 1 else ""))
+
+
+def _stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, ...],
+                     layer: ColumnParallelLinear) -> None:
+    """q/k/v or gate/up: each checkpoint matrix fills its rows of the fused parameter."""
+    for j, name in enumerate(names):
+        t[f"{prefix}{name}.weight"] = WeightTarget(layer.weight, layer.out_rows(j),
+                                                   shard=layer.part_shard(j))
+        if layer.bias is not None:
+            t[f"{prefix}{name}.bias"] = WeightTarget(layer.bias, layer.out_rows(j),
+                                                     shard=layer.part_shard(j))
+
+
+def _row_parallel_targets(t: dict[str, WeightTarget], prefix: str,
+                          layer: RowParallelLinear) -> None:
+    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard())
+    if layer.bias is not None:
+        t[f"{prefix}bias"] = WeightTarget(layer.bias)  # replicated: added after the sum

@@ -11,6 +11,7 @@ from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
 
+from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.norm import RMSNorm
 from .base import Attention, CausalLM, GatedMLP, RopeCosSin, WeightTarget
@@ -68,10 +69,10 @@ class Gemma3DecoderLayer(nn.Module):
                   "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
     def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype)
-        self.mlp = GatedMLP(cfg, device, dtype)
+        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
+        self.mlp = GatedMLP(cfg, device, dtype, tp)
         for name in self.norm_names:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
 
@@ -89,8 +90,8 @@ def _plus_one(weight: torch.Tensor) -> torch.Tensor:
 
 class Gemma3ForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return Gemma3DecoderLayer(cfg, index, backend, device, dtype)
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+        return Gemma3DecoderLayer(cfg, index, backend, device, dtype, tp)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = super().weight_targets()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.norm import RMSNorm
 from .base import Attention, CausalLM, GatedMLP, RopeCosSin
@@ -77,10 +78,10 @@ class LlamaDecoderLayer(nn.Module):
     norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype)
-        self.mlp = GatedMLP(cfg, device, dtype)
+        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
+        self.mlp = GatedMLP(cfg, device, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
@@ -92,5 +93,5 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return LlamaDecoderLayer(cfg, index, backend, device, dtype)
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+        return LlamaDecoderLayer(cfg, index, backend, device, dtype, tp)

@@ -10,6 +10,7 @@ from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 
 from ..layers.attention import AttentionBackend
+from ..distributed import SINGLE, TPGroup
 from .base import CausalLM
 from .config import ArchConfig
 from .gemma3 import Gemma3ForCausalLM, gemma3_arch_config
@@ -39,8 +40,9 @@ def arch_config(info: ModelInfo) -> ArchConfig:
 
 
 def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
-                dtype: torch.dtype) -> CausalLM:
-    """An uninitialised model of the checkpoint's architecture (weights come from a loader)."""
+                dtype: torch.dtype, tp: TPGroup = SINGLE) -> CausalLM:
+    """An uninitialised model of the checkpoint's architecture (weights come from a loader),
+    holding this rank's share of every split layer."""
     cfg = arch_config(info)
     cls, _parse = MODELS[info.architecture]
-    return cls(cfg, backend, device, dtype)
+    return cls(cfg, backend, device, dtype, tp)

@@ -1,0 +1,43 @@
+"""Two "hosts" on one machine: rank 1 runs in its own process group (`serve --node-rank 1`)
+and reaches rank 0's scheduler over authenticated TCP on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from server_process import free_port
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_two_hosts_serve_one_request(tiny_llama, tmp_path, llm_tiny):
+    secret = tmp_path / "secret"
+    secret.write_text("a-shared-secret-for-this-run-only")
+    port = free_port()
+    node1 = subprocess.Popen([
+        sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
+        "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+        "--tensor-parallel-master-port", str(port),
+        "--tensor-parallel-secret-file", str(secret)])
+    try:
+        with LLM(EngineArgs(model=tiny_llama, tensor_parallel_size=2, nnodes=2, node_rank=0,
+                            master_port=port, tensor_parallel_secret_file=str(secret),
+                            startup_timeout=120)) as llm:
+            assert set(llm._client.supervisor.procs) == {"tokenizer", "detokenizer",
+                                                         "scheduler", "worker0"}
+            assert llm.capabilities.tensor_parallel_size == 2
+            out = llm.generate("two hosts, one answer", GREEDY)[0]
+        assert out.token_ids == llm_tiny.generate("two hosts, one answer", GREEDY)[0].token_ids
+        children = psutil.Process(node1.pid).children(recursive=True)
+        # rank 0's host is gone: rank 1 stops hearing heartbeats and its host exits
+        assert node1.wait(60) == 1
+        psutil.wait_procs(children, timeout=10)
+        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
