@@ -14,6 +14,7 @@ BACKENDS = ("auto", "torch")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
 @dataclass
@@ -95,6 +96,11 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
                                       "gpu_memory_utilization")
+        unknown = sorted(set(self.backend_options) - BACKEND_OPTIONS)
+        if unknown:
+            raise InvalidRequestError(
+                f"backend_options key {unknown[0]!r} is not one this engine acts on; "
+                f"known: {', '.join(sorted(BACKEND_OPTIONS))}", "backend_options")
         eos = self.backend_options.get("eos_token_id")
         if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool)) and not (
                 isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos)):

@@ -111,6 +111,8 @@ def test_from_env():
     assert args.backend_options == {"eos_token_id": 7}
     with pytest.raises(InvalidRequestError):
         EngineArgs.from_env({"POCKETLLM_MAX_NUM_SEQS": "many"})
+    with pytest.raises(InvalidRequestError, match="not one this engine acts on"):
+        EngineArgs(backend_options={"cuda_graphs": True})  # never silently ignored
 
 
 def test_cancel_mid_stream_frees_everything(llm_tiny):

@@ -50,7 +50,8 @@ def serve(args: EngineArgs, opts: ServeOptions) -> int:
 
 
 async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
-    state = ServerState(model_name=opts.served_model_name or default_model_name(args),
+    name = opts.served_model_name or args.served_model_name or default_model_name(args)
+    state = ServerState(model_name=name,
                         api_key=opts.api_key, request_timeout=opts.request_timeout)
     runner = web.AppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
                            access_log=None, shutdown_timeout=args.shutdown_timeout)
