@@ -75,15 +75,20 @@ def test_killed_worker_takes_the_server_down_nonzero(tiny_llama):
     assert_gone(children)
 
 
-def test_startup_timeout_exits_nonzero(tiny_llama):
+def test_startup_timeout_exits_nonzero(tiny_llama, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama,
-                             "--port", str(port), "--tensor-parallel-startup-timeout", "0.2"])
+                             "--port", str(port), "--tensor-parallel-startup-timeout", "0.5",
+                             "--tensor-parallel-rendezvous-dir", str(tmp_path)])
     try:
         assert proc.wait(60) == 1
     finally:
         if proc.poll() is None:
             proc.kill()
+    # every process of that group ran inside its run directory under tmp_path: none is left
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))]
+    assert not left and not os.listdir(tmp_path)
 
 
 def test_tensor_parallel_size_the_heads_do_not_divide_refused_clearly(tiny_llama):
