@@ -46,11 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="this host's index; 0 runs the scheduler and HTTP, others only ranks")
     g.add_argument("--tensor-parallel-secret-file", default=None,
                    help="shared secret (same file on every host) authenticating remote ranks")
+    g.add_argument("--no-tensor-parallel-supervisor", action="store_true",
+                   help="this process is one rank started by an external launcher (torchrun): "
+                        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment")
     g.add_argument("--backend-options", type=json.loads, default=None,
                    help="JSON object of backend-specific options")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    if getattr(ns, "no_tensor_parallel_supervisor", False):
+        launched_rank(ns)
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, backend=ns.backend, load_format=ns.load_format,
         dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size,
@@ -66,6 +71,24 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
         node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
         backend_options=ns.backend_options or {})
+
+
+def launched_rank(ns: argparse.Namespace) -> None:
+    """An external launcher started one process per rank: each is its own "host" of one
+    rank, and rank 0 also runs the control plane and HTTP (the multi-host machinery)."""
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise SystemExit(f"--no-tensor-parallel-supervisor needs {', '.join(missing)} in the "
+                         "environment (set by torchrun or your launcher)")
+    world = int(env["WORLD_SIZE"])
+    if ns.tensor_parallel_size not in (1, world):
+        raise SystemExit(f"--tensor-parallel-size {ns.tensor_parallel_size} disagrees with "
+                         f"WORLD_SIZE={world}")
+    ns.tensor_parallel_size = ns.nnodes = world
+    ns.node_rank = int(env["RANK"])
+    ns.tensor_parallel_master_addr = env["MASTER_ADDR"]
+    ns.tensor_parallel_master_port = int(env["MASTER_PORT"])
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

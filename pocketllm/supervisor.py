@@ -76,7 +76,9 @@ class Supervisor:
                 self._spawn("detokenizer", "pocketllm.detokenizer")
                 self._spawn("scheduler", "pocketllm.scheduler")
             for rank in range(first, first + local):
-                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank - first),
+                # A launcher (torchrun) that started this process already chose its device.
+                local_rank = int(os.environ.get("LOCAL_RANK", 0)) + rank - first
+                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank),
                             "WORLD_SIZE": str(world), "TP_RANK": str(rank),
                             "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)

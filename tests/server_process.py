@@ -17,6 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll /ready until 200; fail if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("server did not become ready")
+
+
 class ServerProcess:
     def __init__(self, *args: str, ready_timeout: float = 180.0):
         self.port = free_port()

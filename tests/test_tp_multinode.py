@@ -41,3 +41,38 @@ def test_two_hosts_serve_one_request(tiny_llama, tmp_path, llm_tiny):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_ranks_started_by_torchrun(tiny_llama, llm_tiny):
+    import os
+    import shutil
+    import signal
+
+    import httpx
+
+    from server_process import wait_ready
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    http_port = free_port()
+    proc = subprocess.Popen(
+        [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+         str(free_port()), "-m", "pocketllm", "serve", "--model", tiny_llama,
+         "--no-tensor-parallel-supervisor", "--port", str(http_port)],
+        env={**os.environ, "POCKETLLM_RUN_SECRET": "a-secret-for-this-torchrun-test"},
+        start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        wait_ready(url, proc, timeout=120)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "launched by torchrun", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True})
+        expected = llm_tiny.generate("launched by torchrun", GREEDY)[0].text
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        group = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    psutil.wait_procs(group, timeout=15)
+    assert not [p for p in group if p.is_running() and p.status() != "zombie"]

@@ -90,8 +90,11 @@ def init_from_env(args: EngineArgs, rank: int, world: int) -> TPGroup:
         # gloo otherwise resolves the hostname, which in containers may not be loopback
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     timeout = timedelta(seconds=max(args.startup_timeout, MIN_COLLECTIVE_TIMEOUT_S))
+    # env:// rather than tcp://: under torchrun the launcher already serves the store on
+    # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and env:// joins it instead of binding.
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
     torch.distributed.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+        "nccl" if cuda else "gloo", init_method="env://", rank=rank,
         world_size=world, timeout=timeout,
         device_id=torch.device("cuda", local_rank) if cuda else None)
     return TPGroup(rank, world)
