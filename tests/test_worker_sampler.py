@@ -142,3 +142,20 @@ def test_runner_logprobs_ignore_temperature(runner):
     assert a.top_token_ids == b.top_token_ids
     assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-6)
     assert math.isfinite(b.logprob) and b.logprob <= 0
+
+
+def test_top_p_probe_gives_what_the_full_sort_gives(monkeypatch):
+    """The top-p shortcut (cut inside the best NUCLEUS_PROBE tokens) must be exact."""
+    from pocketllm.proto.messages import SamplingSpec
+    from pocketllm.workers.layers import sampler as smp
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=gen) * 4  # peaky enough to fit in the probe
+    specs = [SamplingSpec(temperature=0.8, top_p=p) for p in (0.5, 0.9, 0.95)]
+    uniforms = torch.rand(200, 3, generator=gen)
+    monkeypatch.setattr(smp, "NUCLEUS_PROBE", 256)
+    assert smp._nucleus_lse(logits / 0.8, [0.5, 0.9, 0.95], 256) is not None  # path taken
+    fast = [smp._draw(logits, specs, u) for u in uniforms]
+    monkeypatch.setattr(smp, "NUCLEUS_PROBE", 10**9)  # always the full sort
+    full = [smp._draw(logits, specs, u) for u in uniforms]
+    assert all(torch.equal(a, b) for a, b in zip(fast, full))

@@ -230,6 +230,22 @@ class Sampler:
         return torch.tensor(values, dtype=torch.float32)
 
 
+# Top-p over a 262k vocabulary: a full sort costs more than a decode step on CPU, while
+# the nucleus of a real distribution almost always lies within its best few hundred tokens.
+NUCLEUS_PROBE = 1024
+
+
+def _nucleus_lse(x: torch.Tensor, top_ps: list[float], probe: int) -> Optional[torch.Tensor]:
+    """The rows' log-normalizers when, in every row, the ``probe`` most likely tokens already
+    hold ``top_p`` of the mass (cutting there then gives exactly what the full sort would);
+    None otherwise."""
+    if probe >= x.shape[-1] or max(top_ps) >= 1.0:
+        return None
+    lse = x.logsumexp(dim=-1, keepdim=True)
+    covered = (x.topk(probe, dim=-1).values - lse).exp().sum(dim=-1)
+    return lse if bool((covered >= torch.tensor(top_ps, device=x.device)).all()) else None
+
+
 def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.Tensor) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([s.temperature for s in specs], device=device)
@@ -241,12 +257,16 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.T
     if need_sorted:
         # topk is far cheaper than a full sort when every row caps k.
         width = max(top_ks)
+        lse = _nucleus_lse(x, top_ps, NUCLEUS_PROBE) if width == vocab else None
+        if lse is not None:
+            width = NUCLEUS_PROBE  # the top-p cut lies inside it: a full sort is not needed
         x, index = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
         ranks = torch.arange(x.shape[-1], device=device)
         k = torch.tensor(top_ks, device=device)
         x = x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
         if min(top_ps) < 1.0:
-            probs = x.softmax(dim=-1)
+            # top-p measures mass in the whole distribution (after any top-k cut)
+            probs = x.softmax(dim=-1) if lse is None else (x - lse).exp()
             mass_before = probs.cumsum(dim=-1) - probs
             p = torch.tensor(top_ps, device=device)
             drop = (mass_before >= p[:, None]) & (ranks[None, :] > 0)  # keep the best token
