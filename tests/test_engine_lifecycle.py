@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from pocketllm import LLM, EngineArgs, EngineDeadError, SamplingParams
+from process_checks import assert_gone, assert_kill_fails_everything, engine_procs
 
 
-def group_pids(llm: LLM) -> list[int]:
-    return [p.pid for p in llm._client.supervisor.procs.values()]
-
-
-def assert_all_gone(pids: list[int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"processes left behind: {alive}")
+def assert_pids_gone(pids: list[int]) -> None:
+    assert_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)])
 
 
 def test_import_does_not_load_torch():
@@ -51,40 +39,27 @@ def test_capabilities_declared(llm_tiny):
 
 def test_killed_worker_fails_requests_and_reaps_group(tiny_llama):
     llm = LLM(EngineArgs(model=tiny_llama))
-    pids = group_pids(llm)
     stream = llm.generate_stream("hello", SamplingParams(max_tokens=200,
                                                          ignore_eos=True, temperature=0))
-    worker = llm._client.supervisor.procs["worker0"]
-    os.kill(worker.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(EngineDeadError):
-        for _ in stream:
-            pass
-        # the stream may have finished before the kill landed: a later request must fail
-        llm.generate("again", SamplingParams(max_tokens=4))
-    assert time.monotonic() - t0 < 5
-    with pytest.raises(EngineDeadError):
-        llm.generate("later", SamplingParams(max_tokens=4))
-    assert_all_gone(pids)
-    llm.shutdown()
+    assert_kill_fails_everything(llm, stream, "worker0")
 
 
 def test_shutdown_with_block_and_gc_stop_everything(tiny_llama):
     with LLM(EngineArgs(model=tiny_llama)) as llm:
-        pids = group_pids(llm)
+        pids = [p.pid for p in engine_procs(llm)]
         run_dir = llm._client.supervisor.run_dir
         assert oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
         llm.generate("hi", SamplingParams(max_tokens=2))
-    assert_all_gone(pids)
+    assert_pids_gone(pids)
     assert not os.path.exists(run_dir)
     with pytest.raises(EngineDeadError):
         llm.generate("after", SamplingParams(max_tokens=2))
 
     llm = LLM(EngineArgs(model=tiny_llama))
-    pids = group_pids(llm)
+    pids = [p.pid for p in engine_procs(llm)]
     del llm
     gc.collect()
-    assert_all_gone(pids)
+    assert_pids_gone(pids)
 
 
 def test_interpreter_exit_stops_everything(tiny_llama):
@@ -94,7 +69,7 @@ def test_interpreter_exit_stops_everything(tiny_llama):
                          timeout=120)
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 4
-    assert_all_gone(pids)
+    assert_pids_gone(pids)
 
 
 def test_parent_killed_takes_children(tiny_llama):
@@ -106,4 +81,4 @@ def test_parent_killed_takes_children(tiny_llama):
     assert len(pids) == 4
     proc.kill()
     proc.wait()
-    assert_all_gone(pids)
+    assert_pids_gone(pids)

@@ -13,18 +13,13 @@ import time
 
 import httpx
 import psutil
-import pytest
 
+from process_checks import assert_gone
 from server_process import ServerProcess, free_port
 
 
 def group_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return psutil.Process(proc.pid).children(recursive=True)
-
-
-def assert_gone(procs: list[psutil.Process], timeout: float = 15) -> None:
-    gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    assert not alive, f"left behind: {alive}"
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama, tmp_path):

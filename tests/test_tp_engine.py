@@ -4,23 +4,20 @@ heads that do not split are refused clearly; a dead rank takes the whole engine 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import time
 
 import httpx
-import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from pocketllm import LLM, EngineArgs, EngineDeadError, SamplingParams  # noqa: E402
+from pocketllm import LLM, EngineArgs, SamplingParams  # noqa: E402
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
 from pocketllm.proto.messages import SamplingSpec  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+from process_checks import assert_kill_fails_everything  # noqa: E402
 from tiny_checkpoints import PlanDriver, make_tiny_checkpoint  # noqa: E402
 
 # Every family of the registry, each split a way that exercises something of its own.
@@ -71,15 +68,6 @@ def llm_outputs(llm: LLM):
     return llm.generate(PROMPTS, params)
 
 
-def procs_of(llm: LLM) -> list[psutil.Process]:
-    return [psutil.Process(p.pid) for p in llm._client.supervisor.procs.values()]
-
-
-def assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    assert not alive, f"left behind: {alive}"
-
-
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_tp2_llm_and_server_equal_one_rank(family, checkpoints, references):
     # small chunks: prefills split over steps, mixed with the other prompt's decodes
@@ -128,19 +116,8 @@ def test_heads_that_do_not_split_are_refused(checkpoints):
 def test_killed_rank_fails_requests_and_reaps_group(checkpoints):
     llm = LLM(EngineArgs(model=checkpoints["qwen3"], tensor_parallel_size=2,
                          shutdown_timeout=SHUTDOWN_S))
-    procs = procs_of(llm)
     stream = llm.generate_stream(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True,
                                                             temperature=0))
     next(iter(stream))  # the ranks are in the middle of generating
     # rank 1: rank 0, which reports, sees only a broken collective
-    os.kill(llm._client.supervisor.procs["worker1"].pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(EngineDeadError):
-        for _ in stream:
-            pass
-        llm.generate("again", SamplingParams(max_tokens=4))
-    assert time.monotonic() - t0 < 5
-    with pytest.raises(EngineDeadError):
-        llm.generate("later", SamplingParams(max_tokens=4))
-    assert_all_gone(procs)
-    llm.shutdown()
+    assert_kill_fails_everything(llm, stream, "worker1")
