@@ -22,6 +22,13 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
 # ---------------------------------------------------------------- requests
 
 
+class StructuredSpec(msgspec.Struct, omit_defaults=True):
+    """A grammar the generated text must match; the scheduler compiles it (xgrammar)."""
+
+    kind: str  # "json_object" | "json_schema" | "regex" | "grammar" (EBNF/GBNF) | "structural_tag"
+    value: str = ""  # the schema, pattern, grammar or structural-tag JSON, as text
+
+
 class SamplingSpec(msgspec.Struct, omit_defaults=True):
     """The sampling and termination settings of one request, already validated."""
 
@@ -42,6 +49,23 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     presence_penalty: float = 0.0  # OpenAI: once if the token is in the output
     repetition_penalty: float = 1.0  # HF/CTRL: divides (or multiplies) over prompt + output
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    structured: Optional[StructuredSpec] = None  # response_format / tool_choice grammar
+
+
+class OutputSplit(msgspec.Struct, omit_defaults=True):
+    """How the detokenizer splits a chat answer into reasoning, content and tool calls.
+
+    The tokenizer stage fills it from the chat template and the request; a
+    request without it (completions, or a template that teaches neither) is
+    plain content.
+    """
+
+    reasoning_start_id: Optional[int] = None  # e.g. <think>
+    reasoning_end_id: Optional[int] = None  # e.g. </think>: the block ends on this token id
+    in_reasoning: bool = False  # the prompt already opened the block
+    drop_reasoning: bool = False  # drop_thinking: generate the block, return none of it
+    tool_parser: Optional[str] = None  # "hermes" | "qwen3_xml"; None = calls stay content
+    tools: Optional[list[dict]] = None  # the request's tools: they type the arguments
 
 
 class GenerateRequest(_Msg):
@@ -64,6 +88,7 @@ class TokenizedRequest(_Msg):
     sampling: SamplingSpec
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
+    split: Optional[OutputSplit] = None
 
 
 class Abort(_Msg):
@@ -166,6 +191,7 @@ class DetokRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_len: int
     sampling: SamplingSpec
+    split: Optional[OutputSplit] = None
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -203,8 +229,19 @@ class Usage(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class ToolCallOut(msgspec.Struct, array_like=True):
+    id: str
+    name: str
+    arguments: str  # a JSON object, serialized
+
+
 class RequestOutput(_Msg):
-    """detokenizer -> frontend: the text and tokens one request gained."""
+    """detokenizer -> frontend: the text and tokens one request gained.
+
+    ``text`` is the answer (content); ``reasoning_text`` the thinking block's
+    part of this delta; ``tool_calls`` whole parsed calls (finish_reason
+    "tool_calls").
+    """
 
     request_id: str
     text: str
@@ -213,6 +250,8 @@ class RequestOutput(_Msg):
     finish_reason: Optional[str] = None
     usage: Optional[Usage] = None
     logprobs: list[LogprobEntry] = []
+    reasoning_text: str = ""
+    tool_calls: list[ToolCallOut] = []
 
 
 class RequestError(_Msg):

@@ -21,8 +21,9 @@ from typing import Optional
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|system|>", "<|user|>",
-                  "<|assistant|>", "<|end|>"]
+                  "<|assistant|>", "<|end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 7
+THINK_ID, END_THINK_ID, TOOL_CALL_ID, END_TOOL_CALL_ID = 8, 9, 10, 11
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
