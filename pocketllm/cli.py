@@ -33,6 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                   help="largest decode batch captured as a CUDA graph")
+    g.add_argument("--admission-delay", type=float, default=0.05,
+                   help="seconds a new request may wait, while CUDA-graph decodes run, for "
+                        "others to share its prefill step (0: admit at once)")
+    g.add_argument("--structured-output-timeout", type=float, default=10.0,
+                   help="seconds a response_format grammar may take to compile")
     g.add_argument("--tensor-parallel-startup-timeout", type=float, default=300.0,
                    help="seconds for every process to load and report ready")
     g.add_argument("--tensor-parallel-shutdown-timeout", type=float, default=10.0,
@@ -65,6 +74,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
+        cuda_graphs=not ns.no_cuda_graphs, cuda_graph_max_batch=ns.cuda_graph_max_batch,
+        admission_delay=ns.admission_delay,
+        structured_output_timeout_s=ns.structured_output_timeout,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
@@ -120,7 +132,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(ns: argparse.Namespace) -> int:
-    from .bench.latency import DEFAULT_PROMPT, report, run_pocketllm
+    from .bench.latency import DEFAULT_PROMPT, report, roofline, run_pocketllm
 
     args = engine_args_from(ns)
     batches = tuple(int(b) for b in ns.batch_sizes.split(",") if b) if ns.batch_sizes else ()
@@ -132,11 +144,33 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
         from .model_info import load_model_info
 
         results.append(run_transformers(load_model_info(args), prompt_ids, ns.output_len,
-                                        ns.runs, ns.warmup))
+                                        ns.runs, ns.warmup, dtype=ours.dtype))
     elif ns.peer is not None:
         raise SystemExit(f"unknown peer {ns.peer!r}; the peer this command runs is transformers")
     print(f"prompt: {len(prompt_ids)} tokens")
     print(report(results, ns.output_len))
+    print(roofline(ours))
+    return 0
+
+
+def cmd_bench_throughput(ns: argparse.Namespace) -> int:
+    from .bench.throughput import report, run_pocketllm
+
+    args = engine_args_from(ns)
+    ours, prompts = run_pocketllm(args, ns.num_prompts, ns.input_len, ns.output_len, ns.seed,
+                                  ns.runs)
+    results = [ours]
+    if ns.peer == "transformers":
+        from .bench.peer_transformers import run_transformers_throughput
+        from .model_info import load_model_info
+
+        peer_prompts = prompts[:ns.peer_num_prompts]
+        results.append(run_transformers_throughput(load_model_info(args), peer_prompts,
+                                                   ns.output_len, ns.peer_batch,
+                                                   ours.dtype))
+    elif ns.peer is not None:
+        raise SystemExit(f"unknown peer {ns.peer!r}; the peer this command runs is transformers")
+    print(report(results))
     return 0
 
 
@@ -148,7 +182,7 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
         request_rate=ns.request_rate, num_requests=ns.num_requests, input_len=ns.input_len,
         output_len=ns.output_len, seed=ns.seed,
         api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"), model=ns.model,
-        timeout=ns.timeout)
+        timeout=ns.timeout, token_ids=ns.token_ids)
     result = run_serve_bench(cfg)
     if ns.json:
         with open(ns.json, "w") as f:
@@ -197,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also measure decode output tok/s at these batch sizes, e.g. 1,64")
     lat.set_defaults(func=cmd_bench_latency)
 
+    tp = bench.add_parser("throughput", help="offline output tokens/s over many requests")
+    add_engine_args(tp)
+    tp.add_argument("--num-prompts", type=int, default=1000)
+    tp.add_argument("--input-len", type=int, default=256)
+    tp.add_argument("--output-len", type=int, default=256)
+    tp.add_argument("--runs", type=int, default=1)
+    tp.add_argument("--peer", default=None, help="transformers: static batches of the same "
+                    "prompts")
+    tp.add_argument("--peer-batch", type=int, default=64)
+    tp.add_argument("--peer-num-prompts", type=int, default=128,
+                    help="the peer's share of the prompts (it is much slower)")
+    tp.set_defaults(func=cmd_bench_throughput)
+
     bs = bench.add_parser("serve", help="load a RUNNING server with streaming requests: "
                           "TTFT, ITL, E2E percentiles and throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server's root URL")
@@ -211,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt length in random words (about one token each)")
     bs.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
     bs.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    bs.add_argument("--token-ids", action="store_true",
+                    help="send random token-id prompts (completions; for dummy weights)")
     bs.add_argument("--api-key", default=None, help="(or POCKETLLM_API_KEY)")
     bs.add_argument("--model", default=None,
                     help="the model field to send (default: the first of GET /v1/models)")

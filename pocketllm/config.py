@@ -39,7 +39,14 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU; False: eager launches
+    cuda_graph_max_batch: int = 256  # largest captured decode batch; larger ones run eagerly
+    # Seconds a new request may wait, while CUDA-graph decodes run, for others to share its
+    # prefill step (0: admit at once); see docs/architecture.md "Admission batching".
+    admission_delay: float = 0.05
     seed: int = 0
+    # Constrained decoding: a grammar that takes longer to compile fails its request (400).
+    structured_output_timeout_s: float = 10.0
     startup_timeout: float = 300.0  # seconds for every process to report ready
     shutdown_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL (and the HTTP drain)
     rendezvous_dir: Optional[str] = None  # parent of the private run directory (never removed)
@@ -66,12 +73,13 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be a positive integer",
                                       "tensor_parallel_size")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "cuda_graph_max_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
-        for name in ("startup_timeout", "shutdown_timeout"):
+        for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive", name)
         if not 0 <= self.master_port < 65535:

@@ -20,6 +20,10 @@ class PromptTooLongError(InvalidRequestError):
 class UnsupportedFeatureError(PocketLLMError):
     """A requested feature or backend is not implemented; refused rather than ignored."""
 
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field that asked for it, when one did (HTTP 400 param)
+
 
 class CheckpointError(PocketLLMError):
     """The checkpoint is missing, unreadable or of an unknown architecture."""

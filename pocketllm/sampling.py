@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 from .errors import InvalidRequestError
 from .proto.messages import SamplingSpec
+from .protocol.response_format import parse_response_format
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries; the OpenAI API's own cap, and it bounds the per-step work
@@ -32,6 +33,9 @@ class SamplingParams:
     # HF/CTRL rule over prompt + generated tokens: logit / r if logit > 0 else logit * r
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
+    # Constrained decoding, in the chat API's shape (protocol/response_format.py), e.g.
+    # {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}; None = free text.
+    response_format: Optional[dict] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +74,7 @@ class SamplingParams:
                 or self.repetition_penalty == float("inf")):
             raise bad("repetition_penalty", "it must be a number > 0 (1 turns it off)")
         self._validate_logit_bias()
+        parse_response_format(self.response_format)
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -103,7 +108,8 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             presence_penalty=float(self.presence_penalty),
             repetition_penalty=float(self.repetition_penalty),
-            logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()})
+            logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items()},
+            structured=parse_response_format(self.response_format))
 
 
 def check_token_ids_in_vocab(spec: SamplingSpec, vocab_size: int) -> None:

@@ -27,6 +27,8 @@ class StructuredSpec(msgspec.Struct, omit_defaults=True):
 
     kind: str  # "json_object" | "json_schema" | "regex" | "grammar" (EBNF/GBNF) | "structural_tag"
     value: str = ""  # the schema, pattern, grammar or structural-tag JSON, as text
+    # The request field a refusal names (a bad or too slow grammar): tool_choice grammars set theirs.
+    param: str = "response_format"
 
 
 class SamplingSpec(msgspec.Struct, omit_defaults=True):
@@ -78,6 +80,7 @@ class GenerateRequest(_Msg):
     messages: Optional[list[dict]] = None  # chat: normalized messages
     chat_options: dict = {}  # add_generation_prompt, tools, reasoning_effort, ...
     arrival_time: float = 0.0
+    echo: bool = False  # completions `echo`: the answer's text starts with the prompt's
 
 
 class TokenizedRequest(_Msg):
@@ -89,6 +92,7 @@ class TokenizedRequest(_Msg):
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     split: Optional[OutputSplit] = None
+    echo_text: str = ""  # `echo`: the prompt as text, prepended to the first output
 
 
 class Abort(_Msg):
@@ -133,6 +137,11 @@ class StepPlan(_Msg):
     cached_requests: list[CachedRequestData] = []
     num_scheduled_tokens: list[int] = []
     finished_request_ids: list[str] = []  # ranks drop their state for these
+    # Constrained decoding: one bitmask row per listed request, each of which samples in this
+    # step; rows are packed int32 words (bit j of word w allows token 32*w + j, xgrammar's
+    # layout), ceil(vocab_size / 32) words per row. Empty when no request is structured.
+    structured_request_ids: list[str] = []
+    structured_bitmask: bytes = b""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -174,6 +183,8 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     max_logprobs: int = 20
     load_seconds: float = 0.0
     attention_backend: str = "TorchAttention"  # or "TritonAttention" (CUDA)
+    cuda_graph_batch_sizes: list[int] = []  # decode batches replayed as CUDA graphs
+    weight_bytes: int = 0  # rank 0's parameters: what one decode step must read, per rank
 
 
 class WorkerReady(_Msg):
@@ -192,6 +203,7 @@ class DetokRequest(msgspec.Struct, array_like=True):
     prompt_len: int
     sampling: SamplingSpec
     split: Optional[OutputSplit] = None
+    echo_text: str = ""  # `echo`: prepended to the request's first output text
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -252,6 +264,8 @@ class RequestOutput(_Msg):
     logprobs: list[LogprobEntry] = []
     reasoning_text: str = ""
     tool_calls: list[ToolCallOut] = []
+    # the reasoning block's tokens' entries (``logprobs`` covers the answer's tokens only)
+    reasoning_logprobs: list[LogprobEntry] = []
 
 
 class RequestError(_Msg):

@@ -196,8 +196,12 @@ def test_chat_uses_checkpoint_template(llm_tiny):
         llm_tiny.chat([{"role": "wizard", "content": "x"}])
     with pytest.raises(InvalidRequestError):
         llm_tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    with pytest.raises(UnsupportedFeatureError):
+    with pytest.raises(InvalidRequestError):  # not a tool definition
         llm_tiny.chat([{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+    with pytest.raises(UnsupportedFeatureError) as e:  # this template teaches no call syntax
+        llm_tiny.chat([{"role": "user", "content": "x"}],
+                      tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.param == "tools"
 
 
 def test_chat_does_not_mutate_the_callers_messages(llm_tiny):

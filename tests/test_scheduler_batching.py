@@ -220,3 +220,44 @@ def test_protocol_misuse_raises():
 
 def test_solo_helper_matches_model():
     assert solo(make_request("x", [3, 1, 4], max_tokens=4)).tokens == expected_tokens([3, 1, 4], 4)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _batching_driver(delay: float = 0.05):
+    d = Driver(config(max_num_batched_tokens=64, admission_delay_s=delay))
+    d.sched.clock = clock = _Clock()
+    d.add(make_request("a", range(10), max_tokens=50))
+    d.step()  # a prefills alone: nothing was running, so no wait
+    return d, clock
+
+
+def test_admission_batching_holds_a_short_prompt_while_decodes_run_until_the_delay():
+    d, clock = _batching_driver()
+    d.add(make_request("b", range(100, 120), max_tokens=3))
+    assert counts(d.step()) == {"a": 1}  # b waits: the decode step stays decode-only
+    clock.now += 0.049
+    assert counts(d.step()) == {"a": 1}
+    clock.now += 0.002  # b has now waited past the delay
+    assert counts(d.step()) == {"a": 1, "b": 20}
+
+
+def test_admission_batching_admits_once_the_waiting_prompts_fill_the_step():
+    d, clock = _batching_driver()
+    d.add(make_request("b", range(100, 130), max_tokens=3))
+    assert counts(d.step()) == {"a": 1}
+    d.add(make_request("c", range(200, 240), max_tokens=3))  # 30 + 40 tokens >= budget 63
+    assert counts(d.step()) == {"a": 1, "b": 30, "c": 33}
+    assert clock.now == 100.0  # no time passed: the budget alone released them
+
+
+def test_admission_batching_off_admits_at_once():
+    d, _clock = _batching_driver(delay=0.0)
+    d.add(make_request("b", range(100, 120), max_tokens=3))
+    assert counts(d.step()) == {"a": 1, "b": 20}

@@ -333,3 +333,38 @@ def test_stream_misuse_raises():
         stream.feed("x")
     with pytest.raises(RuntimeError):
         stream.finish()
+
+
+# ---- typing rules the tool_choice grammar relies on (xgrammar's qwen_xml and JSON styles) ----
+
+def test_xml_typing_of_unions_enums_and_checked_strings():
+    shapes = tool("shapes", {
+        "any": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "one": {"oneOf": [{"type": "boolean"}, {"type": "null"}]},
+        "mixed": {"enum": ["ab", 3]}, "mixed_s": {"enum": ["ab", 3]}, "fixed": {"const": 7},
+        "color": {"type": "string", "enum": ["red", "blue"]},
+        "day": {"type": "string", "format": "date"}, "short": {"type": "string", "maxLength": 3},
+        "free": {"type": "string"}})
+    text = x_call("shapes", ("any", "12"), ("one", " true "), ("mixed", "3"), ("mixed_s", " ab"),
+                  ("fixed", "7"), ("color", "\t red  "), ("day", " 2024-01-02"), ("short", " ab "),
+                  ("free", " ab "))
+    [(_, args)] = calls_of(xml().parse(text, [shapes]))
+    assert args == {"any": 12, "one": True, "mixed": 3, "mixed_s": "ab", "fixed": 7,
+                    "color": "red", "day": "2024-01-02", "short": "ab", "free": " ab "}
+    [(_, args)] = calls_of(xml().parse(x_call("shapes", ("any", "twelve")), [shapes]))
+    assert args == {"any": "twelve"}
+
+
+def test_hermes_reads_raw_control_characters_and_returns_them_escaped():
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "a\tb\nc"}}\n</tool_call>'
+    [call] = hermes().parse(text, TOOLS).tool_calls
+    assert call.arguments == '{"timezone":"a\\tb\\nc"}'
+    assert json.loads(call.arguments) == {"timezone": "a\tb\nc"}
+
+
+def test_calls_separated_by_blank_lines_and_truncated_second_call():
+    two = H_ONE + "\n\n  \n" + H_TWO[len(H_ONE) + 1:]
+    assert [c.name for c in hermes().parse(two, TOOLS).tool_calls] == ["get_weather", "get_time"]
+    cut = H_TWO[:-5]  # the budget ran out inside the second call: all or nothing
+    parsed = hermes().parse(cut, TOOLS)
+    assert parsed.tool_calls == [] and parsed.content == cut

@@ -81,3 +81,29 @@ def num_kv_blocks(args: EngineArgs, max_model_len: int, bytes_per_block: int,
             "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks",
             "num_kv_blocks")
     return int(blocks)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s moved (read + write) by a device-to-device copy of ``nbytes``, median of
+    ``repeats``: the memory roofline a batch-1 decode, which reads every weight once, is
+    held to."""
+    import statistics
+    import time
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    rates = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        rates.append(2 * nbytes / seconds)
+    return statistics.median(rates[1:])  # the first copy warms up

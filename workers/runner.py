@@ -24,7 +24,8 @@ from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_n
                      kv_bytes_per_block, num_kv_blocks)
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
-from .layers.sampler import Sampler, TokenHistory, uses_output_counts, uses_penalties
+from .layers.sampler import (Sampler, TokenHistory, structured_token_mask, uses_output_counts,
+                             uses_penalties)
 from .loader import load_model_weights
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
@@ -104,10 +105,23 @@ class ModelRunner:
         # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
         # the scheduler readmits a preempted request before any newer one, so it stays found.
         self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.graphs = self._capture_graphs()
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
                     self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
                     self.load_seconds)
+
+    def _capture_graphs(self):
+        """Decode CUDA graphs when the Triton kernels run on a GPU and the flag allows."""
+        if not (self.args.cuda_graphs and self.device.type == "cuda"
+                and getattr(self.backend, "kernel_tables", False)):
+            return None
+        from .cuda_graphs import DecodeGraphs
+
+        with torch.inference_mode():
+            return DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
+                                self.num_kv_blocks, self.device,
+                                min(self.args.cuda_graph_max_batch, self.args.max_num_seqs))
 
     def capabilities(self) -> WorkerCapabilities:
         return WorkerCapabilities(
@@ -119,7 +133,9 @@ class ModelRunner:
             chunked_prefill=self.args.enable_chunked_prefill,
             prefix_caching=self.args.enable_prefix_caching,
             max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
-            attention_backend=type(self.backend).__name__)
+            attention_backend=type(self.backend).__name__,
+            cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel
@@ -200,6 +216,10 @@ class ModelRunner:
                 samplers.append((rid, state))
         if not seqs:
             return StepResult(step_id=plan.step_id)
+        rung = self._graph_rung(seqs, len(samplers))
+        if rung:
+            logits = self.graphs.run(seqs, input_ids, positions, rung)
+            return self._sample(plan, samplers, logits)
         meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
                               kernel_tables=getattr(self.backend, "kernel_tables", False))
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -218,12 +238,26 @@ class ModelRunner:
                 raise RankFailure(f"rank {self.rank} failed mid-forward: "
                                   f"{type(e).__name__}: {e}") from e
             raise
+        return self._sample(plan, samplers, logits)
+
+    def _graph_rung(self, seqs: list[ScheduledSeq], num_sampling: int) -> int:
+        """The captured batch size for an all-decode step whose every row samples; 0: eager."""
+        if self.graphs is None or num_sampling != len(seqs):
+            return 0
+        if any(s.num_tokens != 1 for s in seqs):
+            return 0
+        return self.graphs.rung(len(seqs))
+
+    def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],
+                logits: Optional[torch.Tensor]) -> StepResult:
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
             return StepResult(step_id=plan.step_id)
         specs = [state.sampling for _rid, state in samplers]
         histories = [state.history for _rid, state in samplers]
+        mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
+                                     [rid for rid, _state in samplers])  # None: none structured
         out = self.sampler(logits, specs, [len(state.token_ids) for _rid, state in samplers],
-                           histories if any(h is not None for h in histories) else None)
+                           histories if any(h is not None for h in histories) else None, mask)
         logprobs: list[Optional[TokenLogprobs]] = out.logprobs
         return StepResult(step_id=plan.step_id, request_ids=[rid for rid, _state in samplers],
                           token_ids=out.token_ids, logprobs=logprobs)

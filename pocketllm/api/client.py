@@ -32,7 +32,7 @@ def error_from_wire(err: RequestError) -> PocketLLMError:
     if err.kind == "invalid_request":
         return InvalidRequestError(err.message, err.param)
     if err.kind == "unsupported":
-        return UnsupportedFeatureError(err.message)
+        return UnsupportedFeatureError(err.message, err.param)
     return RequestFailedError(err.message)
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any, Optional, Sequence, Union
 
-from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..errors import InvalidRequestError
 from ..proto.messages import GenerateRequest
 from ..protocol.chat import normalize_messages
+from ..protocol.tool_choice import tool_options
 from ..sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -63,23 +65,16 @@ def prompt_request(prompt: Prompt, params: SamplingParams,
 
 def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[str] = None,
                  add_generation_prompt: bool = True, tools: Any = None, tool_choice: Any = None,
+                 parallel_tool_calls: Optional[bool] = None,
                  response_format: Any = None, reasoning_effort: Optional[str] = None,
                  thinking_mode: Optional[bool] = None, drop_thinking: Optional[bool] = None,
                  chat_template_kwargs: Optional[dict] = None) -> GenerateRequest:
     params.validate()
-    if tools:
-        raise UnsupportedFeatureError(
-            "tools are not supported yet: tool-call parsing has not landed, and a call left in "
-            "the text would look like an answer. Send the request without tools.")
-    if tool_choice not in (None, "auto", "none"):
-        raise UnsupportedFeatureError("tool_choice is not supported yet (no tools)")
-    if response_format not in (None, {"type": "text"}):
-        raise UnsupportedFeatureError(
-            "response_format other than {'type': 'text'} is not supported yet: constrained "
-            "decoding has not landed")
-    if drop_thinking is not None:
-        raise UnsupportedFeatureError("drop_thinking is not supported yet: reasoning parsing "
-                                      "has not landed")
+    if response_format is not None:  # protocol/response_format.py, as on HTTP
+        if params.response_format is not None:
+            raise InvalidRequestError("response_format is given twice (as chat()'s argument and "
+                                      "in SamplingParams); give it once", "response_format")
+        params = dataclasses.replace(params, response_format=response_format)  # validates it
     opts: dict[str, Any] = dict(chat_template_kwargs or {})
     opts["add_generation_prompt"] = bool(add_generation_prompt)
     # Templates that know these variables act on them (e.g. Qwen3's enable_thinking).
@@ -87,5 +82,10 @@ def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[
         opts["reasoning_effort"] = reasoning_effort
     if thinking_mode is not None:
         opts["enable_thinking"] = bool(thinking_mode)
+    if drop_thinking:  # the tokenizer stage reads it (tokenizer/reasoning.py), not the template
+        opts["drop_thinking"] = True
+    opts.update(tool_options(tools, tool_choice, parallel_tool_calls,  # protocol/tool_choice.py
+                             response_format=response_format,
+                             template_kwargs=chat_template_kwargs))
     return GenerateRequest(request_id or new_request_id(), params.to_spec(),
                            messages=normalize_messages(messages), chat_options=opts)

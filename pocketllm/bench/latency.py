@@ -21,6 +21,9 @@ class LatencyResult:
     decode_tps: float  # median tokens/s after the first token
     runs: int
     batched: dict = field(default_factory=dict)  # batch size -> output tokens/s
+    device: str = ""
+    dtype: str = "float32"
+    weight_bytes: int = 0  # per rank: what one decode step reads
 
     def row(self) -> str:
         return (f"{self.name:<14} {self.load_s:>8.2f} {self.ttft_s * 1000:>10.1f} "
@@ -35,6 +38,7 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
     t0 = time.perf_counter()
     llm = LLM(args)
     load_s = time.perf_counter() - t0
+    caps = llm.engine_caps()
     try:
         sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         if prompt_ids is None and llm.model_info.tokenizer_path is None:
@@ -61,6 +65,7 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
     result = LatencyResult("pocketllm", load_s, statistics.median(ttfts),
                            statistics.median(tps), runs)
     result.batched = batched
+    result.device, result.dtype, result.weight_bytes = caps.device, caps.dtype, caps.weight_bytes
     return result, ids
 
 
@@ -91,6 +96,21 @@ def _prompt_ids(llm, target) -> list[int]:
     from ..tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(llm.model_info).tokenizer.encode(target, add_special_tokens=True).ids
+
+
+def roofline(result: LatencyResult) -> str:
+    """Decode speed as a share of the memory roofline: the device's copy bandwidth
+    (measured now, in this process) over the bytes of weights one step reads."""
+    from pocketllm.workers.device import copy_bandwidth  # the bench may import torch
+
+    import torch
+
+    device = torch.device(result.device)
+    bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (256 << 20))
+    limit = bw / result.weight_bytes
+    return (f"roofline: copy bandwidth {bw / 1e9:,.0f} GB/s (read + write) / weights "
+            f"{result.weight_bytes / 1e9:.2f} GB per rank = {limit:,.1f} tok/s at batch 1; "
+            f"decode reaches {result.decode_tps / limit:.0%} of it")
 
 
 def report(results: list[LatencyResult], output_len: int) -> str:

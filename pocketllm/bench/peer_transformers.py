@@ -14,8 +14,8 @@ from ..model_info import ModelInfo
 from .latency import LatencyResult
 
 
-def run_transformers(info: ModelInfo, prompt_ids: list[int], output_len: int, runs: int,
-                     warmup: int, dtype: str = "float32") -> LatencyResult:
+def load_peer(info: ModelInfo, dtype: str):
+    """(model, device, load seconds): the same checkpoint in transformers, on the GPU if any."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -27,34 +27,62 @@ def run_transformers(info: ModelInfo, prompt_ids: list[int], output_len: int, ru
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(info.path), gguf_file=os.path.basename(info.path),
             torch_dtype=torch_dtype)
-    elif info.format == "dummy":
+    elif info.format == "dummy":  # random init straight on the device (minutes on a host)
         config = AutoConfig.from_pretrained(info.path)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(info.path, torch_dtype=torch_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device).eval()
-    load_s = time.perf_counter() - t0
-    ids = torch.tensor([prompt_ids], device=device)
+    return model, device, time.perf_counter() - t0
+
+
+def timed_generate(model, device: str, ids, new_tokens: int) -> float:
+    """Seconds for greedy generation of exactly ``new_tokens`` per row."""
+    import torch
+
     mask = torch.ones_like(ids)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
-    def gen(n: int) -> float:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
 
+def run_transformers(info: ModelInfo, prompt_ids: list[int], output_len: int, runs: int,
+                     warmup: int, dtype: str = "float32") -> LatencyResult:
+    import torch
+
+    model, device, load_s = load_peer(info, dtype)
+    ids = torch.tensor([prompt_ids], device=device)
     ttfts, tps = [], []
     for i in range(warmup + runs):
-        t1 = gen(1)
-        tn = gen(output_len)
+        t1 = timed_generate(model, device, ids, 1)
+        tn = timed_generate(model, device, ids, output_len)
         if i >= warmup:
             ttfts.append(t1)
             tps.append((output_len - 1) / max(tn - t1, 1e-9))
     return LatencyResult("transformers", load_s, statistics.median(ttfts),
                          statistics.median(tps), runs)
+
+
+def run_transformers_throughput(info: ModelInfo, prompts: list[list[int]], output_len: int,
+                                batch: int, dtype: str):
+    """HF generate over static batches of ``batch`` equal-length prompts (no padding)."""
+    import torch
+
+    from .throughput import ThroughputResult
+
+    model, device, _load_s = load_peer(info, dtype)
+    timed_generate(model, device, torch.tensor(prompts[:1], device=device), 2)  # warm-up
+    seconds = 0.0
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i:i + batch], device=device)
+        seconds += timed_generate(model, device, ids, output_len)
+    return ThroughputResult("transformers", len(prompts), len(prompts[0]), output_len, seconds,
+                            len(prompts) * output_len)

@@ -53,6 +53,9 @@ class ServeBenchConfig:
     model: Optional[str] = None  # None: the first id of GET /v1/models, if any
     timeout: float = 300.0  # seconds per request
     ignore_eos: bool = True
+    # Prompts as token ids (completions only): for checkpoints without a tokenizer, such
+    # as dummy weights from a bare config.json. Ids below TOKEN_ID_LIMIT fit any vocabulary.
+    token_ids: bool = False
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -68,6 +71,8 @@ class ServeBenchConfig:
         for name in ("request_rate", "timeout"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise bad(name, "must be positive")
+        if self.token_ids and self.endpoint != "completions":
+            raise bad("token_ids", "needs --endpoint completions (chat messages are text)")
         if not self.url.startswith(("http://", "https://")):
             raise bad("url", f"must start with http:// or https://, not {self.url!r}")
 
@@ -106,10 +111,16 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
-def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
-    """n distinct prompts of input_len random words (distinct, so prefix caching can't
-    skip their prefill), the same for the same seed."""
+TOKEN_ID_LIMIT = 32000
+
+
+def make_prompts(n: int, input_len: int, seed: int, token_ids: bool = False) -> list:
+    """n distinct prompts of input_len random words, or token ids (distinct, so prefix
+    caching can't skip their prefill), the same for the same seed."""
     rng = random.Random(seed)
+    if token_ids:
+        return [[rng.randrange(100, TOKEN_ID_LIMIT) for _ in range(input_len)]
+                for _ in range(n)]
     return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
 
 
@@ -220,7 +231,7 @@ class _Runner:
         self.session = session
         self.model: Optional[str] = None
         self.say = say
-        self.prompts = make_prompts(cfg.num_requests, cfg.input_len, cfg.seed)
+        self.prompts = make_prompts(cfg.num_requests, cfg.input_len, cfg.seed, cfg.token_ids)
         self.send_ignore_eos = cfg.ignore_eos
         self.errors: dict[str, int] = {}
         self.notes: list[str] = []

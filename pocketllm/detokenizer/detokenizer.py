@@ -31,27 +31,49 @@ state. Choices, each the simplest that keeps the invariants:
   with the request's skip_special_tokens (a skipped special token has text ''
   and no bytes), so the sampled token's entry and its copy in ``top`` agree.
   A token whose log probability did not arrive gets no entry.
+- Reasoning (``DetokRequest.split``, filled by the tokenizer stage): the thinking
+  block starts and ends on token ids. It opens when the prompt already opened it
+  (``in_reasoning``) or on the start token before any non-blank answer text, at
+  most once; it closes on the end token. Its text has its own decoder and no stop
+  matcher (stop strings apply to the answer only) and goes to ``reasoning_text``;
+  its tokens' entries to ``reasoning_logprobs``. The two tag tokens are markup:
+  in ``token_ids``, in neither text nor either log-probability list. With
+  ``drop_reasoning`` the block's text and entries are never sent.
+- Tool calls (``split.tool_parser``): the answer, after the stop matcher, goes
+  through a HeldCallStream; its content deltas go out as ``text``, whole calls at
+  finish as ``tool_calls`` with finish_reason "tool_calls". Held text keeps its
+  tokens held; when calls parse, the answer's entries still cover the call text.
+- ``echo_text`` (completions ``echo``) is prepended to the first output, outside
+  the stop matcher and the log-probability alignment.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import PocketLLMError
 from ..proto.messages import (DetokRequest, LogprobEntry, RequestOutput, SamplingSpec,
-                              TokenBatch, TokenDelta, TokenLogprobs, Usage)
+                              TokenBatch, TokenDelta, TokenLogprobs, ToolCallOut, Usage)
 from .incremental import IncrementalDecoder
 from .stop import StopMatcher
 from .token_bytes import TokenSurface
 
 
+log = logging.getLogger(__name__)
+
+ANSWER, REASONING, TAG = "answer", "reasoning", "tag"  # what a generated token belongs to
+
+
 @dataclass
 class _HeldToken:
     token_id: int
-    byte_start: int  # offsets in the concatenated bytes of this request's shown tokens
+    byte_start: int  # offsets in the concatenated bytes of its part's (answer / reasoning) tokens
     byte_end: int
     logprobs: Optional[TokenLogprobs]
+    part: str = ANSWER
 
 
 class _RequestState:
@@ -66,19 +88,87 @@ class _RequestState:
         self.held_tokens: deque[_HeldToken] = deque()
         self.token_bytes = 0  # bytes of all shown tokens so far
         self.released_bytes = 0  # UTF-8 length of the text released so far
+        self.answer_bytes = 0  # ... of the answer the stop matcher let through (before tool hold)
         self.num_generated = 0
         self.num_cached = 0
+        self.echo_text = req.echo_text
+        # reasoning block (see the module docstring)
+        self.split = req.split
+        self.in_reasoning = False
+        self.reasoning_seen = False  # opened once: a later start token is plain answer
+        self.answer_blank = True  # no answer text but whitespace yet
+        self.rdecoder: Optional[IncrementalDecoder] = None
+        self.r_token_bytes = 0
+        self.r_released_bytes = 0
+        self._tokenizer, self._surface_ref = tokenizer, surface
+        if req.split is not None and req.split.in_reasoning:
+            self._open_reasoning(tokenizer, surface)
+        self.tools = None
+        self.tool_calls: list[ToolCallOut] = []
+        if req.split is not None and req.split.tool_parser:
+            from ..protocol.tool_parsers import HeldCallStream, get_tool_parser
+
+            try:
+                self.tools = HeldCallStream(get_tool_parser(req.split.tool_parser),
+                                            req.split.tools)
+            except PocketLLMError as e:  # the tokenizer stage validates tools; never crash here
+                log.warning("request %s: tool calls left in content: %s", self.request_id, e)
+
+    def _open_reasoning(self, tokenizer, surface: TokenSurface) -> None:
+        self.in_reasoning = self.reasoning_seen = True
+        self.rdecoder = IncrementalDecoder(tokenizer, surface, self.skip_special)
+
+    def route(self, token_id: int) -> str:
+        """Which part a generated token belongs to; opens and closes the block."""
+        split = self.split
+        if split is None or split.reasoning_start_id is None:
+            return ANSWER
+        if self.in_reasoning:
+            if token_id == split.reasoning_end_id:
+                self.in_reasoning = False
+                return TAG
+            return REASONING
+        if token_id == split.reasoning_start_id and not self.reasoning_seen and self.answer_blank:
+            self._open_reasoning(self._tokenizer, self._surface_ref)
+            return TAG
+        return ANSWER
+
+    def reasoning_rest(self) -> str:
+        """The block ended (its end token, or the request): the text its decoder still owes."""
+        rest = self.rdecoder.finish() if self.rdecoder is not None else ""
+        self.r_released_bytes = self.r_token_bytes
+        return rest
 
     def release_text(self, text: str) -> str:
-        """Pass decoded text through the stop matcher; returns what goes out now."""
-        out = self.stop.push(text) if self.stop else text
+        """Pass decoded text through the stop matcher (then the tool-call hold); returns
+        what goes out now as content."""
+        if text.strip():
+            self.answer_blank = False
+        return self._content(self.stop.push(text) if self.stop else text)
+
+    def flush_text(self) -> str:
+        return self._content(self.stop.flush() if self.stop else "")
+
+    def _content(self, out: str) -> str:
+        self.answer_bytes += len(out.encode("utf-8"))
+        if self.tools is not None and out:
+            out = "".join(d.content for d in self.tools.feed(out) if d.content)
         self.released_bytes += len(out.encode("utf-8"))
         return out
 
-    def flush_text(self) -> str:
-        out = self.stop.flush() if self.stop else ""
-        self.released_bytes += len(out.encode("utf-8"))
-        return out
+    def finish_tools(self) -> str:
+        """The answer is complete: the tool stream's last content; parsed calls are kept."""
+        if self.tools is None:
+            return ""
+        pieces = []
+        for d in self.tools.finish():
+            if d.tool_call is not None:
+                fn = d.tool_call["function"]
+                self.tool_calls.append(ToolCallOut(d.tool_call["id"], fn["name"],
+                                                   fn["arguments"]))
+            elif d.content:
+                pieces.append(d.content)
+        return "".join(pieces)
 
 
 class Detokenizer:
@@ -112,9 +202,26 @@ class Detokenizer:
         state.num_generated += len(delta.token_ids) + getattr(delta, "num_hidden_tokens", 0)
         state.num_cached = max(state.num_cached, delta.num_cached_tokens)
         pieces: list[str] = []
+        rpieces: list[str] = []  # reasoning text
         for i, token_id in enumerate(delta.token_ids):
-            nbytes = len(self._surface.token_bytes(token_id, state.skip_special))
             logprobs = delta.logprobs[i] if i < len(delta.logprobs) else None
+            part = state.route(token_id)
+            if part == TAG:  # markup: no text; a closing tag flushes the block's decoder
+                state.held_tokens.append(_HeldToken(token_id, 0, 0, logprobs, TAG))
+                if not state.in_reasoning:
+                    rpieces.append(state.reasoning_rest())
+                continue
+            nbytes = len(self._surface.token_bytes(token_id, state.skip_special))
+            if part == REASONING:
+                state.held_tokens.append(_HeldToken(token_id, state.r_token_bytes,
+                                                    state.r_token_bytes + nbytes, logprobs,
+                                                    REASONING))
+                state.r_token_bytes += nbytes
+                text = state.rdecoder.add(token_id)
+                if text:
+                    rpieces.append(text)
+                    state.r_released_bytes += len(text.encode("utf-8"))
+                continue
             state.held_tokens.append(_HeldToken(token_id, state.token_bytes,
                                                 state.token_bytes + nbytes, logprobs))
             state.token_bytes += nbytes
@@ -125,6 +232,8 @@ class Detokenizer:
                 break  # later tokens of this delta are past the answer
         finish_reason = delta.finish_reason
         if state.stop.matched is None and finish_reason is not None:
+            if state.in_reasoning:  # the request ended inside the block
+                rpieces.append(state.reasoning_rest())
             rest = state.decoder.finish()
             if rest:
                 pieces.append(state.release_text(rest))
@@ -133,24 +242,49 @@ class Detokenizer:
         if state.stop.matched is not None and finish_reason != "error":
             finish_reason = "stop"  # the answer ended at a stop string (an error still wins)
         finished = finish_reason is not None
-        token_ids, entries = self._release_tokens(state, finished)
+        if finished and state.tools is not None:
+            pieces.append(state.finish_tools())
+            if state.tool_calls and finish_reason not in ("error", "abort"):
+                finish_reason = "tool_calls"
+        token_ids, entries, rentries = self._release_tokens(state, finished)
+        text = "".join(pieces)
+        if state.echo_text:  # completions echo: the prompt leads the first output
+            text, state.echo_text = state.echo_text + text, ""
+        drop = state.split is not None and state.split.drop_reasoning
         return RequestOutput(
-            request_id=state.request_id, text="".join(pieces), token_ids=token_ids,
+            request_id=state.request_id, text=text, token_ids=token_ids,
             finished=finished, finish_reason=finish_reason,
             usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=state.num_generated,
                         cached_tokens=state.num_cached) if finished else None,
-            logprobs=entries)
+            logprobs=entries, reasoning_text="" if drop else "".join(rpieces),
+            tool_calls=state.tool_calls if finished else [],
+            reasoning_logprobs=[] if drop else rentries)
 
-    def _release_tokens(self, state: _RequestState,
-                        finished: bool) -> tuple[list[int], list[LogprobEntry]]:
-        """Pop the held tokens whose bytes are all released (at finish: all that are kept)."""
+    def _release_tokens(self, state: _RequestState, finished: bool
+                        ) -> tuple[list[int], list[LogprobEntry], list[LogprobEntry]]:
+        """Pop the held tokens whose bytes are all released (at finish: all that are kept).
+
+        Returns the ids, the answer's entries and the reasoning block's entries.
+        """
         cut = state.stop.matched is not None
-        limit = state.released_bytes
+        limit = state.answer_bytes if cut else state.released_bytes
         token_ids: list[int] = []
         entries: list[LogprobEntry] = []
+        rentries: list[LogprobEntry] = []
         held = state.held_tokens
         while held:
             tok = held[0]
+            if tok.part != ANSWER:
+                # the block precedes the answer; its text only waits for UTF-8 completion
+                if (tok.part == REASONING and not finished and state.in_reasoning
+                        and tok.byte_end > state.r_released_bytes):
+                    break
+                held.popleft()
+                token_ids.append(tok.token_id)
+                if tok.part == REASONING and state.want_logprobs and tok.logprobs is not None:
+                    rentries.append(self._entry(tok.token_id, tok.logprobs, state.skip_special,
+                                                None))
+                continue
             if cut:
                 # keep a token when any of its bytes is in the answer (or it has none, here)
                 if not (tok.byte_start < limit
@@ -165,7 +299,7 @@ class Detokenizer:
                 entries.append(self._entry(tok.token_id, tok.logprobs, state.skip_special, keep))
         if finished:
             held.clear()
-        return token_ids, entries
+        return token_ids, entries, rentries
 
     def _entry(self, token_id: int, lp: TokenLogprobs, skip: bool,
                keep_bytes: Optional[int]) -> LogprobEntry:

@@ -8,6 +8,7 @@ neither is refused rather than rendered in a made-up format.
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Optional
@@ -37,10 +38,41 @@ def normalize_messages(messages: Any) -> list[dict]:
                 f"messages[{i}].role = {role!r} is not one of {', '.join(ROLES)}", "messages")
         msg = copy.deepcopy(msg)
         msg["content"] = _flatten_content(msg.get("content"), i, role, msg)
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            _tool_calls_for_template(msg["tool_calls"], i)
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise InvalidRequestError(f"messages[{i}] (role \"tool\") needs \"tool_call_id\": "
+                                      "the id of the call it answers", "messages")
         if role == "developer":  # OpenAI's newer spelling of the system role
             msg["role"] = "system"
         out.append(msg)
     return out
+
+
+def _tool_calls_for_template(calls: Any, i: int) -> None:
+    """In place, on the private copy: OpenAI sends arguments as a JSON string, and templates
+    that iterate them (Qwen3-Coder's `arguments|items`) need the object."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"messages[{i}].tool_calls must be an array", "messages")
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f'{where} must be {{"type": "function", "function": '
+                                      '{"name": ..., "arguments": ...}}', "messages")
+        args = fn.get("arguments")
+        if args is None or (isinstance(args, str) and not args.strip()):
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise InvalidRequestError(f"{where}.function.arguments is not valid JSON",
+                                          "messages") from None
+        if not isinstance(args, dict):
+            raise InvalidRequestError(f"{where}.function.arguments must be a JSON object",
+                                      "messages")
+        fn["arguments"] = args
 
 
 def _flatten_content(content: Any, i: int, role: str, msg: dict) -> str:

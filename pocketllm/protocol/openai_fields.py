@@ -14,6 +14,7 @@ from ..errors import InvalidRequestError
 from ..proto.messages import GenerateRequest
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from .chat import normalize_messages
+from .tool_choice import tool_options
 
 MAX_N = 128
 
@@ -23,8 +24,9 @@ INERT = {"model", "user", "store", "metadata", "service_tier"}
 COMMON = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
           "stream_options", "n", "stop", "logprobs", "ignore_eos", "stop_token_ids",
           "skip_special_tokens", "frequency_penalty", "presence_penalty", "logit_bias",
-          "repetition_penalty", "request_id"}
-CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+          "repetition_penalty", "request_id",
+          "response_format"}  # on completions too: a PocketLLM extension
+CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools",
              "tool_choice", "parallel_tool_calls", "thinking_mode", "reasoning_effort",
              "add_generation_prompt", "drop_thinking", "chat_template_kwargs"}
 COMPLETION_ONLY = {"prompt", "best_of", "suffix", "echo", "top_logprobs"}
@@ -39,6 +41,10 @@ class ParsedRequest:
     logprobs: bool = False
     prompt_count: int = 1
     extra: dict = field(default_factory=dict)
+    # completions best_of > n: `choices` holds best_of candidates per prompt (prompt-major);
+    # the server answers with the n of highest cumulative logprob.
+    n: int = 1
+    best_of: int = 1
 
 
 def refuse(param: str, value: Any, why: str, instead: str) -> InvalidRequestError:
@@ -119,6 +125,7 @@ def _common(body: dict) -> tuple[SamplingParams, int, bool, bool]:
         presence_penalty=_typed(body, "presence_penalty", _is_num, "a number"),
         repetition_penalty=_typed(body, "repetition_penalty", _is_num, "a number"),
         logit_bias=_logit_bias(body),
+        response_format=body.get("response_format"),  # shape checked by SamplingParams
     )
     if params["temperature"] is not None and params["temperature"] > 2:
         raise InvalidRequestError('"temperature" must be between 0 and 2', "temperature")
@@ -181,13 +188,9 @@ def parse_chat(body: dict, request_id: str) -> ParsedRequest:
         raise InvalidRequestError(f'"top_logprobs" must be in 0..{MAX_LOGPROBS}', "top_logprobs")
     if top and not lp:
         raise InvalidRequestError('"top_logprobs" needs "logprobs": true', "top_logprobs")
-    if lp and stream:
-        raise refuse("logprobs", lp, "a streamed chunk carries its text with no ranking beside "
-                     "it", 'Ask for a non-streaming response, or send "logprobs": false.')
     if lp:
         sp.logprobs = top or 0
     sp.max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
-    _refuse_chat_features(body)
     messages = normalize_messages(body.get("messages"))
     opts: dict[str, Any] = {}
     agp = _typed(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean")
@@ -198,33 +201,17 @@ def parse_chat(body: dict, request_id: str) -> ParsedRequest:
     thinking = _typed(body, "thinking_mode", lambda v: isinstance(v, bool), "a boolean")
     if thinking is not None:
         opts["enable_thinking"] = thinking
+    if _typed(body, "drop_thinking", lambda v: isinstance(v, bool), "a boolean"):
+        opts["drop_thinking"] = True  # read by the tokenizer stage (tokenizer/reasoning.py)
     kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     opts = {**(kwargs or {}), **opts}
+    opts.update(tool_options(body.get("tools"), body.get("tool_choice"),  # tool_choice.py
+                             body.get("parallel_tool_calls"),
+                             response_format=body.get("response_format"), template_kwargs=kwargs))
     sp.validate()
     base = GenerateRequest(request_id, sp.to_spec(), messages=messages, chat_options=opts)
     return ParsedRequest(request_id, _choices(base, request_id, n, sp.seed), stream,
                          include_usage, logprobs=bool(lp))
-
-
-def _refuse_chat_features(body: dict) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise refuse("response_format", fmt, "constrained decoding is not available yet",
-                     'Send {"type": "text"} or leave it out.')
-    tools = body.get("tools")
-    if tools:
-        raise refuse("tools", tools, "tool-call parsing is not available yet, and a call left in "
-                     "the text would read as an answer", 'Leave "tools" out.')
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise refuse("tool_choice", choice, "the model is not constrained to call a tool",
-                     'Send "auto" or leave it out.')
-    if body.get("parallel_tool_calls") is False:
-        raise refuse("parallel_tool_calls", False, "the number of tool calls is not limited",
-                     'Send true or leave it out.')
-    if body.get("drop_thinking") is not None:
-        raise refuse("drop_thinking", body["drop_thinking"], "reasoning is not parsed yet",
-                     'Leave "drop_thinking" out.')
 
 
 def parse_completion(body: dict, request_id: str) -> ParsedRequest:
@@ -237,19 +224,25 @@ def parse_completion(body: dict, request_id: str) -> ParsedRequest:
     if body.get("top_logprobs") is not None:
         raise refuse("top_logprobs", body["top_logprobs"], "the completions endpoint names the "
                      "count in logprobs itself", 'Send "logprobs": N instead.')
-    if lp is not None and stream:
-        raise refuse("logprobs", lp, "a streamed chunk carries its text with no ranking beside "
-                     "it", 'Ask for a non-streaming response, or leave "logprobs" out.')
-    if body.get("echo"):
-        raise refuse("echo", body["echo"], "text holds only the generated continuation",
-                     'Send "echo": false or leave it out.')
+    echo = _typed(body, "echo", lambda v: isinstance(v, bool), "a boolean") or False
+    if echo and lp is not None:
+        raise refuse("logprobs", lp, "with echo, the prompt's tokens would need log "
+                     "probabilities too, and this server does not compute prompt log "
+                     "probabilities", 'Send "echo" or "logprobs", not both.')
     if body.get("suffix"):
         raise refuse("suffix", body["suffix"], "no suffix is appended", 'Leave "suffix" out.')
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise refuse("best_of", best_of, "one candidate is generated per choice",
-                     'Send "best_of": 1 or leave it out.')
+    best_of = _typed(body, "best_of", _is_int, "an integer")
+    best_of = n if best_of is None else best_of
+    if not n <= best_of <= MAX_N:
+        raise InvalidRequestError(f'"best_of" must be between "n" ({n}) and {MAX_N}, not '
+                                  f"{best_of}", "best_of")
+    if stream and best_of > n:
+        raise refuse("best_of", best_of, "the best candidates are known only once all have "
+                     "finished, so they cannot be streamed", 'Send "best_of" equal to "n", or '
+                     '"stream": false.')
     sp.logprobs = lp
+    if best_of > n and lp is None:
+        sp.logprobs = 0  # candidates are ranked by their cumulative logprob
     sp.max_tokens = _max_tokens(body, "max_tokens")
     if "max_tokens" not in body:
         sp.max_tokens = 16  # OpenAI's completions default
@@ -259,13 +252,16 @@ def parse_completion(body: dict, request_id: str) -> ParsedRequest:
     for p, prompt in enumerate(prompts):
         base = GenerateRequest(request_id, sp.to_spec(),
                                prompt=prompt if isinstance(prompt, str) else None,
-                               prompt_token_ids=prompt if isinstance(prompt, list) else None)
-        choices += _choices(base, request_id, n, sp.seed, offset=p * n)
+                               prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                               echo=echo)
+        choices += _choices(base, request_id, best_of, sp.seed, offset=p * best_of)
     if len(choices) > MAX_N:
-        raise InvalidRequestError(f"{len(prompts)} prompts x n={n} is {len(choices)} choices; "
-                                  f"this server serves at most {MAX_N} per request", "n")
+        param = "best_of" if best_of > n else "n"
+        raise InvalidRequestError(f"{len(prompts)} prompts x {param}={best_of} is {len(choices)} "
+                                  f"choices; this server serves at most {MAX_N} per request",
+                                  param)
     return ParsedRequest(request_id, choices, stream, include_usage, logprobs=lp is not None,
-                         prompt_count=len(prompts))
+                         prompt_count=len(prompts), n=n, best_of=best_of)
 
 
 def _prompts(prompt: Any) -> list:

@@ -18,6 +18,7 @@ from ..proto import codec, endpoints
 from ..proto.messages import (Abort, DetokRequest, Ping, RequestError, SchedulerStats, Shutdown,
                               StepResult, TokenBatch, TokenDelta, TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
+from .grammar import Grammars
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("pocketllm.scheduler")
@@ -53,6 +54,10 @@ class SchedulerLoop:
         self.stats_shape = (0, 0)
         # Aborts that overtook their request (the frontend sends them here directly).
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
+        # A finished grammar compile (pool thread) writes a byte here to wake a waiting loop.
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.poller.register(self.wake_r, zmq.POLLIN)
 
     def start(self) -> None:
         while len(self.ready_ranks) < self.world:
@@ -63,7 +68,13 @@ class SchedulerLoop:
             block_size=caps.block_size, num_kv_blocks=caps.num_kv_blocks,
             max_num_seqs=caps.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=caps.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill))
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            # Only decode steps under CUDA graphs gain from batched admissions.
+            admission_delay_s=args.admission_delay if caps.cuda_graph_batch_sizes else 0.0),
+            grammars=Grammars(self._load_tokenizer, caps.vocab_size,
+                              args.structured_output_timeout_s,
+                              on_done=lambda: os.write(self.wake_w, b"\0"),
+                              stop_token_ids=list(self.ctx.info.eos_token_ids)))
         self.ctx.ready(capabilities=caps)
         for msg in self.early:
             self.handle(msg)
@@ -80,7 +91,7 @@ class SchedulerLoop:
             if self.early_aborts.pop(msg.request_id, None) is not None:
                 self.emit(TokenBatch(
                     new_requests=[DetokRequest(msg.request_id, len(msg.prompt_token_ids),
-                                               msg.sampling)],
+                                               msg.sampling, msg.split, msg.echo_text)],
                     deltas=[TokenDelta(msg.request_id, [], finish_reason="abort")]))
                 return
             error = sched.add_request(msg)
@@ -97,6 +108,18 @@ class SchedulerLoop:
             self.emit(sched.abort(msg.request_ids, msg.reason))
         elif isinstance(msg, StepResult):
             self.pending_result = msg
+
+    def _load_tokenizer(self):
+        from ..tokenizer.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.ctx.info).tokenizer
+
+    def report_grammar_errors(self) -> None:
+        """Requests whose grammar failed or compiled too long: a 400 naming the problem."""
+        errors, self.scheduler.grammar_errors = self.scheduler.grammar_errors, []
+        for rid, why, param in errors:
+            self.to_frontend.send(codec.encode(
+                RequestError(rid, why, kind="invalid_request", param=param)))
 
     def publish_stats(self, force: bool = False) -> None:
         """Send the gauges when the batch's shape changed, or at most every STATS_INTERVAL_S."""
@@ -116,15 +139,27 @@ class SchedulerLoop:
         """Handle every waiting message; when ``block``, wait for at least one."""
         handled = False
         while True:
+            grammar_wait = None
             if handled or not block:
                 timeout = 0
             else:  # wake up for heartbeats when ranks live on other hosts
                 timeout = int(HEARTBEAT_S * 1000) if self.remote else None
+                # ...and when a compiling grammar's time limit passes
+                grammar_wait = self.scheduler.grammar_wait_s() if self.scheduler else None
+                if grammar_wait is not None:
+                    ms = int(grammar_wait * 1000) + 1
+                    timeout = ms if timeout is None else min(timeout, ms)
             events = dict(self.poller.poll(timeout))
             if self.remote is not None:
                 self.check_remote()
+            if self.wake_r in events:  # a compile ended: let the caller schedule
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                handled = True
             if not events:
-                if handled or not block:
+                if handled or not block or grammar_wait is not None:
                     return
                 continue
             if self.inbox in events:
@@ -147,6 +182,8 @@ class SchedulerLoop:
         while True:
             self.drain(block=stalled or not sched.has_unfinished())
             plan = sched.schedule()
+            if sched.grammar_errors:
+                self.report_grammar_errors()
             stalled = plan is None
             if plan is None:
                 self.publish_stats(force=True)  # idle (or stalled): gauges settle

@@ -23,6 +23,7 @@ class Request:
         self.request_id = req.request_id
         self.sampling = req.sampling
         self.arrival_time = req.arrival_time
+        self.queued_at = 0.0  # scheduler clock when it joined the waiting queue
         self.eos_token_ids = frozenset(req.eos_token_ids)
         self.stop_token_ids = frozenset(req.sampling.stop_token_ids)
         self.num_prompt_tokens = len(req.prompt_token_ids)
@@ -40,6 +41,9 @@ class Request:
         self.worker_num_tokens: Optional[int] = None
         self.worker_num_blocks = 0
         self.announced = False  # DetokRequest sent to the detokenizer
+        self.grammar = None  # a RequestGrammar (grammar.py) when the output is constrained
+        self.split = req.split  # passed through to the detokenizer (reasoning / tool calls)
+        self.echo_text = req.echo_text
 
     @property
     def num_tokens(self) -> int:

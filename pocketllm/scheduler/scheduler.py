@@ -23,9 +23,10 @@ succeeded, so no request ever reads KV that is not there yet.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pocketllm.errors import InvalidRequestError
 from pocketllm.proto.messages import (CachedRequestData, DetokRequest, NewRequestData, StepPlan,
@@ -34,6 +35,9 @@ from pocketllm.proto.messages import (CachedRequestData, DetokRequest, NewReques
 
 from .block_manager import BlockManager, blocks_for
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .grammar import Grammars
 
 
 @dataclass
@@ -45,6 +49,10 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # While a decode-only batch runs, a new request may wait this long for others to fill
+    # a prefill step with it (0: admit at once). A step holding a prefill runs eagerly, a
+    # decode-only one replays a CUDA graph, so batching admissions keeps most steps fast.
+    admission_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -72,8 +80,12 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, grammars: Optional["Grammars"] = None):
         self.config = config
+        # Constrained decoding (grammar.py); None: structured requests are refused.
+        self.grammars = grammars
+        self._compiling: dict[Request, None] = {}  # waiting on their grammar, in arrival order
+        self.grammar_errors: list[tuple[str, str, str]] = []  # (id, why, param): loop reports
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -85,6 +97,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
+        self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
 
@@ -109,6 +122,16 @@ class Scheduler:
                     f"but the KV cache has only {cfg.num_kv_blocks}; lower max_tokens or shorten "
                     "the prompt")
         request = Request(req)
+        request.queued_at = self.clock()
+        if req.sampling.structured is not None:
+            if self.grammars is None:
+                return "structured output is not available in this engine"
+            from .grammar import RequestGrammar
+
+            # Stop ids: what ends the request once the grammar is complete.
+            request.grammar = RequestGrammar(self.grammars, req.sampling.structured,
+                                             list(req.eos_token_ids) + list(req.sampling.stop_token_ids))
+            self._compiling[request] = None
         self._requests[req.request_id] = request
         self.waiting.append(request)
         return None
@@ -139,12 +162,19 @@ class Scheduler:
         """The next step's plan, or None when no request is waiting or running."""
         if self._inflight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
+        if self._compiling:
+            self._poll_grammars()
         if not self._requests:
             return None
         step = _Step(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
+        if not step.scheduled and self._compiling:
+            # Only requests whose grammar still compiles: wait for them (the loop wakes
+            # when a compile ends or a time limit passes).
+            self._finished_ids += step.preempted_ids
+            return None
         if not step.scheduled:
             # Impossible by construction (the oldest request always fits alone);
             # raising beats an engine loop that spins forever.
@@ -210,10 +240,26 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
 
+    def _hold_admission(self, step: _Step) -> bool:
+        """Whether to keep the waiting requests out of a decode-only step for now: until
+        their prompts fill the step's budget, or the oldest has waited admission_delay_s."""
+        if self.config.admission_delay_s <= 0 or not step.scheduled or step.has_prefill:
+            return False  # nothing to disturb, or the step runs eagerly anyway
+        waiting_tokens = 0
+        for req in self.waiting:
+            waiting_tokens += req.num_tokens
+            if waiting_tokens >= step.budget:
+                return False
+        return self.clock() - self.waiting[0].queued_at < self.config.admission_delay_s
+
     def _admit_waiting(self, step: _Step) -> None:
         cfg, bm = self.config, self.block_manager
+        if self.waiting and self._hold_admission(step):
+            return
         while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_admissible()
+            if req is None:
+                break
             matched = self._match_prefix(req)
             num_computed = len(matched) * cfg.block_size
             remaining = req.num_tokens - num_computed
@@ -228,7 +274,7 @@ class Scheduler:
             need = blocks_for(num_computed + n, cfg.block_size) - len(matched)
             if need > bm.num_free_blocks - bm.num_unreferenced(matched):
                 break  # FCFS: later requests wait behind it
-            self.waiting.popleft()
+            self.waiting.remove(req)
             bm.acquire(matched)
             req.block_ids = matched + bm.allocate(need)
             req.num_computed_tokens = num_computed
@@ -241,6 +287,50 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.add(req, n)
+
+    # ------------------------------------------------------------ structured output
+
+    def _next_admissible(self) -> Optional[Request]:
+        """The first waiting request whose grammar (if any) is compiled: a compiling
+        request is passed over, never waited for."""
+        if not self._compiling:
+            return self.waiting[0]
+        return next((r for r in self.waiting if r not in self._compiling), None)
+
+    def _poll_grammars(self) -> None:
+        """Ready the matchers of finished compiles; fail bad or too slow grammars."""
+        import time
+
+        now = time.monotonic()
+        for req in list(self._compiling):
+            why = req.grammar.poll(now)
+            if why is not None:
+                self._finish(req, "error")
+                self.grammar_errors.append((req.request_id, why, req.grammar.spec.param))
+            elif req.grammar.ready:
+                del self._compiling[req]
+
+    def grammar_wait_s(self) -> Optional[float]:
+        """How long the loop may sleep before a compiling grammar's time limit passes
+        (None: nothing compiles, or no clock runs yet; a finished compile wakes it anyway)."""
+        import time
+
+        now = time.monotonic()
+        waits = [w for w in (r.grammar.deadline(now) for r in self._compiling) if w is not None]
+        return max(0.0, min(waits)) if waits else None
+
+    def _structured_rows(self, entries: list) -> dict:
+        """The plan's bitmask rows: one per structured request that samples in this step."""
+        rows = [req for req, _n, samples in entries if samples and req.grammar is not None]
+        if not rows:
+            return {}
+        from .grammar import new_bitmask
+
+        bitmask = new_bitmask(len(rows), self.grammars.words)
+        for i, req in enumerate(rows):
+            req.grammar.fill(bitmask, i)
+        return dict(structured_request_ids=[r.request_id for r in rows],
+                    structured_bitmask=bitmask.tobytes())
 
     def _match_prefix(self, req: Request) -> list[int]:
         if not self.config.enable_prefix_caching:
@@ -271,11 +361,12 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         finished = self._finished_ids + step.preempted_ids
+        structured = self._structured_rows(new_entries + cached_entries)
         self._finished_ids = []
         self._inflight = (step_id, new_entries + cached_entries)
         return StepPlan(step_id=step_id, new_requests=new, cached_requests=cached,
                         num_scheduled_tokens=new_counts + cached_counts,
-                        finished_request_ids=finished)
+                        finished_request_ids=finished, **structured)
 
     # ------------------------------------------------------------ results in
 
@@ -317,6 +408,16 @@ class Scheduler:
 
     def _after_token(self, batch: TokenBatch, req: Request, token: int,
                      logprob: Optional[TokenLogprobs]) -> None:
+        if req.grammar is not None:
+            if not req.grammar.accept(token):  # the worker applied the mask: never expected
+                msg = f"token {token} does not match the request's {req.grammar.spec.kind}"
+                self._finish(req, "error")
+                self._emit(batch, req, finish_reason="error", error=msg)
+                return
+            if req.grammar.terminated:  # a stop token after a complete answer (even ignore_eos)
+                self._finish(req, "stop")
+                self._emit(batch, req, finish_reason="stop", num_hidden_tokens=1)
+                return
         is_eos = token in req.eos_token_ids and not req.sampling.ignore_eos
         if is_eos or token in req.stop_token_ids:
             self._finish(req, "stop")  # the stop token is counted but never shown
@@ -346,6 +447,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        self._compiling.pop(req, None)
         self.block_manager.free(req.block_ids)
         req.block_ids = []
         req.status = RequestStatus.FINISHED
@@ -359,7 +461,8 @@ class Scheduler:
               error: Optional[str] = None, num_hidden_tokens: int = 0) -> None:
         if not req.announced:
             batch.new_requests.append(
-                DetokRequest(req.request_id, req.num_prompt_tokens, req.sampling))
+                DetokRequest(req.request_id, req.num_prompt_tokens, req.sampling, req.split,
+                             req.echo_text))
             req.announced = True
         batch.deltas.append(TokenDelta(
             req.request_id, token_ids or [], logprobs or [], finish_reason,

@@ -189,7 +189,7 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
     except InvalidRequestError as e:
         return R.error_response(400, str(e), param=e.param)
     except UnsupportedFeatureError as e:
-        return R.error_response(400, str(e), code="unsupported")
+        return R.error_response(400, str(e), param=e.param, code="unsupported")
     except EngineDeadError as e:
         return R.error_response(503, str(e), "service_unavailable", code="engine_dead")
     except PocketLLMError as e:

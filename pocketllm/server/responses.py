@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from ..proto.messages import LogprobEntry
+from ..proto.messages import LogprobEntry, ToolCallOut
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
@@ -30,14 +30,24 @@ def _entry(e: LogprobEntry) -> dict:
     return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
 
 
-def chat_logprobs(entries: list[LogprobEntry]) -> dict:
-    return {"content": [{**_entry(e), "top_logprobs": [_entry(t) for t in e.top]}
-                        for e in entries]}
+def chat_logprobs(entries: list[LogprobEntry],
+                  reasoning: Optional[list[LogprobEntry]] = None) -> dict:
+    """``content``: the answer's tokens; ``reasoning_content`` (only when there are any):
+    the thinking block's, so each array's bytes reassemble its own field."""
+    out: dict = {"content": [_ranked(e) for e in entries]}
+    if reasoning:
+        out["reasoning_content"] = [_ranked(e) for e in reasoning]
+    return out
 
 
-def completion_logprobs(entries: list[LogprobEntry]) -> dict:
-    """The legacy completions shape, plus the per-token ``content`` list with bytes."""
-    offsets, pos = [], 0
+def _ranked(e: LogprobEntry) -> dict:
+    return {**_entry(e), "top_logprobs": [_entry(t) for t in e.top]}
+
+
+def completion_logprobs(entries: list[LogprobEntry], start: int = 0) -> dict:
+    """The legacy completions shape, plus the per-token ``content`` list with bytes.
+    ``start``: the text offset of the first entry (a stream chunk's place in the text)."""
+    offsets, pos = [], start
     for e in entries:
         offsets.append(pos)
         pos += len(e.token)
@@ -49,10 +59,27 @@ def completion_logprobs(entries: list[LogprobEntry]) -> dict:
 
 
 def chat_choice(index: int, text: str, finish_reason: Optional[str],
-                logprobs: Optional[list[LogprobEntry]]) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                logprobs: Optional[list[LogprobEntry]], reasoning: str = "",
+                reasoning_logprobs: Optional[list[LogprobEntry]] = None,
+                tool_calls: Optional[list[ToolCallOut]] = None) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:  # OpenAI: content is null when the answer is only calls
+        message["content"] = text or None
+        message["tool_calls"] = [tool_call(c) for c in tool_calls]
+    if reasoning:  # a thinking block (not dropped): beside content, as vLLM/DeepSeek name it
+        message["reasoning_content"] = reasoning
+    return {"index": index, "message": message,
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs,
+                                                                    reasoning_logprobs),
             "finish_reason": finish_reason}
+
+
+def tool_call(call: ToolCallOut, index: Optional[int] = None) -> dict:
+    """A message's tool_calls entry; with index, a streamed delta's (the whole call at once)."""
+    out: dict = {} if index is None else {"index": index}
+    out.update(id=call.id, type="function",
+               function={"name": call.name, "arguments": call.arguments})
+    return out
 
 
 def completion_choice(index: int, text: str, finish_reason: Optional[str],
@@ -62,12 +89,15 @@ def completion_choice(index: int, text: str, finish_reason: Optional[str],
             "finish_reason": finish_reason}
 
 
-def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str] = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk_choice(index: int, delta: dict, finish_reason: Optional[str] = None,
+                      logprobs: Optional[dict] = None) -> dict:
+    """``logprobs``: the entries of this chunk's own tokens (chat_logprobs), or None."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk_choice(index: int, text: str, finish_reason: Optional[str] = None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_chunk_choice(index: int, text: str, finish_reason: Optional[str] = None,
+                            logprobs: Optional[dict] = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def sse(data: Any) -> bytes:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ..api.client import EngineClient
 from ..errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
-from ..proto.messages import LogprobEntry, RequestOutput
+from ..proto.messages import LogprobEntry, RequestOutput, ToolCallOut
 from ..protocol.openai_fields import ParsedRequest
 from . import responses as R
 from .metrics import RequestTimer
@@ -25,6 +25,10 @@ class _Choice:
     def __init__(self, timer: RequestTimer):
         self.text = ""
         self.logprobs: list[LogprobEntry] = []
+        self.reasoning = ""  # the thinking block's text (chat), when not dropped
+        self.reasoning_logprobs: list[LogprobEntry] = []
+        self.text_offset = 0  # completions stream: where the next chunk's entries start
+        self.tool_calls: list[ToolCallOut] = []  # parsed calls (they arrive whole, at finish)
         self.finish_reason: Optional[str] = None
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.started = False
@@ -97,6 +101,9 @@ class ChoiceGroup:
         now = time.monotonic()
         c.text += out.text
         c.logprobs.extend(out.logprobs)
+        c.reasoning += out.reasoning_text
+        c.reasoning_logprobs.extend(out.reasoning_logprobs)
+        c.tool_calls.extend(out.tool_calls)
         c.timer.on_delta(now, len(out.token_ids))
         if out.usage is not None:
             c.prompt_tokens = out.usage.prompt_tokens
@@ -134,15 +141,33 @@ class ChoiceGroup:
                 return R.error_response(504, "the request timed out before any choice finished",
                                         "timeout", code="timeout")
             return R.error_response(500, "no choice finished", "server_error")
-        make = R.chat_choice if self.kind == "chat" else R.completion_choice
+        if self.parsed.best_of > self.parsed.n:
+            done = self._best(done)
         lp = self.parsed.logprobs
+        if self.kind == "chat":
+            choices = [R.chat_choice(i, c.text, c.finish_reason, c.logprobs if lp else None,
+                                     c.reasoning, c.reasoning_logprobs, c.tool_calls)
+                       for i, c in done]
+        else:
+            choices = [R.completion_choice(i, c.text, c.finish_reason,
+                                           c.logprobs if lp else None) for i, c in done]
         return web.json_response({
             "id": self.prefix + self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created, "model": self.state.model_name,
-            "choices": [make(i, c.text, c.finish_reason, c.logprobs if lp else None)
-                        for i, c in done],
+            "choices": choices,
             "usage": self.usage()}, headers={"X-Request-Id": self.rid})
+
+    def _best(self, done: list[tuple[int, _Choice]]) -> list[tuple[int, _Choice]]:
+        """best_of: per prompt, the n finished candidates of highest cumulative logprob
+        (sum over the tokens of the returned text), re-indexed 0..n-1 per prompt."""
+        n, best_of = self.parsed.n, self.parsed.best_of
+        out = []
+        for p in range(self.parsed.prompt_count):
+            group = [c for i, c in done if i // best_of == p]
+            group.sort(key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+            out += [(p * n + j, c) for j, c in enumerate(group[:n])]
+        return out
 
     def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> bytes:
         body = {"id": self.prefix + self.rid,
@@ -152,17 +177,34 @@ class ChoiceGroup:
             body["usage"] = usage
         return R.sse(body)
 
-    def _delta_choice(self, i: int, text: str, finish: Optional[str]) -> dict:
-        if self.kind == "completion":
-            return R.completion_chunk_choice(i, text, finish)
+    def _delta_choice(self, i: int, text: str, finish: Optional[str],
+                      out: Optional[RequestOutput] = None) -> dict:
+        """``out``: the engine delta this chunk carries (its reasoning text and its own
+        tokens' log probabilities), None for the closing chunk."""
         c = self.choices[i]
+        lp = None
+        if self.parsed.logprobs and out is not None:
+            if self.kind == "chat":
+                lp = R.chat_logprobs(out.logprobs, out.reasoning_logprobs)
+            else:
+                lp = R.completion_logprobs(out.logprobs, c.text_offset)
+                c.text_offset += sum(len(e.token) for e in out.logprobs)
+        if self.kind == "completion":
+            return R.completion_chunk_choice(i, text, finish, lp)
         delta: dict = {}
         if not c.started:
             delta["role"] = "assistant"
             c.started = True
-        if text or finish is None:
+        if out is not None and out.reasoning_text:
+            delta["reasoning_content"] = out.reasoning_text
+        if out is not None and out.tool_calls:  # indexed across the choice's calls
+            first = len(c.tool_calls) - len(out.tool_calls)
+            delta["tool_calls"] = [R.tool_call(call, first + k)
+                                   for k, call in enumerate(out.tool_calls)]
+        if text or (finish is None and "reasoning_content" not in delta
+                    and "tool_calls" not in delta):
             delta["content"] = text
-        return R.chat_chunk_choice(i, delta, finish)
+        return R.chat_chunk_choice(i, delta, finish, lp)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         # Wait for the first delta before answering, so a refusal from the tokenizer is a 400.
@@ -175,8 +217,10 @@ class ChoiceGroup:
         try:
             while item is not None:
                 i, out = item
-                if out.text or (not out.finished and not self.choices[i].started):
-                    await resp.write(self._chunk([self._delta_choice(i, out.text, None)]))
+                if (out.text or out.reasoning_text or out.logprobs or out.reasoning_logprobs
+                        or out.tool_calls
+                        or (not out.finished and not self.choices[i].started)):
+                    await resp.write(self._chunk([self._delta_choice(i, out.text, None, out)]))
                 if out.finished:
                     await resp.write(self._chunk([self._delta_choice(
                         i, "", self.choices[i].finish_reason)]))

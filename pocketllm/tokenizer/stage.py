@@ -9,9 +9,12 @@ import msgspec
 from ..errors import (InvalidRequestError, PocketLLMError, PromptTooLongError,
                       UnsupportedFeatureError)
 from ..model_info import ModelInfo
-from ..proto.messages import GenerateRequest, RequestError, TokenizedRequest
+from ..proto.messages import GenerateRequest, RequestError, StructuredSpec, TokenizedRequest
 from ..protocol.chat import ChatRenderer
+from ..protocol.tool_choice import take_tool_options, tool_split
+from ..protocol.tool_parsers import parser_for_template
 from ..sampling import check_token_ids_in_vocab
+from .reasoning import reasoning_split
 from .tokenizer import load_tokenizer
 
 
@@ -24,6 +27,8 @@ class TokenizerStage:
         # The built-in template's turn terminator ends a chat answer like an EOS would.
         self.chat_stop_ids = [i for i in [self.loaded.token_id(self.chat.stop_token)]
                               if i is not None]
+        # The call syntax the checkpoint's template teaches (None: tools are refused).
+        self.tool_parser = parser_for_template(info.chat_template, info.family)
 
     def handle(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
         try:
@@ -32,9 +37,23 @@ class TokenizerStage:
             kind = "too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
             return RequestError(req.request_id, str(e), kind=kind, param=e.param)
         except UnsupportedFeatureError as e:
-            return RequestError(req.request_id, str(e), kind="unsupported")
+            return RequestError(req.request_id, str(e), kind="unsupported", param=e.param)
         except PocketLLMError as e:
             return RequestError(req.request_id, str(e), kind="internal")
+
+    def _check_structured(self, spec: StructuredSpec) -> None:
+        """Refuse a grammar that cannot compile before it is scheduled (no vocabulary needed;
+        imports xgrammar on the first structured request)."""
+        if self.loaded.placeholder:
+            raise InvalidRequestError(
+                "structured output needs the checkpoint's vocabulary, and this one has none "
+                "(dummy weights from a bare config.json); pass a tokenizer", spec.param)
+        from ..scheduler.grammar import check_spec
+
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), spec.param) from None
 
     def _tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         sampling = req.sampling
@@ -45,12 +64,17 @@ class TokenizerStage:
         if self.loaded.placeholder and sampling.stop:
             raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none",
                                       "stop")
+        split = None
         if req.messages is not None:
             opts = dict(req.chat_options)
             add_gen = opts.pop("add_generation_prompt", True)
+            drop_thinking = bool(opts.pop("drop_thinking", False))  # ours, not the template's
+            tool_req = take_tool_options(opts)  # tool_choice etc. are ours too
             text = self.chat.render(req.messages, add_generation_prompt=add_gen, **opts)
             # The template already wrote any BOS it wants.
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            split = reasoning_split(self.chat.template_source, self.loaded, ids, drop_thinking)
+            split, sampling = tool_split(tool_req, self.tool_parser, split, sampling)
             if self.chat_stop_ids:
                 sampling = msgspec.structs.replace(
                     sampling, stop_token_ids=sorted(set(sampling.stop_token_ids)
@@ -79,6 +103,12 @@ class TokenizerStage:
             max_tokens = room  # ends with finish_reason "length" at max_model_len
         sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
         check_token_ids_in_vocab(sampling, self.info.vocab_size)
+        if sampling.structured is not None:
+            self._check_structured(sampling.structured)
+        echo_text = ""
+        if req.echo:  # the prompt as sent; token ids as the detokenizer would show them
+            echo_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
+                ids, skip_special_tokens=sampling.skip_special_tokens)
         return TokenizedRequest(req.request_id, ids, sampling,
                                 eos_token_ids=list(self.info.eos_token_ids),
-                                arrival_time=req.arrival_time)
+                                arrival_time=req.arrival_time, split=split, echo_text=echo_text)

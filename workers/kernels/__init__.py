@@ -48,3 +48,18 @@ def kernels_usable(device: torch.device) -> bool:
     if os.environ.get("POCKETLLM_TRITON", "1") == "0":
         return False
     return device.type == "cuda" and triton_available()
+
+
+def fused_kernel(device: torch.device, module: str, name: str):
+    """The Triton function ``name`` of ``workers/kernels/<module>.py`` when the layers on
+    ``device`` should use it in place of their torch ops (see kernels_usable), else None."""
+    if not kernels_usable(device):
+        return None
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def kernel_activations() -> frozenset:
+    """The HF activation names the gated_act kernel implements."""
+    from .gated_act import KERNEL_ACTIVATIONS
+
+    return frozenset(KERNEL_ACTIVATIONS)

@@ -186,6 +186,32 @@ class _Rows:
         return index, values
 
 
+def structured_token_mask(request_ids: Sequence[str], bitmask: bytes,
+                          sampled_ids: Sequence[str]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A plan's grammar bitmask as (sample rows, int32 words [rows, ceil(V/32)]); None when
+    no request of the step is structured (then the sampler does no extra work)."""
+    if not request_ids:
+        return None
+    where = {rid: i for i, rid in enumerate(sampled_ids)}
+    missing = [rid for rid in request_ids if rid not in where]
+    if missing:
+        raise ValueError(f"a grammar bitmask row for {missing[0]!r}, which samples no token here")
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(request_ids), -1)
+    return torch.tensor([where[rid] for rid in request_ids]), words
+
+
+def apply_token_mask(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """In place: tokens the grammar forbids get -inf (bit j of word w allows token 32*w + j)."""
+    rows, words = mask
+    rows, words = rows.to(logits.device), words.to(logits.device)
+    vocab = logits.shape[-1]
+    if words.shape[-1] * 32 < vocab:
+        raise ValueError(f"grammar bitmask covers {words.shape[-1] * 32} tokens, logits {vocab}")
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 @dataclass
 class SampleOutput:
     token_ids: list[int]
@@ -199,7 +225,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, specs: Sequence[SamplingSpec],
                  positions: Sequence[int],
-                 histories: Optional[Sequence[Optional[TokenHistory]]] = None) -> SampleOutput:
+                 histories: Optional[Sequence[Optional[TokenHistory]]] = None,
+                 token_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> SampleOutput:
         """logits [B, V] float32; ``positions[i]`` is the position the new token will take.
 
         ``histories``: None when no row uses penalties or bias (the common case, no work);
@@ -209,6 +236,8 @@ class Sampler:
         raw_rows = _raw_logprob_rows(logits, specs)
         if histories is not None:
             apply_penalties(logits, specs, histories)
+        if token_mask is not None:  # grammar rows (structured_token_mask): after penalties and bias
+            apply_token_mask(logits, token_mask)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(specs) if not is_greedy(s)]
         if random_rows:

@@ -10,21 +10,24 @@ DUMMY_STD = 0.02  # small, so activations and logits stay in a sane range
 
 
 def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> None:
-    """Deterministic in ``seed``: drawn on the CPU in a fixed order, then copied to the device.
+    """Deterministic in ``seed`` and the device type: drawn in a fixed order on the model's
+    own device (a host draw of 8B weights takes a minute; a GPU's, a second).
 
     Every rank draws each whole tensor and keeps its part, so the model is the same
     whatever the tensor-parallel size.
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = model.device
+    gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, target in sorted(model.weight_targets().items()):
             shape = target.checkpoint_shape
             if name.endswith("norm.weight"):  # identity norms (Gemma stores w of 1 + w)
-                value = torch.zeros(shape) if target.transform is not None else torch.ones(shape)
+                fill = 0.0 if target.transform is not None else 1.0
+                value = torch.full(shape, fill, device=device)
             elif name.endswith(".bias"):
-                value = torch.zeros(shape)
+                value = torch.zeros(shape, device=device)
             else:
-                value = torch.randn(shape, generator=gen) * std
+                value = torch.randn(shape, generator=gen, device=device).mul_(std)
             if target.shard is not None:
                 value = target.shard.take(value)
             if target.transform is not None:

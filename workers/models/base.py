@@ -16,6 +16,7 @@ from torch import nn
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
 from ..distributed import SINGLE, TPGroup
+from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
@@ -83,6 +84,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
         self.backend = backend
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
 
     def forward(self, x: torch.Tensor, rope: RopeCosSin, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -93,7 +95,10 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.rotary_kernel is not None:
+            q, k = self.rotary_kernel(q, k, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta,
                                    self.window, self.scale, self.softcap)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -111,9 +116,17 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(even_shard(cfg.intermediate_size, tp, dim=1),
                                            cfg.hidden_size, cfg.mlp_bias, device, dtype, tp)
         self.act = get_activation(cfg.hidden_act)
+        self.hidden_act = cfg.hidden_act
+        kernel = fused_kernel(device, "gated_act", "act_and_mul")
+        if kernel is not None and cfg.hidden_act not in kernel_activations():
+            kernel = None
+        self.act_kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.act, self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.act_kernel is not None:
+            return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
+        return self.down_proj(act_and_mul(self.act, gate_up))
 
 
 @dataclass

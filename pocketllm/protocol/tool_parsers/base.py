@@ -131,8 +131,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # NaN/Infinity would re-serialize as invalid JSON
 
 
-# Strict JSON: no NaN/Infinity (Python's default decoder accepts them).
-JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+# No NaN/Infinity (Python's default decoder accepts them). Raw control characters inside
+# strings (a literal tab or newline in a code argument) are read, as models write them and
+# xgrammar's JSON grammar allows them; the arguments handed back are re-serialized, escaped.
+JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant, strict=False)
 
 
 def loads_strict(text: str) -> Any:

@@ -28,8 +28,13 @@ Before typing, exactly one leading and one trailing newline are removed: the
 template writes them around every value. Non-string types also ignore
 surrounding whitespace, as JSON does. A list of types (["integer", "null"]) is
 tried in order, skipping "string"; the first that reads the text wins, else
-the text stays a string. With no tools at all, every argument stays a string:
-nothing settles whether `01234` meant a number.
+the text stays a string. A schema without "type" takes the types of its
+anyOf/oneOf alternatives, in order. An untyped enum/const (["a", 3]) gives the
+listed value the text spells as JSON. A string whose schema constrains its
+text (enum, const, pattern, format, minLength, maxLength) loses surrounding
+whitespace: that is the value the tool_choice grammar (xgrammar's qwen_xml
+style) checked; an unconstrained string stays verbatim. With no tools at all,
+every argument stays a string: nothing settles whether `01234` meant a number.
 
 Values end at the first `</parameter>`; a value that itself contains that
 text cannot be told from the end of the value, and what follows then fails
@@ -51,6 +56,8 @@ PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NOT_A_VALUE = object()  # a converter's "does not read as this type"
+# String constraints xgrammar checks on the value without surrounding whitespace.
+_CHECKED_STRING = ("enum", "const", "pattern", "format", "minLength", "maxLength")
 
 
 def _as_integer(text: str) -> Any:
@@ -97,16 +104,42 @@ CONVERTERS: dict[str, Callable[[str], Any]] = {
 }
 
 
+def _declared_kinds(schema: dict) -> list:
+    """The schema's types in order; without "type", those of its anyOf/oneOf alternatives."""
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return [declared]
+    if isinstance(declared, list):
+        return declared
+    kinds: list = []
+    for key in ("anyOf", "oneOf"):
+        for alt in schema.get(key) or []:
+            if isinstance(alt, dict):
+                kinds += [k for k in _declared_kinds(alt) if k not in kinds]
+    return kinds
+
+
 def typed_value(text: str, schema: Any) -> Any:
     """Read one parameter's text as its declared type; the text itself when it does not read."""
-    declared = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
-    for kind in kinds:
+    if not isinstance(schema, dict):
+        return text
+    for kind in _declared_kinds(schema):
         convert = CONVERTERS.get(kind) if isinstance(kind, str) else None
         if convert is not None:
             value = convert(text)
             if value is not _NOT_A_VALUE:
                 return value
+    choices = schema["enum"] if isinstance(schema.get("enum"), list) else \
+        [schema["const"]] if "const" in schema else None
+    if choices is not None:  # an untyped enum of mixed values: the value the text spells
+        try:
+            value = loads_strict(text)
+            if any(value == c and type(value) is type(c) for c in choices):
+                return value
+        except ValueError:
+            pass
+    if any(key in schema for key in _CHECKED_STRING):
+        return text.strip()  # the grammar checks such a string without its padding
     return text
 
 

@@ -1,0 +1,272 @@
+"""Constrained decoding (xgrammar): compiled grammars and one matcher per structured request.
+
+The scheduler owns the grammar state: it compiles a request's ``StructuredSpec``
+in a thread pool (xgrammar releases the GIL, so the engine loop keeps stepping
+other requests), keeps compiled grammars in an LRU cache keyed by (kind, value),
+fills one bitmask row per structured request that samples in a step, and
+advances the request's matcher with every token it accepts. xgrammar (which
+imports torch) is imported only when the first structured request arrives.
+
+The tokenizer stage calls ``to_grammar`` to validate a spec without the
+vocabulary, so a bad schema is refused before scheduling.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import re
+import threading
+import time
+import queue
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.proto.messages import StructuredSpec
+
+KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
+CACHE_SIZE = 64  # compiled grammars kept (LRU); a compiled grammar holds per-token tables
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: "; callers need only the why.
+_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def explain(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return _XGR_PREFIX.sub("", text).strip()
+
+
+# xgrammar 0.2.9 lets two kinds of text into JSON strings that no JSON parser takes back:
+# control characters in strings with maxLength/minLength, and UTF-8-encoded surrogates in
+# any string. Its printed grammar is rewritten to refuse both (a no-op if the form changes).
+_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+
+
+def _valid_json_strings(grammar):
+    import xgrammar as xgr
+
+    text = fixed = str(grammar)
+    for cls in _STRING_CHARS:
+        fixed = fixed.replace(cls, _JSON_STRING_CHAR)
+    if fixed == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(fixed)
+    except Exception:  # noqa: BLE001 - keep xgrammar's own grammar rather than fail
+        return grammar
+
+
+def to_grammar(spec: StructuredSpec):
+    """The xgrammar ``Grammar`` of a spec, built without any vocabulary (cheap).
+
+    JSON schemas are compiled strictly (an object without ``additionalProperties``
+    takes only its listed properties, as OpenAI's strict mode requires) and with
+    compact separators, so a model cannot pad its answer with endless whitespace.
+    Raises ValueError naming the problem.
+    """
+    import xgrammar as xgr
+
+    kind, value = spec.kind, spec.value
+    try:
+        if kind == "json_object":  # any JSON object (never a bare string or array)
+            return _valid_json_strings(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False))
+        if kind == "json_schema":
+            return _valid_json_strings(xgr.Grammar.from_json_schema(
+                value, any_whitespace=False, strict_mode=True))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value)
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(value)
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own types
+        raise ValueError(f"invalid {kind.replace('_', ' ')}: {explain(e)}") from None
+    raise ValueError(f"unknown structured output kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(kind: str, value: str) -> Optional[str]:
+    try:
+        to_grammar(StructuredSpec(kind, value))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """The tokenizer stage's check: raise ValueError when the spec cannot become a grammar
+    (n choices share one spec: the answer is cached). Needs no vocabulary."""
+    try:
+        problem = _problem(spec.kind, spec.value)
+    except ImportError as e:
+        raise UnsupportedFeatureError(f"structured output needs the xgrammar package ({e}); "
+                                      "pip install xgrammar, or leave response_format out") from None
+    if problem is not None:
+        raise ValueError(problem)
+
+
+class Grammars:
+    """Compiles specs against the model's vocabulary; one instance per scheduler.
+
+    ``load_tokenizer`` returns the checkpoint's ``tokenizers.Tokenizer`` (called once, in
+    the pool); ``vocab_size`` is the width of the model's logits, which may exceed the
+    tokenizer's. ``on_done`` runs in a pool thread when a compile finishes (it wakes the
+    scheduler loop).
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
+                 timeout_s: float, on_done: Optional[Callable[[], None]] = None,
+                 cache_size: int = CACHE_SIZE,
+                 compile_fn: Optional[Callable[[StructuredSpec], object]] = None,
+                 stop_token_ids: Optional[list[int]] = None):
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.timeout_s = timeout_s
+        self.on_done = on_done
+        self.cache_size = cache_size
+        self._load_tokenizer = load_tokenizer
+        self._compile_fn = compile_fn  # tests inject a stand-in (no xgrammar, no vocabulary)
+        self.custom = compile_fn is not None
+        self._cache: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
+        # When the one-time vocabulary setup finished: no request's clock runs before it.
+        self.vocab_ready_at: Optional[float] = time.monotonic() if compile_fn else None
+        self._lock = threading.Lock()  # the cache (the loop and pool threads both touch it)
+        self._setup_lock = threading.Lock()
+        self._compiler = None
+        # Daemon threads, not a ThreadPoolExecutor: a compile past its time limit cannot be
+        # interrupted, and exit must never wait for it.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(min(2, os.cpu_count() or 1)):
+            threading.Thread(target=self._worker, name=f"grammar-{i}", daemon=True).start()
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+
+    def submit(self, spec: StructuredSpec) -> Future:
+        """The cached or newly started compile of ``spec`` (never blocks)."""
+        key = (spec.kind, spec.value)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = Future()
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:  # requests keep their own reference
+                self._cache.popitem(last=False)
+        self._jobs.put((spec, future, key))
+        return future
+
+    def _worker(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run(*job)
+
+    def _run(self, spec: StructuredSpec, future: Future, key: tuple) -> None:
+        try:
+            self._ensure_compiler()
+            future.set_result((self._compile_fn or self._compile)(spec))
+        except BaseException as e:  # noqa: BLE001 - any failure is the request's error
+            future.set_exception(e)
+            with self._lock:
+                if self._cache.get(key) is future:  # not cached: a later request tries again
+                    self._cache.pop(key, None)
+        if self.on_done is not None:
+            self.on_done()
+
+    def _ensure_compiler(self) -> None:
+        with self._setup_lock:
+            if self._compiler is not None or self._compile_fn is not None:
+                return
+            import xgrammar as xgr
+            from transformers import PreTrainedTokenizerFast
+
+            # xgrammar reads the vocabulary's encoding (byte-level or byte-fallback) from
+            # the fast tokenizer's own description; GGUF vocabularies are `tokenizers` too.
+            hf = PreTrainedTokenizerFast(tokenizer_object=self._load_tokenizer())
+            # Stop ids are set per matcher (the request's own); these only silence a guess.
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self.vocab_ready_at = time.monotonic()
+            if self.on_done is not None:  # the compile clocks start now: the loop must know
+                self.on_done()
+
+    def _compile(self, spec: StructuredSpec):
+        return self._compiler.compile_grammar(to_grammar(spec))
+
+    def shutdown(self) -> None:
+        for _ in range(2):
+            self._jobs.put(None)
+
+
+class RequestGrammar:
+    """The grammar state of one request: its compile, then its matcher."""
+
+    def __init__(self, grammars: Grammars, spec: StructuredSpec, stop_ids: list[int]):
+        self.grammars = grammars
+        self.spec = spec
+        self.stop_ids = sorted(set(stop_ids))
+        self.future = grammars.submit(spec)
+        self.submitted = time.monotonic()
+        self.matcher = None
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    def poll(self, now: float) -> Optional[str]:
+        """Make the matcher once the compile is done. Returns why the request must fail
+        (a bad grammar, or a compile past the time limit), else None (ready or not yet)."""
+        if self.matcher is not None:
+            return None
+        future = self.future
+        if future.done():
+            error = future.exception()
+            if error is not None:
+                return explain(error) if isinstance(error, ValueError) else (
+                    f"the {self.spec.kind.replace('_', ' ')} could not be compiled: "
+                    f"{explain(error)}")
+            self.matcher = self._make_matcher(future.result())
+            return None
+        left = self.deadline(now)
+        if left is not None and left <= 0:
+            return (f"compiling the {self.spec.kind.replace('_', ' ')} took longer than "
+                    f"{self.grammars.timeout_s:g} s (structured_output_timeout_s); simplify "
+                    "it (fewer alternatives, bounded repetitions) or raise the limit")
+        return None
+
+    def deadline(self, now: float) -> Optional[float]:
+        """Seconds until ``poll`` may time this request out (None when its clock has not started)."""
+        ready_at = self.grammars.vocab_ready_at  # the one-time vocabulary setup is not counted
+        if self.matcher is not None or ready_at is None:
+            return None
+        return max(self.submitted, ready_at) + self.grammars.timeout_s - now
+
+    def _make_matcher(self, compiled):
+        if self.grammars.custom:  # a test's stand-in compiles to a matcher factory
+            return compiled(self.stop_ids)
+        import xgrammar as xgr
+
+        # Once the grammar is complete only these may follow, and one of them ends the request.
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)
+
+    def fill(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def new_bitmask(rows: int, words: int):
+    """A bitmask buffer xgrammar fills (numpy int32; the scheduler never needs torch for it)."""
+    import numpy as np
+
+    return np.zeros((rows, words), dtype=np.int32)

@@ -1,0 +1,139 @@
+"""Decode steps under CUDA graphs: one graph per rung of a batch-size ladder.
+
+A decode step launches hundreds of small kernels; at batch 1 their launch cost
+is larger than the GPU's work. Each rung's forward (embedding, every layer,
+final norm, LM head) is captured once at startup over static input buffers;
+a step of B decodes fills the buffers, pads to the nearest rung and replays.
+
+Padding rows attend to one position of the spare zeroed block past the end of
+the cache (the runner's ``pad_slot``) and write their K/V there, so they read
+finite values and touch no real sequence. Rows never mix, so a padded row's
+output is simply dropped.
+
+The attention kernels size their launch grid from the longest sequence; the
+graphs are captured at ``max_model_len`` and a replay skips the splits past
+each sequence's end.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from .layers.attention import AttentionMetadata, PagedSeqs, ScheduledSeq
+
+logger = logging.getLogger("pocketllm.worker")
+
+CAPTURE_BUDGET_S = 120.0  # startup stops adding rungs past this (smaller batches come first)
+
+
+def ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 after."""
+    rungs = [1, 2, 4, 8]
+    b = 8
+    while b < max_batch:
+        b += 8 if b < 64 else 16 if b < 256 else 32
+        rungs.append(b)
+    return sorted({min(r, max_batch) for r in rungs})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int,
+                 pad_block: int, device: torch.device, max_batch: int):
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
+        self.pad_block = pad_block
+        self.width = -(-max_model_len // block_size)
+        rungs = ladder(max_batch)
+        g = rungs[-1]
+        self.input_ids = torch.zeros(g, dtype=torch.long, device=device)
+        self.positions = torch.zeros(g, dtype=torch.long, device=device)
+        self.slots = torch.zeros(g, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(g, dtype=torch.int32, device=device)
+        self.q_start = torch.arange(g, dtype=torch.int32, device=device)
+        self.q_lens = torch.ones(g, dtype=torch.int32, device=device)
+        self.tables = torch.full((g, self.width), pad_block, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture(rungs)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.graphs)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(self.slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
+            self.tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
+            self.max_model_len, 1))
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1, meta,
+                            self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, rungs: Sequence[int]) -> None:
+        self._reset_padding(0, rungs[-1])  # every row is padding while capturing
+        started = time.perf_counter()
+        self._forward(rungs[-1])  # compiles the kernels and grows the rotary tables
+        torch.cuda.synchronize(self.device)
+        pool = None
+        # Largest first, so the smaller graphs reuse the first one's memory pool.
+        # Past the budget the smaller rungs are skipped: their batches pad up to the
+        # smallest captured one, which is slower but exact.
+        for b in sorted(rungs, reverse=True):
+            if time.perf_counter() - started > CAPTURE_BUDGET_S:
+                logger.warning("CUDA graph capture stopped after %.0fs: batches under %d pad "
+                               "up to the next captured size", CAPTURE_BUDGET_S, b + 1)
+                break
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),
+                    min(self.graphs, default=0), max(self.graphs, default=0),
+                    time.perf_counter() - started)
+
+    def _reset_padding(self, start: int, stop: int) -> None:
+        rows = slice(start, stop)
+        self.slots[rows].fill_(self.pad_block * self.block_size)
+        self.seq_lens[rows].fill_(1)
+        self.tables[rows, 0].fill_(self.pad_block)
+        self.input_ids[rows].zero_()
+        self.positions[rows].zero_()
+
+    def rung(self, batch: int) -> int:
+        """The captured batch size a step of ``batch`` decodes replays (0: none fits)."""
+        for b in self.batch_sizes:
+            if b >= batch:
+                return b
+        return 0
+
+    def run(self, seqs: Sequence[ScheduledSeq], input_ids: list[int], positions: list[int],
+            rung: int) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one all-decode step (None on TP ranks but 0)."""
+        n = len(seqs)
+        bs = self.block_size
+        width = max(-(-(p + 1) // bs) for p in positions)
+        flat = array.array("i")
+        for s, p in zip(seqs, positions):  # slot of the one new token per sequence
+            flat.append(s.block_ids[p // bs] * bs + p % bs)
+        flat.extend(p + 1 for p in positions)  # seq_lens once the token is written
+        for s in seqs:
+            table = s.block_ids[:width]
+            flat.extend(table)
+            if len(table) < width:
+                flat.extend([self.pad_block] * (width - len(table)))
+        host = torch.frombuffer(flat, dtype=torch.int32)
+        self.slots[:n].copy_(host[:n])
+        self.seq_lens[:n].copy_(host[n:2 * n])
+        self.tables[:n, :width].copy_(host[2 * n:].view(n, width))
+        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        if n < rung:
+            self._reset_padding(n, rung)
+        graph, logits = self.graphs[rung]
+        graph.replay()
+        return None if logits is None else logits[:n]
