@@ -261,3 +261,15 @@ def test_admission_batching_off_admits_at_once():
     d, _clock = _batching_driver(delay=0.0)
     d.add(make_request("b", range(100, 120), max_tokens=3))
     assert counts(d.step()) == {"a": 1, "b": 20}
+
+
+def test_admission_batching_counts_only_the_prompts_free_slots_can_take():
+    d = Driver(config(max_num_batched_tokens=64, max_num_seqs=2, admission_delay_s=0.05))
+    d.sched.clock = clock = _Clock()
+    d.add(make_request("a", range(10), max_tokens=50))
+    d.step()
+    for name, start in (("b", 100), ("c", 200), ("d", 300)):  # 90 waiting tokens, 1 free slot
+        d.add(make_request(name, range(start, start + 30), max_tokens=3))
+    assert counts(d.step()) == {"a": 1}  # one slot takes 30 tokens: not a full step yet
+    clock.now += 0.06
+    assert counts(d.step()) == {"a": 1, "b": 30}

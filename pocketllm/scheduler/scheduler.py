@@ -23,6 +23,7 @@ succeeded, so no request ever reads KV that is not there yet.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -242,13 +243,14 @@ class Scheduler:
 
     def _hold_admission(self, step: _Step) -> bool:
         """Whether to keep the waiting requests out of a decode-only step for now: until
-        their prompts fill the step's budget, or the oldest has waited admission_delay_s."""
+        the prompts that free slots can take fill the step's budget, or the oldest has
+        waited admission_delay_s."""
         if self.config.admission_delay_s <= 0 or not step.scheduled or step.has_prefill:
             return False  # nothing to disturb, or the step runs eagerly anyway
-        waiting_tokens = 0
-        for req in self.waiting:
-            waiting_tokens += req.num_tokens
-            if waiting_tokens >= step.budget:
+        admissible_tokens = 0
+        for req in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
+            admissible_tokens += req.num_tokens
+            if admissible_tokens >= step.budget:
                 return False
         return self.clock() - self.waiting[0].queued_at < self.config.admission_delay_s
 
