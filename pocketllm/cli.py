@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="largest decode batch captured as a CUDA graph")
+    g.add_argument("--overlap-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="plan step N+1 while step N runs (auto: on for one CUDA rank)")
     g.add_argument("--admission-delay", type=float, default=0.05,
                    help="seconds a new request may wait, while CUDA-graph decodes run, for "
                         "others to share its prefill step (0: admit at once)")
@@ -76,6 +78,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
         cuda_graphs=not ns.no_cuda_graphs, cuda_graph_max_batch=ns.cuda_graph_max_batch,
         admission_delay=ns.admission_delay,
+        overlap_scheduling={"auto": None, "on": True, "off": False}[ns.overlap_scheduling],
         structured_output_timeout_s=ns.structured_output_timeout,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
@@ -154,11 +157,13 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
-    from .bench.throughput import report, run_pocketllm
+    from .bench.throughput import Penalties, report, run_pocketllm
 
     args = engine_args_from(ns)
+    penalties = Penalties(ns.frequency_penalty, ns.presence_penalty, ns.repetition_penalty,
+                          ns.logit_bias_tokens)
     ours, prompts = run_pocketllm(args, ns.num_prompts, ns.input_len, ns.output_len, ns.seed,
-                                  ns.runs)
+                                  ns.runs, penalties)
     results = [ours]
     if ns.peer == "transformers":
         from .bench.peer_transformers import run_transformers_throughput
@@ -242,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--peer-batch", type=int, default=64)
     tp.add_argument("--peer-num-prompts", type=int, default=128,
                     help="the peer's share of the prompts (it is much slower)")
+    # the cost of penalties and logit_bias in use (the peer runs without them)
+    tp.add_argument("--frequency-penalty", type=float, default=0.0)
+    tp.add_argument("--presence-penalty", type=float, default=0.0)
+    tp.add_argument("--repetition-penalty", type=float, default=1.0)
+    tp.add_argument("--logit-bias-tokens", type=int, default=0,
+                    help="logit_bias of +-2 on this many random token ids")
     tp.set_defaults(func=cmd_bench_throughput)
 
     bs = bench.add_parser("serve", help="load a RUNNING server with streaming requests: "

@@ -44,6 +44,8 @@ class EngineArgs:
     # Seconds a new request may wait, while CUDA-graph decodes run, for others to share its
     # prefill step (0: admit at once); see docs/architecture.md "Admission batching".
     admission_delay: float = 0.05
+    # Plan step N+1 while step N runs. None: on for one CUDA rank (the only place it pays).
+    overlap_scheduling: Optional[bool] = None
     seed: int = 0
     # Constrained decoding: a grammar that takes longer to compile fails its request (400).
     structured_output_timeout_s: float = 10.0

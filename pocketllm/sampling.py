@@ -112,6 +112,12 @@ class SamplingParams:
             structured=parse_response_format(self.response_format))
 
 
+def uses_penalties(spec: SamplingSpec) -> bool:
+    """Whether sampling this request needs its token history (penalties or bias)."""
+    return (spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
+            or spec.repetition_penalty != 1.0 or bool(spec.logit_bias))
+
+
 def check_token_ids_in_vocab(spec: SamplingSpec, vocab_size: int) -> None:
     """Refuse logit_bias ids the model cannot produce (needs the vocabulary: tokenizer stage)."""
     bad = sorted(t for t in spec.logit_bias if t >= vocab_size)

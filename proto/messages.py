@@ -115,11 +115,16 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling: SamplingSpec
 
 
+# In new_token_ids: "the token you sampled for this request in the previous step", which
+# the scheduler does not know yet when it plans a step while the previous one runs.
+PENDING = -1
+
+
 class CachedRequestData(msgspec.Struct, array_like=True):
     """A request the rank already holds: only what changed since the last step."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled since the rank last saw it
+    new_token_ids: list[int]  # tokens sampled since the rank last saw it (last may be PENDING)
     new_block_ids: list[int]
     num_computed_tokens: int
 
@@ -137,6 +142,9 @@ class StepPlan(_Msg):
     cached_requests: list[CachedRequestData] = []
     num_scheduled_tokens: list[int] = []
     finished_request_ids: list[str] = []  # ranks drop their state for these
+    # The scheduler sends the next plan without waiting for this step's result: launch it
+    # before returning this step's tokens (its inputs may be PENDING tokens sampled here).
+    next_follows: bool = False
     # Constrained decoding: one bitmask row per listed request, each of which samples in this
     # step; rows are packed int32 words (bit j of word w allows token 32*w + j, xgrammar's
     # layout), ceil(vocab_size / 32) words per row. Empty when no request is structured.
@@ -288,6 +296,7 @@ class SchedulerStats(_Msg):
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
     preemptions: int = 0  # cumulative
+    overlapped_steps: int = 0  # cumulative: steps planned while the previous one ran
 
 
 # ---------------------------------------------------------------- lifecycle

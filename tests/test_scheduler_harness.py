@@ -14,7 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, TokenBatch, TokenizedRequest
+from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult, TokenBatch,
+                                      TokenizedRequest)
 from pocketllm.scheduler.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 1000
@@ -46,6 +47,7 @@ class FakeWorker:
         self.computed = Counter()  # request id -> tokens computed over its life
         self.fail_next = False
         self.logprobs = False
+        self.last_sampled: dict[str, int] = {}  # what a PENDING input of the next step is
 
     def _slot(self, state: dict, pos: int) -> tuple[int, int]:
         return state["blocks"][pos // self.block_size], pos % self.block_size
@@ -67,11 +69,15 @@ class FakeWorker:
                     f"{new.request_id}: cached prefix slot {pos} holds wrong KV"
         for cached in plan.cached_requests:
             state = self.reqs[cached.request_id]
-            state["tokens"] += cached.new_token_ids
+            new_tokens = list(cached.new_token_ids)
+            if PENDING in new_tokens:  # planned before the scheduler saw our last token
+                assert new_tokens.index(PENDING) == len(new_tokens) - 1, cached
+                new_tokens[-1] = self.last_sampled[cached.request_id]
+            state["tokens"] += new_tokens
             state["blocks"] += cached.new_block_ids
             assert cached.num_computed_tokens == state["computed"], cached.request_id
         ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.cached_requests]
-        assert len(ids) == len(set(ids)) == len(plan.num_scheduled_tokens) > 0
+        assert len(ids) == len(set(ids)) == len(plan.num_scheduled_tokens)
         if self.fail_next:
             self.fail_next = False
             return StepResult(plan.step_id, error="simulated forward failure")
@@ -97,6 +103,7 @@ class FakeWorker:
                 context.append(slot[0])
             out_ids.append(rid)
             out_tokens.append(next_token(context))
+            self.last_sampled[rid] = out_tokens[-1]
             out_lp.append(None)
         if self.logprobs:
             from pocketllm.proto.messages import TokenLogprobs
@@ -159,6 +166,39 @@ class Driver:
             if self.step() is None:
                 break
         assert not self.sched.has_unfinished()
+        return self.outcomes
+
+    def run_overlapped(self, max_steps: int = 5000,
+                       arrivals: Optional[dict[int, list[TokenizedRequest]]] = None
+                       ) -> dict[str, Outcome]:
+        """The scheduler loop's order with overlap (scheduler/__main__.py run()): a plan
+        marked next_follows is followed by the next before its result is applied. The
+        fake worker runs each plan as it is sent; its result waits for update()."""
+        from collections import deque
+
+        inflight: deque = deque()
+        for n in range(max_steps):
+            for req in (arrivals or {}).get(n, []):
+                self.add(req)
+            promised = bool(inflight) and inflight[-1][0].next_follows
+            if not inflight or promised:
+                plan = self.sched.schedule()
+                if plan is None and promised:
+                    plan = self.sched.empty_plan()
+                if plan is None:
+                    if not self.sched.has_unfinished() and n > max(arrivals or {0: 0}):
+                        break
+                    continue
+                plan.next_follows = self.sched.plan_ahead_ok()
+                self.plans.append(plan)
+                inflight.append((plan, self.worker.step(plan)))
+                self.sched.check_invariants()
+                if len(inflight) == 1 and plan.next_follows:
+                    continue
+            plan, result = inflight.popleft()
+            self.collect(self.sched.update(plan, result))
+            self.sched.check_invariants()
+        assert not self.sched.has_unfinished() and not inflight
         return self.outcomes
 
 

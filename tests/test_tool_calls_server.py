@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from server_process import ServerProcess
+from tiny_checkpoints import TOOL_CALL_ID
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -161,14 +162,18 @@ def test_auto_free_text_until_a_call_opens_then_only_that_call(client):
         assert choice.finish_reason == "length"
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "qwen3_xml"])
-def test_offline_chat_exposes_tool_calls(tmp_path, syntax):
+# special: the tags are special tokens, which skip_special_tokens drops unless the
+# detokenizer shows them to the parser
+@pytest.mark.parametrize("syntax,special", [("hermes", False), ("qwen3_xml", False),
+                                            ("hermes", True)])
+def test_offline_chat_exposes_tool_calls(tmp_path, syntax, special):
     from tool_checkpoint import HERMES_TEMPLATE, XML_TEMPLATE, make_tool_checkpoint
 
     from pocketllm import LLM, EngineArgs, SamplingParams
 
     template = HERMES_TEMPLATE if syntax == "hermes" else XML_TEMPLATE
-    path = make_tool_checkpoint(str(tmp_path / "ckpt"), template=template)
+    path = make_tool_checkpoint(str(tmp_path / "ckpt"), template=template,
+                                special_tags=special)
     with LLM(EngineArgs(model=path, max_num_batched_tokens=512, max_model_len=512)) as llm:
         params = SamplingParams(temperature=0, max_tokens=128)
         [out] = llm.chat(ASK, params, tools=TOOLS, tool_choice="required",
@@ -176,8 +181,38 @@ def test_offline_chat_exposes_tool_calls(tmp_path, syntax):
         assert out.finish_reason == "tool_calls" and out.text == "", out.text
         [call] = out.tool_calls
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        if special:  # the tag token itself, not its spelling, reached the parser
+            assert out.token_ids[0] == TOOL_CALL_ID
         events = list(llm.chat_stream(ASK, params, tools=TOOLS, tool_choice="required",
                                       parallel_tool_calls=False))
         streamed = [c for e in events for c in e.tool_calls]
         assert [(c.name, c.arguments) for c in streamed] == [(call.name, call.arguments)]
         assert events[-1].finish_reason == "tool_calls"
+
+
+def test_http_calls_parse_when_the_tags_are_special_tokens(tmp_path):
+    from tool_checkpoint import make_tool_checkpoint
+
+    path = make_tool_checkpoint(str(tmp_path / "ckpt"), special_tags=True)
+    srv = ServerProcess("--model", path, "--served-model-name", "tiny-special",
+                        "--max-num-batched-tokens", "512", "--max-model-len", "512")
+    try:
+        special = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = special.chat.completions.create(model="tiny-special", messages=ASK, tools=TOOLS,
+                                            tool_choice=NAMED, **GREEDY)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        assert r.choices[0].message.content is None
+        check_calls(r.choices[0].message.tool_calls, {"get_weather"})
+        stream = special.chat.completions.create(model="tiny-special", messages=ASK,
+                                                 tools=TOOLS, tool_choice="required",
+                                                 stream=True, **GREEDY)
+        chunks = [c for chunk in stream for c in chunk.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == ""
+        assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+        assert [d.function.name for c in chunks for d in c.delta.tool_calls or []]
+        # without tools the tag is a special token like any other: skipped
+        r = special.chat.completions.create(model="tiny-special", messages=ASK,
+                                            logit_bias={"10": 100}, temperature=0, max_tokens=4)
+        assert "<tool_call>" not in r.choices[0].message.content
+    finally:
+        assert srv.stop() == 0

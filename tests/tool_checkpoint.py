@@ -3,7 +3,9 @@
 The template renders `tools` into a system turn, assistant `tool_calls` (arguments as
 an object, as Qwen templates expect) and `role: "tool"` results; `<tool_call>` and
 `</tool_call>` are made non-special tokens, as in Qwen's tokenizer, so they survive
-`skip_special_tokens` and reach the parser as text.
+`skip_special_tokens` and reach the parser as text. With ``special_tags`` they stay
+special (as some checkpoints and GGUF conversions mark them): the detokenizer must then
+show them to the parser itself.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ assert XML_TEMPLATE != HERMES_TEMPLATE and "tojson }}}" not in XML_TEMPLATE
 
 
 def make_tool_checkpoint(path: str, family: str = "llama",
-                         template: str = HERMES_TEMPLATE) -> str:
+                         template: str = HERMES_TEMPLATE, special_tags: bool = False) -> str:
     make_tiny_checkpoint(family, path)
     cfg_path = os.path.join(path, "tokenizer_config.json")
     with open(cfg_path) as f:
@@ -59,7 +61,7 @@ def make_tool_checkpoint(path: str, family: str = "llama",
         tok = json.load(f)
     for added in tok["added_tokens"]:
         if added["content"] in ("<tool_call>", "</tool_call>"):
-            added["special"] = False
+            added["special"] = special_tags
     with open(tok_path, "w") as f:
         json.dump(tok, f)
     return path

@@ -40,19 +40,30 @@ def main(ctx: StageContext) -> None:
         send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
         ctx.ready(info={"rank": rank, "tensor_parallel_size": world})
         decoder = codec.decoder_for("worker")
+        launched = None  # a step queued on the device whose tokens are not sent yet
         while True:
             plan = decoder.decode(recv())
             if isinstance(plan, Shutdown):
                 return
-            try:
-                result = runner.execute(plan)  # every rank runs the same plan (collectives inside)
+            try:  # every rank runs the same plan (collectives inside)
+                step = runner.launch(plan)
+                if launched is not None:  # the previous step promised this one: overlap
+                    send_result(rank, send, runner.finish(launched))
+                    launched = None
+                if plan.next_follows:
+                    launched = step  # launch the next plan before reading these tokens
+                else:
+                    send_result(rank, send, runner.finish(step))
             except distributed.RankFailure:
                 logger.exception("tensor-parallel step %s failed; stopping this rank", plan.step_id)
                 os._exit(1)  # no process-group teardown: a peer is gone or out of step
-            if rank == 0:  # only rank 0 holds the logits and samples
-                send(codec.encode(result))
     finally:
         distributed.shutdown()
+
+
+def send_result(rank: int, send, result) -> None:
+    if rank == 0:  # only rank 0 holds the logits and samples
+        send(codec.encode(result))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import array
 import logging
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -112,8 +112,10 @@ class DecodeGraphs:
         return 0
 
     def run(self, seqs: Sequence[ScheduledSeq], input_ids: list[int], positions: list[int],
-            rung: int) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one all-decode step (None on TP ranks but 0)."""
+            rung: int, pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one all-decode step (None on TP ranks but 0).
+        ``pending``: (rows, tokens) already on the device, written over those input rows."""
         n = len(seqs)
         bs = self.block_size
         width = max(-(-(p + 1) // bs) for p in positions)
@@ -131,6 +133,8 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(host[n:2 * n])
         self.tables[:n, :width].copy_(host[2 * n:].view(n, width))
         self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        if pending is not None:
+            self.input_ids[pending[0]] = pending[1]
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
         if n < rung:
             self._reset_padding(n, rung)

@@ -17,15 +17,15 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
-from pocketllm.proto.messages import (SamplingSpec, StepPlan, StepResult, TokenLogprobs,
+from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
                      kv_bytes_per_block, num_kv_blocks)
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
-from .layers.sampler import (Sampler, TokenHistory, structured_token_mask, uses_output_counts,
-                             uses_penalties)
+from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
+                             uses_output_counts, uses_penalties)
 from .loader import load_model_weights
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
@@ -41,6 +41,17 @@ class _RequestState:
     block_ids: list[int]
     sampling: SamplingSpec
     history: Optional[TokenHistory] = None  # only for requests with penalties or logit_bias
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; ``ModelRunner.finish`` reads its tokens back."""
+
+    step_id: int
+    copy: Optional[HostCopy] = None  # the sampled tokens on their way; None: none sampled
+    specs: list = None
+    slots: list[tuple[str, int]] = None  # (request id, position of its new token)
+    error: Optional[str] = None
 
 
 class StepError(RuntimeError):
@@ -101,6 +112,10 @@ class ModelRunner:
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, _RequestState] = {}
+        # The last launched step's sampled tokens, still on the device: a PENDING input of
+        # the next plan is read from here (overlapped scheduling).
+        self._last_tokens: Optional[torch.Tensor] = None
+        self._last_rows: dict[str, int] = {}
         # Prompt lengths of dropped requests whose output counts matter: a preempted one
         # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
         # the scheduler readmits a preempted request before any newer one, so it stays found.
@@ -140,14 +155,37 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel
         forward's (``RankFailure``): the ranks are out of step and the worker must exit."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> "LaunchedStep":
+        """Queue a step's forward and sampling on the device without waiting for them, so
+        the next plan can be launched before this one's tokens are read (``finish``)."""
         try:
             with torch.inference_mode():
-                return self._execute(plan)
+                return self._launch(plan)
         except RankFailure:
             raise
         except Exception as e:  # the worker process must outlive a bad step
             logger.exception("step %s failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+            return LaunchedStep(plan.step_id, error=f"{type(e).__name__}: {e}")
+
+    def finish(self, step: "LaunchedStep") -> StepResult:
+        """Wait for a launched step and return its tokens; they also replace the PENDING
+        placeholders a later plan may already have given this worker."""
+        if step.error is not None or step.copy is None:
+            return StepResult(step_id=step.step_id, error=step.error)
+        try:
+            with torch.inference_mode():
+                out = Sampler.collect(step.copy, step.specs)
+        except Exception as e:
+            logger.exception("step %s failed", step.step_id)
+            return StepResult(step_id=step.step_id, error=f"{type(e).__name__}: {e}")
+        for (rid, position), token in zip(step.slots, out.token_ids):
+            state = self.requests.get(rid)
+            if state is not None and len(state.token_ids) > position:
+                state.token_ids[position] = token
+        return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
+                          token_ids=out.token_ids, logprobs=out.logprobs)
 
     # ------------------------------------------------------------------ internals
 
@@ -170,6 +208,11 @@ class ModelRunner:
             if state is None:
                 raise StepError(f"request {cached.request_id!r} is not known to this worker")
             self._check_blocks(cached.request_id, cached.new_block_ids)
+            if PENDING in cached.new_token_ids and (
+                    state.history is not None or cached.new_token_ids[-1] != PENDING
+                    or cached.request_id not in self._last_rows):
+                raise StepError(f"request {cached.request_id!r}: a PENDING token this worker "
+                                "cannot resolve")
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             if state.history is not None:
@@ -191,13 +234,14 @@ class ModelRunner:
         if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_kv_blocks):
             raise StepError(f"request {rid!r}: block ids outside [0, {self.num_kv_blocks})")
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _launch(self, plan: StepPlan) -> "LaunchedStep":
         entries = self._update_states(plan)
         seqs: list[ScheduledSeq] = []
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         samplers: list[tuple[str, _RequestState]] = []
+        pending_rows: list[tuple[int, str]] = []  # (input row, request) of PENDING inputs
         for (rid, state, start), n in zip(entries, plan.num_scheduled_tokens):
             if n == 0:
                 continue
@@ -210,24 +254,29 @@ class ModelRunner:
                                 f"{len(state.block_ids)} blocks")
             seqs.append(ScheduledSeq(state.block_ids, start, n, len(input_ids)))
             input_ids.extend(state.token_ids[start:end])
+            if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
+                pending_rows.append((len(input_ids) - 1, rid))
             positions.extend(range(start, end))
             if end == len(state.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append((rid, state))
         if not seqs:
-            return StepResult(step_id=plan.step_id)
+            return LaunchedStep(plan.step_id)
+        pending = self._pending_inputs(pending_rows)
         rung = self._graph_rung(seqs, len(samplers))
         if rung:
-            logits = self.graphs.run(seqs, input_ids, positions, rung)
+            logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
             return self._sample(plan, samplers, logits)
         meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
                               kernel_tables=getattr(self.backend, "kernel_tables", False))
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if pending is not None:
+            ids_t[pending[0]] = pending[1]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         try:  # the ranks' collectives are in here
             hidden = self.model(ids_t, pos_t, max(positions), meta, self.kv_caches)
             if not sample_rows:
-                return StepResult(step_id=plan.step_id)
+                return LaunchedStep(plan.step_id)
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
@@ -248,16 +297,30 @@ class ModelRunner:
             return 0
         return self.graphs.rung(len(seqs))
 
+    def _pending_inputs(self, pending_rows: list[tuple[int, str]]
+                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(rows, tokens on the device) for the PENDING inputs: each is the token the last
+        launched step sampled for its request, still on the device (no host sync)."""
+        if not pending_rows:
+            return None
+        rows = torch.tensor([row for row, _rid in pending_rows], device=self.device)
+        src = torch.tensor([self._last_rows[rid] for _row, rid in pending_rows],
+                           device=self.device)
+        return rows, self._last_tokens.index_select(0, src)
+
     def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],
-                logits: Optional[torch.Tensor]) -> StepResult:
+                logits: Optional[torch.Tensor]) -> "LaunchedStep":
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
-            return StepResult(step_id=plan.step_id)
+            return LaunchedStep(plan.step_id)
         specs = [state.sampling for _rid, state in samplers]
         histories = [state.history for _rid, state in samplers]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in samplers])  # None: none structured
-        out = self.sampler(logits, specs, [len(state.token_ids) for _rid, state in samplers],
-                           histories if any(h is not None for h in histories) else None, mask)
-        logprobs: list[Optional[TokenLogprobs]] = out.logprobs
-        return StepResult(step_id=plan.step_id, request_ids=[rid for rid, _state in samplers],
-                          token_ids=out.token_ids, logprobs=logprobs)
+        positions = [len(state.token_ids) for _rid, state in samplers]
+        tokens, raw_rows = self.sampler.draw(
+            logits, specs, positions, histories if any(h is not None for h in histories) else None,
+            mask)
+        self._last_tokens = tokens
+        self._last_rows = {rid: i for i, (rid, _state) in enumerate(samplers)}
+        return LaunchedStep(plan.step_id, Sampler.to_host(tokens, raw_rows, specs), specs,
+                            [(rid, p) for (rid, _state), p in zip(samplers, positions)])

@@ -12,6 +12,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import EngineArgs
 from ..sampling import SamplingParams
@@ -47,13 +48,17 @@ def random_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int
 
 
 def run_pocketllm(args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
-                  seed: int, runs: int) -> tuple[ThroughputResult, list[list[int]]]:
+                  seed: int, runs: int, penalties: Optional["Penalties"] = None
+                  ) -> tuple[ThroughputResult, list[list[int]]]:
+    """``penalties``: penalty / logit_bias fields for the measured runs (None: unused)."""
     from .. import LLM
 
     with LLM(args) as llm:
         dtype = llm.engine_caps().dtype
         prompts = random_prompts(llm.model_info.vocab_size, num_prompts, input_len, seed)
-        sp = SamplingParams(max_tokens=output_len, temperature=1.0, seed=seed, ignore_eos=True)
+        sp = SamplingParams(max_tokens=output_len, temperature=1.0, seed=seed, ignore_eos=True,
+                            **(penalties.fields(llm.model_info.vocab_size, seed)
+                               if penalties is not None else {}))
         # Warm-up: kernels compiled, allocator grown (prompts differ: no prefix-cache help).
         warm = random_prompts(llm.model_info.vocab_size, min(num_prompts, 64), input_len, ~seed)
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -77,3 +82,26 @@ def report(results: list[ThroughputResult]) -> str:
         lines.append(f"ratio {results[0].name}/{results[1].name}: output tokens/s "
                      f"{results[0].output_tps / results[1].output_tps:.2f}x")
     return "\n".join(lines)
+
+
+@dataclass
+class Penalties:
+    """What the penalty flags ask for; the defaults leave every one unused."""
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    bias_tokens: int = 0  # logit_bias on this many random token ids
+
+    def fields(self, vocab_size: int, seed: int) -> dict:
+        out: dict = {}
+        if self.frequency:
+            out["frequency_penalty"] = self.frequency
+        if self.presence:
+            out["presence_penalty"] = self.presence
+        if self.repetition != 1.0:
+            out["repetition_penalty"] = self.repetition
+        if self.bias_tokens:  # small biases on random tokens: the sampling stays a real draw
+            rng = random.Random(seed + 1)
+            out["logit_bias"] = {t: rng.choice((-2.0, 2.0))
+                                 for t in rng.sample(range(vocab_size), self.bias_tokens)}
+        return out

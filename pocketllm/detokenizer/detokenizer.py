@@ -43,6 +43,9 @@ state. Choices, each the simplest that keeps the invariants:
   through a HeldCallStream; its content deltas go out as ``text``, whole calls at
   finish as ``tool_calls`` with finish_reason "tool_calls". Held text keeps its
   tokens held; when calls parse, the answer's entries still cover the call text.
+  A syntax's tags (parser ``tags``) that the checkpoint holds as special tokens are
+  answer text for such a request even under skip_special_tokens (text, bytes and
+  log-probability entries alike): the parser must see ``<tool_call>`` to find a call.
 - ``echo_text`` (completions ``echo``) is prepended to the first output, outside
   the stop matcher and the log-probability alignment.
 """
@@ -84,6 +87,7 @@ class _RequestState:
         self.skip_special = sampling.skip_special_tokens
         self.want_logprobs = sampling.logprobs is not None
         self.decoder = IncrementalDecoder(tokenizer, surface, self.skip_special)
+        self.visible: frozenset[int] = frozenset()  # special ids the answer shows as text
         self.stop = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self.held_tokens: deque[_HeldToken] = deque()
         self.token_bytes = 0  # bytes of all shown tokens so far
@@ -109,10 +113,19 @@ class _RequestState:
             from ..protocol.tool_parsers import HeldCallStream, get_tool_parser
 
             try:
-                self.tools = HeldCallStream(get_tool_parser(req.split.tool_parser),
-                                            req.split.tools)
+                parser = get_tool_parser(req.split.tool_parser)
+                self.tools = HeldCallStream(parser, req.split.tools)
             except PocketLLMError as e:  # the tokenizer stage validates tools; never crash here
                 log.warning("request %s: tool calls left in content: %s", self.request_id, e)
+            else:
+                # tags the checkpoint holds as special tokens must still reach the parser
+                self.visible = surface.special_ids_of(parser.tags)
+                if self.visible and self.skip_special:
+                    self.decoder = IncrementalDecoder(tokenizer, surface, True, self.visible)
+
+    def skip_for(self, token_id: int) -> bool:
+        """skip_special_tokens for one answer token (a visible tag is text)."""
+        return self.skip_special and token_id not in self.visible
 
     def _open_reasoning(self, tokenizer, surface: TokenSurface) -> None:
         self.in_reasoning = self.reasoning_seen = True
@@ -211,7 +224,8 @@ class Detokenizer:
                 if not state.in_reasoning:
                     rpieces.append(state.reasoning_rest())
                 continue
-            nbytes = len(self._surface.token_bytes(token_id, state.skip_special))
+            nbytes = len(self._surface.token_bytes(
+                token_id, state.skip_special if part == REASONING else state.skip_for(token_id)))
             if part == REASONING:
                 state.held_tokens.append(_HeldToken(token_id, state.r_token_bytes,
                                                     state.r_token_bytes + nbytes, logprobs,
@@ -296,16 +310,17 @@ class Detokenizer:
             token_ids.append(tok.token_id)
             if state.want_logprobs and tok.logprobs is not None:
                 keep = limit - tok.byte_start if cut and tok.byte_end > limit else None
-                entries.append(self._entry(tok.token_id, tok.logprobs, state.skip_special, keep))
+                entries.append(self._entry(tok.token_id, tok.logprobs, state.skip_special, keep,
+                                           state.visible))
         if finished:
             held.clear()
         return token_ids, entries, rentries
 
     def _entry(self, token_id: int, lp: TokenLogprobs, skip: bool,
-               keep_bytes: Optional[int]) -> LogprobEntry:
-        top = [self._plain_entry(alt, alt_lp, skip)
+               keep_bytes: Optional[int], visible: frozenset[int] = frozenset()) -> LogprobEntry:
+        top = [self._plain_entry(alt, alt_lp, skip and alt not in visible)
                for alt, alt_lp in zip(lp.top_token_ids, lp.top_logprobs)]
-        entry = self._plain_entry(token_id, lp.logprob, skip)
+        entry = self._plain_entry(token_id, lp.logprob, skip and token_id not in visible)
         entry.top = top
         if keep_bytes is not None:  # a stop string cut through this token
             kept = bytes(entry.bytes[:max(keep_bytes, 0)])

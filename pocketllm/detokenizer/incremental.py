@@ -20,7 +20,8 @@ of a small window, never of the whole text:
   and cost; past it the valid text is released and the invariant can break for an
   invalid run longer than that, which real models do not produce).
 - Special tokens the request skips are not part of the window at all (the
-  tokenizer drops them before its decoder runs, so this changes nothing).
+  tokenizer drops them before its decoder runs, so this changes nothing). ``visible``
+  special ids are the exception: they stay in the window and decode as their text.
 - ``finish`` decodes everything once and returns whatever the stream still owes;
   if the incremental text is not a prefix of the full decode (an exotic decoder),
   it logs a warning and returns the incremental remainder instead.
@@ -47,10 +48,14 @@ def ends_inside_utf8_sequence(data: bytes) -> bool:
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer, surface: TokenSurface, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer, surface: TokenSurface, skip_special_tokens: bool,
+                 visible: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._surface = surface
         self._skip = skip_special_tokens
+        # special ids decoded as text even when skipped (the tool-call tags: the parser needs
+        # them); the others never enter the window, so the window decodes with skip off
+        self._visible = visible if skip_special_tokens else frozenset()
         self._ids: list[int] = []  # the ids that reach the decoder (skipped specials left out)
         self._prefix = 0  # ids[prefix:read] is context whose text was already returned
         self._read = 0
@@ -58,11 +63,14 @@ class IncrementalDecoder:
         self._returned: list[str] = []  # every piece returned, joined only at finish
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip and not self._visible)
+
+    def _skips(self, token_id: int) -> bool:
+        return token_id not in self._visible and self._surface.is_skipped(token_id, self._skip)
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the text that is now final (often '' or one token's)."""
-        if self._surface.is_skipped(token_id, self._skip):
+        if self._skips(token_id):
             return ""
         self._ids.append(token_id)
         pending = len(self._ids) - self._read
@@ -86,7 +94,7 @@ class IncrementalDecoder:
         if not self._surface.exact:
             return True
         tail_ids = self._ids[max(self._read, len(self._ids) - 4):]
-        tail = b"".join(self._surface.token_bytes(t, self._skip) for t in tail_ids)
+        tail = b"".join(self._surface.token_bytes(t, self._skips(t)) for t in tail_ids)
         return ends_inside_utf8_sequence(tail)
 
     def finish(self) -> str:

@@ -75,6 +75,16 @@ class TokenSurface:
         self._text_cache: dict[tuple[int, bool], str] = {}
         self._bytes_cache: dict[int, bytes] = {}
         self._byte_token_cache: dict[int, bool] = {}
+        self._special_of_cache: dict[tuple[str, ...], frozenset[int]] = {}
+
+    def special_ids_of(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """The ids of those texts that are one special token each (cached per tuple)."""
+        hit = self._special_of_cache.get(texts)
+        if hit is None:
+            ids = (self._tokenizer.token_to_id(t) for t in texts)
+            hit = frozenset(i for i in ids if i is not None and i in self.special_ids)
+            self._special_of_cache[texts] = hit
+        return hit
 
     def is_skipped(self, token_id: int, skip_special_tokens: bool) -> bool:
         return skip_special_tokens and token_id in self.special_ids

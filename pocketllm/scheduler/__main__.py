@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
 from ..proto.messages import (Abort, DetokRequest, Ping, RequestError, SchedulerStats, Shutdown,
-                              StepResult, TokenBatch, TokenDelta, TokenizedRequest, WorkerReady)
+                              StepPlan, StepResult, TokenBatch, TokenDelta, TokenizedRequest,
+                              WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
 from .scheduler import Scheduler, SchedulerConfig
@@ -49,7 +50,7 @@ class SchedulerLoop:
         self.to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
         self.decoder = codec.decoder_for("scheduler")
         self.scheduler: Scheduler | None = None
-        self.pending_result: StepResult | None = None
+        self.results: dict[int, StepResult] = {}  # by step id, until update() takes them
         self.stats_sent_at = 0.0
         self.stats_shape = (0, 0)
         # Aborts that overtook their request (the frontend sends them here directly).
@@ -70,7 +71,8 @@ class SchedulerLoop:
             max_model_len=caps.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill,
             # Only decode steps under CUDA graphs gain from batched admissions.
-            admission_delay_s=args.admission_delay if caps.cuda_graph_batch_sizes else 0.0),
+            admission_delay_s=args.admission_delay if caps.cuda_graph_batch_sizes else 0.0,
+            overlap=overlap_scheduling(args, caps)),
             grammars=Grammars(self._load_tokenizer, caps.vocab_size,
                               args.structured_output_timeout_s,
                               on_done=lambda: os.write(self.wake_w, b"\0"),
@@ -107,7 +109,7 @@ class SchedulerLoop:
                     self.early_aborts.popitem(last=False)
             self.emit(sched.abort(msg.request_ids, msg.reason))
         elif isinstance(msg, StepResult):
-            self.pending_result = msg
+            self.results[msg.step_id] = msg
 
     def _load_tokenizer(self):
         from ..tokenizer.tokenizer import load_tokenizer
@@ -177,27 +179,51 @@ class SchedulerLoop:
             os._exit(1)
 
     def run(self) -> None:
+        """Plan, send, wait, update. With overlap, a plan marked ``next_follows`` is followed
+        by the next one before its result is awaited, so at most two steps are in flight and
+        the worker never waits for this loop between them."""
         sched = self.scheduler
+        inflight: deque[StepPlan] = deque()
         stalled = False  # nothing schedulable: wait for news instead of spinning
         while True:
-            self.drain(block=stalled or not sched.has_unfinished())
-            plan = sched.schedule()
-            if sched.grammar_errors:
-                self.report_grammar_errors()
-            stalled = plan is None
-            if plan is None:
-                self.publish_stats(force=True)  # idle (or stalled): gauges settle
-                continue
-            data = codec.encode(plan)
-            for rank in self.ranks:
-                rank.send(data)
-            if self.remote is not None:
-                self.remote.send_all(data)
-            while self.pending_result is None or self.pending_result.step_id != plan.step_id:
+            promised = bool(inflight) and inflight[-1].next_follows
+            if not inflight or promised:
+                self.drain(block=not inflight and (stalled or not sched.has_unfinished()))
+                plan = sched.schedule()
+                if sched.grammar_errors:
+                    self.report_grammar_errors()
+                if plan is None and promised:
+                    plan = sched.empty_plan()  # the worker waits for a next plan: send one
+                stalled = plan is None
+                if plan is None:
+                    self.publish_stats(force=True)  # idle (or stalled): gauges settle
+                    continue
+                plan.next_follows = sched.plan_ahead_ok()
+                self.send_plan(plan)
+                inflight.append(plan)
+                if len(inflight) == 1 and plan.next_follows:
+                    continue  # plan the next step now, while this one runs
+            plan = inflight.popleft()
+            while plan.step_id not in self.results:
                 self.drain(block=True)
-            result, self.pending_result = self.pending_result, None
-            self.emit(sched.update(plan, result))
+            self.emit(sched.update(plan, self.results.pop(plan.step_id)))
             self.publish_stats(force=not sched.has_unfinished())
+
+    def send_plan(self, plan: StepPlan) -> None:
+        data = codec.encode(plan)
+        for rank in self.ranks:
+            rank.send(data)
+        if self.remote is not None:
+            self.remote.send_all(data)
+
+
+def overlap_scheduling(args, caps) -> bool:
+    """EngineArgs.overlap_scheduling, with None meaning: on for a single CUDA rank. (Ranks
+    other than 0 would need the sampled tokens broadcast to them; on a CPU the worker
+    computes synchronously, so overlapping would only delay each step's tokens.)"""
+    if args.overlap_scheduling is not None:
+        return args.overlap_scheduling and caps.tensor_parallel_size == 1
+    return caps.device.startswith("cuda") and caps.tensor_parallel_size == 1
 
 
 def main(ctx: StageContext) -> None:

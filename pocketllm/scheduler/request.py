@@ -31,7 +31,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         # KV state: tokens[:num_computed_tokens] have KV in block_ids.
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # including the tokens of steps still in flight
+        self.num_verified_tokens = 0  # of those, confirmed by a step's result
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids

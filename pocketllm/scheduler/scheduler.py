@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from pocketllm.errors import InvalidRequestError
-from pocketllm.proto.messages import (CachedRequestData, DetokRequest, NewRequestData, StepPlan,
+from pocketllm.sampling import uses_penalties as needs_token_history
+from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, NewRequestData, StepPlan,
                                       StepResult, TokenBatch, TokenDelta, TokenizedRequest,
                                       TokenLogprobs)
 
@@ -54,6 +55,9 @@ class SchedulerConfig:
     # a prefill step with it (0: admit at once). A step holding a prefill runs eagerly, a
     # decode-only one replays a CUDA graph, so batching admissions keeps most steps fast.
     admission_delay_s: float = 0.0
+    # Plan step N+1 while step N runs (see plan_ahead_ok); the loop turns it on for one
+    # CUDA rank, where it hides the round trip between the worker and the scheduler.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -94,10 +98,12 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every waiting or running request
         self._finished_ids: list[str] = []  # for the next plan's finished_request_ids
         self._next_step_id = 0
-        self._inflight: Optional[tuple[int, list[tuple[Request, int, bool]]]] = None
+        # Plans sent and not yet updated, oldest first: (step id, [(request, tokens, samples)]).
+        self._inflight: deque[tuple[int, list[tuple[Request, int, bool]]]] = deque()
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
+        self.num_overlapped_steps = 0
         self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
@@ -161,8 +167,12 @@ class Scheduler:
 
     def schedule(self) -> Optional[StepPlan]:
         """The next step's plan, or None when no request is waiting or running."""
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called again before update() of the previous plan")
+        if self._inflight and not (self.config.overlap and len(self._inflight) == 1):
+            raise RuntimeError("schedule() with a step in flight, and overlap off or two in flight")
+        if self._inflight and self.block_manager.num_free_blocks < len(self.running):
+            # No preemption while a step runs (its blocks would change under it): each
+            # running request must find a block for its next token without evicting anyone.
+            return None
         if self._compiling:
             self._poll_grammars()
         if not self._requests:
@@ -176,6 +186,8 @@ class Scheduler:
             # when a compile ends or a time limit passes).
             self._finished_ids += step.preempted_ids
             return None
+        if not step.scheduled and self._inflight:
+            return None  # every running request ends with its token in flight
         if not step.scheduled:
             # Impossible by construction (the oldest request always fits alone);
             # raising beats an engine loop that spins forever.
@@ -183,12 +195,13 @@ class Scheduler:
         return self._build_plan(step)
 
     def _schedule_running(self, step: _Step) -> None:
-        for req in list(self.running):  # decodes first
+        running = [r for r in self.running if not self._ends_with_pending_token(r)]
+        for req in running:  # decodes first
             if step.budget <= 0:
                 return
             if req.status is RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
                 self._allocate_or_preempt(step, req, 1)
-        for req in list(self.running):  # then prefill chunks already under way
+        for req in running:  # then prefill chunks already under way
             if step.budget <= 0:
                 return
             if req.status is not RequestStatus.RUNNING or req in step.scheduled:
@@ -201,6 +214,12 @@ class Scheduler:
             else:
                 continue
             self._allocate_or_preempt(step, req, n)
+
+    def _ends_with_pending_token(self, req: Request) -> bool:
+        """Its token still in flight reaches max_tokens or max_model_len: update() will end
+        it ("length"), so there is nothing to compute for it."""
+        return bool(self._inflight) and (req.num_output_tokens >= req.sampling.max_tokens
+                                         or req.num_tokens >= self.config.max_model_len)
 
     def _allocate_or_preempt(self, step: _Step, req: Request, n: int) -> None:
         """Give a running request blocks for n more tokens (fewer, with chunked prefill,
@@ -230,7 +249,7 @@ class Scheduler:
             step.budget += step.scheduled.pop(req)
         self.block_manager.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_verified_tokens = 0
         req.num_cached_blocks = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -279,7 +298,7 @@ class Scheduler:
             self.waiting.remove(req)
             bm.acquire(matched)
             req.block_ids = matched + bm.allocate(need)
-            req.num_computed_tokens = num_computed
+            req.num_computed_tokens = req.num_verified_tokens = num_computed
             req.num_cached_blocks = len(matched)
             if cfg.enable_prefix_caching:
                 self.prefix_cache_queries += req.num_tokens
@@ -343,6 +362,9 @@ class Scheduler:
         return self.block_manager.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
 
     def _build_plan(self, step: _Step) -> StepPlan:
+        """The plan of a decided step. Its tokens count as computed from now on, and each
+        request that samples gets a PENDING placeholder that update() replaces with the
+        real token, so the next step can be planned before this one's result arrives."""
         new, cached, new_counts, cached_counts = [], [], [], []
         new_entries, cached_entries = [], []
         for req, n in step.scheduled.items():
@@ -360,27 +382,54 @@ class Scheduler:
                 cached_counts.append(n)
                 cached_entries.append((req, n, samples))
             req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids)
-        step_id = self._next_step_id
-        self._next_step_id += 1
-        finished = self._finished_ids + step.preempted_ids
         structured = self._structured_rows(new_entries + cached_entries)
+        for req, n, samples in new_entries + cached_entries:
+            req.num_computed_tokens += n
+            if samples:
+                req.token_ids.append(PENDING)
+        return self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
+                                       num_scheduled_tokens=new_counts + cached_counts,
+                                       **structured), new_entries + cached_entries,
+                              step.preempted_ids)
+
+    def _register(self, plan: StepPlan, entries: list, preempted_ids: list[str]) -> StepPlan:
+        if self._inflight and entries:
+            self.num_overlapped_steps += 1
+        plan.step_id = self._next_step_id
+        self._next_step_id += 1
+        plan.finished_request_ids = self._finished_ids + preempted_ids
         self._finished_ids = []
-        self._inflight = (step_id, new_entries + cached_entries)
-        return StepPlan(step_id=step_id, new_requests=new, cached_requests=cached,
-                        num_scheduled_tokens=new_counts + cached_counts,
-                        finished_request_ids=finished, **structured)
+        self._inflight.append((plan.step_id, entries))
+        return plan
+
+    def empty_plan(self) -> StepPlan:
+        """A plan that computes nothing (it still delivers finished ids): what the loop sends
+        when it promised a next plan (``next_follows``) and nothing can be scheduled."""
+        return self._register(StepPlan(step_id=0), [], [])
+
+    def plan_ahead_ok(self) -> bool:
+        """Whether the step after the newest plan may be planned before that plan's result
+        (the loop then marks it ``next_follows``). The next step's inputs may name tokens
+        not sampled yet (PENDING): fine for a plain request, not for one whose grammar mask
+        or penalty counts need its last token. (Without chunked prefill, scheduling may have
+        to preempt, which a step in flight forbids.)"""
+        if not (self.config.overlap and self.config.enable_chunked_prefill and self._inflight
+                and self._inflight[-1][1] and self.running):
+            return False  # (an empty plan is followed by nothing: no promise chain of them)
+        return not any(samples and (req.grammar is not None or needs_token_history(req.sampling))
+                       for req, _n, samples in self._inflight[-1][1])
 
     # ------------------------------------------------------------ results in
 
     def update(self, plan: StepPlan, result: StepResult) -> TokenBatch:
-        """Apply a step's result: advance computed tokens, append sampled tokens,
-        decide finishes. Requests aborted since schedule() are skipped."""
-        if self._inflight is None or self._inflight[0] != plan.step_id:
-            raise RuntimeError(f"update() for step {plan.step_id}, which is not the step in flight")
+        """Apply the oldest step's result: confirm computed tokens, put the sampled tokens
+        in place of their placeholders, decide finishes. Requests finished since schedule()
+        are skipped."""
+        if not self._inflight or self._inflight[0][0] != plan.step_id:
+            raise RuntimeError(f"update() for step {plan.step_id}, which is not the oldest in flight")
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
-        entries = self._inflight[1]
-        self._inflight = None
+        entries = self._inflight.popleft()[1]
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             for req, _, _ in entries:
@@ -392,9 +441,9 @@ class Scheduler:
         for req, n, samples in entries:
             if req.is_finished:
                 continue  # aborted while the step ran: its token is dropped
-            req.num_computed_tokens += n
-            self._cache_full_blocks(req)
+            req.num_verified_tokens += n
             if not samples:
+                self._cache_full_blocks(req)
                 continue
             i = index.get(req.request_id)
             if i is None:
@@ -404,7 +453,9 @@ class Scheduler:
                 continue
             token = result.token_ids[i]
             logprob = result.logprobs[i] if i < len(result.logprobs) else None
-            req.token_ids.append(token)
+            assert req.token_ids[req.num_verified_tokens] == PENDING, req
+            req.token_ids[req.num_verified_tokens] = token
+            self._cache_full_blocks(req)
             self._after_token(batch, req, token, logprob)
         return batch
 
@@ -426,8 +477,9 @@ class Scheduler:
             self._emit(batch, req, finish_reason="stop", num_hidden_tokens=1)
             return
         reason = None
-        if (req.num_output_tokens >= req.sampling.max_tokens
-                or req.num_tokens >= self.config.max_model_len):
+        num_tokens = req.num_verified_tokens + 1  # this token's; later ones may be in flight
+        if (num_tokens - req.num_prompt_tokens >= req.sampling.max_tokens
+                or num_tokens >= self.config.max_model_len):
             reason = "length"
             self._finish(req, reason)
         self._emit(batch, req, [token], [logprob] if logprob is not None else [], reason)
@@ -436,7 +488,7 @@ class Scheduler:
         """Publish the blocks this step filled with computed KV."""
         if not self.config.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.config.block_size
+        full = req.num_verified_tokens // self.config.block_size
         if full <= req.num_cached_blocks:
             return
         req.update_block_hashes(self.config.block_size)
@@ -483,6 +535,7 @@ class Scheduler:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
+            "overlapped_steps": self.num_overlapped_steps,
         }
 
     def check_invariants(self) -> None:
@@ -491,8 +544,9 @@ class Scheduler:
         refs: dict[int, int] = {}
         for req in self.running:
             assert req.status is RequestStatus.RUNNING and self._requests[req.request_id] is req
-            assert len(req.block_ids) == blocks_for(req.num_computed_tokens, bs) or (
-                self._inflight is not None), f"{req} holds blocks it has not filled"
+            assert len(req.block_ids) == blocks_for(req.num_computed_tokens, bs), (
+                f"{req} holds blocks it has not filled")
+            assert self._inflight or PENDING not in req.token_ids, f"{req} has a stale placeholder"
             assert req.num_computed_tokens < req.num_tokens, f"{req} has nothing left to compute"
             assert len(set(req.block_ids)) == len(req.block_ids), f"{req} repeats a block"
             for b in req.block_ids:

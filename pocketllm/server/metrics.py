@@ -28,6 +28,8 @@ class Metrics:
                                  "Prompt tokens found in the prefix cache (cumulative)",
                                  registry=r)
         self.preemptions = Gauge(p + "preemptions", "Requests preempted (cumulative)", registry=r)
+        self.overlapped = Gauge(p + "overlapped_steps", "Steps planned while the previous one "
+                                "ran (cumulative)", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
@@ -45,6 +47,7 @@ class Metrics:
         self.prefix_queries.set(stats.prefix_cache_queries)
         self.prefix_hits.set(stats.prefix_cache_hits)
         self.preemptions.set(stats.preemptions)
+        self.overlapped.set(stats.overlapped_steps)
 
     def render(self, stats: SchedulerStats) -> bytes:
         self.update_engine(stats)

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from pocketllm.proto.messages import SamplingSpec, TokenLogprobs
+from pocketllm.sampling import uses_penalties  # noqa: F401  (the runner's import)
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,8 +52,6 @@ def uses_output_counts(spec: SamplingSpec) -> bool:
     return spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
 
 
-def uses_penalties(spec: SamplingSpec) -> bool:
-    return uses_output_counts(spec) or spec.repetition_penalty != 1.0 or bool(spec.logit_bias)
 
 
 class TokenHistory:
@@ -233,6 +232,14 @@ class Sampler:
         else one per row, None for rows that use none. Penalised rows of ``logits`` are
         adjusted in place, after the raw rows that logprobs need were copied out.
         """
+        return self.collect(self.to_host(*self.draw(logits, specs, positions, histories,
+                                                    token_mask), specs), specs)
+
+    def draw(self, logits: torch.Tensor, specs: Sequence[SamplingSpec], positions: Sequence[int],
+             histories: Optional[Sequence[Optional[TokenHistory]]] = None,
+             token_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The device part of ``__call__``: (tokens [B] on the device, raw logprob rows)."""
         raw_rows = _raw_logprob_rows(logits, specs)
         if histories is not None:
             apply_penalties(logits, specs, histories)
@@ -246,8 +253,19 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             drawn = _draw(logits[rows], [specs[i] for i in random_rows], uniforms.to(logits.device))
             tokens[rows] = drawn
-        token_ids = tokens.tolist()
-        return SampleOutput(token_ids, _logprobs(raw_rows, tokens, specs))
+        return tokens, raw_rows
+
+    @staticmethod
+    def to_host(tokens: torch.Tensor, raw_rows: Optional[torch.Tensor],
+                specs: Sequence[SamplingSpec]) -> HostCopy:
+        """Queue the copies of what ``collect`` returns, without waiting for them."""
+        return HostCopy([tokens] + _logprob_tensors(raw_rows, tokens, specs))
+
+    @staticmethod
+    def collect(copy: HostCopy, specs: Sequence[SamplingSpec]) -> SampleOutput:
+        """The host part: waits for the copies and builds tokens and logprobs."""
+        tokens, *tables = copy.lists()
+        return SampleOutput(tokens, _logprob_lists(tables, specs))
 
     def _uniforms(self, specs: Sequence[SamplingSpec], positions: Sequence[int]) -> torch.Tensor:
         unseeded = [i for i, s in enumerate(specs) if s.seed is None]
@@ -322,19 +340,48 @@ def _raw_logprob_rows(logits: torch.Tensor,
     return logits[torch.tensor(asked, device=logits.device)]
 
 
-def _logprobs(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
-              specs: Sequence[SamplingSpec]) -> list[Optional[TokenLogprobs]]:
-    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-    out: list[Optional[TokenLogprobs]] = [None] * len(specs)
+def _logprob_tensors(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
+                     specs: Sequence[SamplingSpec]) -> list[torch.Tensor]:
+    """[chosen, top values, top ids] on the device for the rows that asked ([] if none)."""
     if raw_rows is None:
-        return out
+        return []
+    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
     rows = torch.tensor(asked, device=raw_rows.device)
     logp = raw_rows.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
+    chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1)
     k = min(max(specs[i].logprobs for i in asked), logp.shape[-1])
     top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [chosen, top_vals, top_ids]
+
+
+def _logprob_lists(tables: list[list], specs: Sequence[SamplingSpec]
+                   ) -> list[Optional[TokenLogprobs]]:
+    out: list[Optional[TokenLogprobs]] = [None] * len(specs)
+    if not tables:
+        return out
+    chosen, top_vals, top_ids = tables
+    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
     for j, i in enumerate(asked):
         n = specs[i].logprobs
         out[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_vals[j][:n])
     return out
+
+
+class HostCopy:
+    """A step's tokens (and logprob tables) on their way to the host. On CUDA the copies
+    are queued behind the sampling, so waiting for them does not wait for whatever the
+    stream runs next (the following step's forward, when steps overlap)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.event = None
+        if tensors and tensors[0].is_cuda:
+            tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def lists(self) -> list[list]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [t.tolist() for t in self.tensors]

@@ -82,6 +82,9 @@ class ToolStreamParser(Protocol):
 
 class ToolParser(Protocol):
     name: str
+    # The syntax's markup strings: the detokenizer shows any that is one special token as
+    # text when this parser reads the answer (skip_special_tokens would drop it).
+    tags: tuple[str, ...]
 
     def parse(self, text: str, tools: Optional[list]) -> ParsedToolCalls: ...
     def stream(self, tools: Optional[list]) -> ToolStreamParser: ...

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .base import (CALL_CLOSE, JSON_DECODER, HeldCallStream, IdFactory, MalformedCall,
+from .base import (CALL_CLOSE, CALL_OPEN, JSON_DECODER, HeldCallStream, IdFactory, MalformedCall,
                    ParsedToolCalls, ToolSchemas, expect, new_call_id, parse_framed,
                    skip_whitespace)
 
@@ -36,6 +36,7 @@ def read_hermes_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, di
 
 class HermesToolParser:
     name = "hermes"
+    tags = (CALL_OPEN, CALL_CLOSE)  # markup a tokenizer may hold as (special) tokens
 
     def __init__(self, id_factory: IdFactory = new_call_id):
         self._new_id = id_factory

@@ -47,7 +47,7 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-from .base import (CALL_CLOSE, HeldCallStream, IdFactory, MalformedCall, ParsedToolCalls,
+from .base import (CALL_CLOSE, CALL_OPEN, HeldCallStream, IdFactory, MalformedCall, ParsedToolCalls,
                    ToolSchemas, expect, loads_strict, new_call_id, parse_framed, skip_whitespace)
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -184,6 +184,8 @@ def read_xml_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, dict,
 
 class Qwen3XmlToolParser:
     name = "qwen3_xml"
+    tags = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE,  # markup a tokenizer may
+            PARAMETER_OPEN, PARAMETER_CLOSE)  # hold as (special) tokens
 
     def __init__(self, id_factory: IdFactory = new_call_id):
         self._new_id = id_factory

@@ -1,0 +1,56 @@
+"""Overlapped scheduling: step N+1 planned while step N runs gives the same tokens."""
+
+import random
+
+import pytest
+
+from pocketllm.proto.messages import PENDING
+from test_scheduler_harness import Driver, config, make_request
+
+
+def workload(seed: int) -> dict[int, list]:
+    """Requests arriving over time: mixed prompt lengths and budgets, shared prefixes,
+    EOS ids that some sequences hit, a penalty request (it needs its tokens: no overlap
+    while it samples)."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list] = {}
+    base = [rng.randrange(1000) for _ in range(24)]
+    for i in range(14):
+        prompt = (base[:rng.choice([0, 8, 16])] +
+                  [rng.randrange(1000) for _ in range(rng.randrange(1, 30))])
+        extra = {"frequency_penalty": 0.5} if i == 5 else {}
+        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 40),
+                           eos=tuple(rng.sample(range(1000), 40)), **extra)
+        arrivals.setdefault(rng.randrange(0, 60), []).append(req)
+    return arrivals
+
+
+def run(overlap: bool, seed: int, **cfg):
+    d = Driver(config(overlap=overlap, num_kv_blocks=96, max_num_seqs=6, **cfg))
+    out = d.run_overlapped(arrivals=workload(seed))
+    return d, {rid: (o.tokens, o.finish_reason, o.hidden) for rid, o in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_gives_the_tokens_of_the_synchronous_loop(seed):
+    _, sync = run(False, seed)
+    d, overlapped = run(True, seed)
+    assert overlapped == sync
+    ahead = [p for p in d.plans if any(PENDING in c.new_token_ids for c in p.cached_requests)]
+    assert len(ahead) > 10, "the overlap path was hardly exercised"
+    assert sum(p.next_follows for p in d.plans) > len(d.plans) // 3
+
+
+def test_no_plan_ahead_while_a_penalty_request_samples():
+    d = Driver(config(overlap=True))
+    d.add(make_request("p", range(10), max_tokens=6, presence_penalty=1.0))
+    d.run_overlapped()
+    assert d.outcomes["p"].finish_reason == "length"
+    assert not any(p.next_follows for p in d.plans)
+
+
+def test_plan_ahead_off_by_default():
+    d = Driver(config())
+    d.add(make_request("a", range(10), max_tokens=6))
+    d.run_overlapped()
+    assert not any(p.next_follows for p in d.plans)
