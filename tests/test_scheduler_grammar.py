@@ -207,3 +207,18 @@ def test_abort_of_a_compiling_request():
     assert not d.sched.has_unfinished() and d.sched.schedule() is None
     stand_in.release.set()
 
+
+
+def test_overlap_waits_for_a_structured_requests_token():
+    """A grammar's mask for the next step needs this step's token: a step in which a
+    structured request samples is never followed by one planned ahead of its result."""
+    d, _ = make_driver(overlap=True)
+    d.add(structured("g", "6"))
+    d.add(make_request("plain", [9, 9, 9, 9, 9, 9], max_tokens=40))
+    wait_compiled(d)
+    out = d.run_overlapped()
+    assert out["g"].tokens == [100] * 6 and out["g"].finish_reason == "stop"
+    assert out["plain"].finish_reason == "length"
+    samples_g = [p for p in d.plans if "g" in p.structured_request_ids]
+    assert samples_g and not any(p.next_follows for p in samples_g)
+    assert any(p.next_follows for p in d.plans), "the plain request alone overlaps afterwards"
