@@ -95,6 +95,18 @@ def test_tp2_llm_and_server_equal_one_rank(family, checkpoints, references):
         assert srv.stop() == 0
 
 
+def test_tp2_with_overlapped_scheduling_equals_one_rank(checkpoints, references):
+    """Overlap forced on: rank 0 broadcasts each step's tokens, every rank reads its
+    PENDING inputs from them."""
+    with LLM(EngineArgs(model=checkpoints["qwen3"], tensor_parallel_size=2,
+                        max_num_batched_tokens=8, shutdown_timeout=SHUTDOWN_S,
+                        overlap_scheduling=True)) as llm:
+        outs = llm_outputs(llm)
+        assert llm._client.stats.overlapped_steps > NEW_TOKENS // 2
+    for out, ref in zip(outs, references["qwen3"]):
+        assert_same(out.token_ids, [e.logprob for e in out.logprobs], ref)
+
+
 def test_tp4_replicates_kv_heads_and_pads_vocab(checkpoints, references):
     # llama: 4 query heads, 2 KV heads (each on two ranks), 509 ids in slices of 128
     with LLM(EngineArgs(model=checkpoints["llama"], tensor_parallel_size=4,

@@ -55,6 +55,12 @@ class TPGroup:
         torch.distributed.gather(x, parts, dst=0)
         return parts
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (every rank passes one shape)."""
+        if self.world > 1:
+            torch.distributed.broadcast(x, src=0)
+        return x
+
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` any rank holds (every rank gets it)."""
         if self.world == 1:

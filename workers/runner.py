@@ -289,6 +289,12 @@ class ModelRunner:
             raise
         return self._sample(plan, samplers, logits)
 
+    def _keep_last(self, samplers: list[tuple[str, _RequestState]], tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens on the device: the next plan, made before the
+        scheduler saw them, names them PENDING."""
+        self._last_tokens = tokens
+        self._last_rows = {rid: i for i, (rid, _state) in enumerate(samplers)}
+
     def _graph_rung(self, seqs: list[ScheduledSeq], num_sampling: int) -> int:
         """The captured batch size for an all-decode step whose every row samples; 0: eager."""
         if self.graphs is None or num_sampling != len(seqs):
@@ -311,6 +317,9 @@ class ModelRunner:
     def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],
                 logits: Optional[torch.Tensor]) -> "LaunchedStep":
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
+            if plan.next_follows:  # ...but every rank feeds them to the next plan
+                self._keep_last(samplers, self.tp.broadcast_from_first(torch.empty(
+                    len(samplers), dtype=torch.long, device=self.device)))
             return LaunchedStep(plan.step_id)
         specs = [state.sampling for _rid, state in samplers]
         histories = [state.history for _rid, state in samplers]
@@ -320,7 +329,7 @@ class ModelRunner:
         tokens, raw_rows = self.sampler.draw(
             logits, specs, positions, histories if any(h is not None for h in histories) else None,
             mask)
-        self._last_tokens = tokens
-        self._last_rows = {rid: i for i, (rid, _state) in enumerate(samplers)}
+        if plan.next_follows:
+            self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, Sampler.to_host(tokens, raw_rows, specs), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)])

@@ -218,11 +218,12 @@ class SchedulerLoop:
 
 
 def overlap_scheduling(args, caps) -> bool:
-    """EngineArgs.overlap_scheduling, with None meaning: on for a single CUDA rank. (Ranks
-    other than 0 would need the sampled tokens broadcast to them; on a CPU the worker
-    computes synchronously, so overlapping would only delay each step's tokens.)"""
+    """EngineArgs.overlap_scheduling, with None meaning: on for a single CUDA rank. (With
+    tensor parallelism rank 0 broadcasts each step's tokens to the other ranks: measured
+    on CPUs only so far, so it is on only when asked for. On a CPU the worker computes
+    synchronously, so overlapping only delays each step's tokens.)"""
     if args.overlap_scheduling is not None:
-        return args.overlap_scheduling and caps.tensor_parallel_size == 1
+        return args.overlap_scheduling
     return caps.device.startswith("cuda") and caps.tensor_parallel_size == 1
 
 
