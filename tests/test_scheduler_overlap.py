@@ -54,3 +54,21 @@ def test_plan_ahead_off_by_default():
     d.add(make_request("a", range(10), max_tokens=6))
     d.run_overlapped()
     assert not any(p.next_follows for p in d.plans)
+
+
+def test_overlap_keeps_the_prefix_cache_of_generated_tokens():
+    """A multi-turn follow-up (prompt = the last prompt + its answer) hits the cache as
+    much with overlap as without: blocks are hashed only over real tokens, never over a
+    placeholder still in flight."""
+    hits = {}
+    for overlap in (False, True):
+        # 11 prompt tokens in chunks of 8: the second chunk, planned ahead, samples into
+        # position 11, so the block of tokens 8..11 is full with a placeholder in it.
+        d = Driver(config(overlap=overlap, block_size=4, num_kv_blocks=64,
+                          max_num_batched_tokens=8))
+        d.add(make_request("turn1", range(10, 21), max_tokens=9))
+        first = d.run_overlapped()["turn1"].tokens
+        d.add(make_request("turn2", list(range(10, 21)) + first + [5, 6], max_tokens=2))
+        d.run_overlapped()
+        hits[overlap] = d.sched.prefix_cache_hits
+    assert hits[True] == hits[False] == 16

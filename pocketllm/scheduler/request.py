@@ -62,9 +62,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def update_block_hashes(self, block_size: int) -> None:
-        """Extend the hash chain over every full block of known tokens (tokens only grow)."""
-        for i in range(len(self.block_hashes), len(self.token_ids) // block_size):
+    def update_block_hashes(self, block_size: int, num_tokens: Optional[int] = None) -> None:
+        """Extend the hash chain over every full block of the first ``num_tokens`` tokens
+        (default: all; tokens only grow). A caller whose last tokens may still be PENDING
+        placeholders passes how many are real."""
+        end = len(self.token_ids) if num_tokens is None else num_tokens
+        for i in range(len(self.block_hashes), end // block_size):
             parent = self.block_hashes[i - 1] if i else None
             self.block_hashes.append(
                 hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))

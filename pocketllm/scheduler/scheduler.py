@@ -491,7 +491,7 @@ class Scheduler:
         full = req.num_verified_tokens // self.config.block_size
         if full <= req.num_cached_blocks:
             return
-        req.update_block_hashes(self.config.block_size)
+        req.update_block_hashes(self.config.block_size, req.num_verified_tokens)
         for i in range(req.num_cached_blocks, full):
             self.block_manager.cache_block(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = full
