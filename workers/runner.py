@@ -17,6 +17,7 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
+from pocketllm.sampling import uses_penalties
 from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
 
@@ -25,7 +26,7 @@ from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_n
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
-                             uses_output_counts, uses_penalties)
+                             uses_output_counts)
 from .loader import load_model_weights
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model

@@ -26,13 +26,13 @@ def load_peer(info: ModelInfo, dtype: str):
     if info.format == "gguf":
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(info.path), gguf_file=os.path.basename(info.path),
-            torch_dtype=torch_dtype)
+            dtype=torch_dtype)
     elif info.format == "dummy":  # random init straight on the device (minutes on a host)
         config = AutoConfig.from_pretrained(info.path)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(info.path, torch_dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device).eval()
     return model, device, time.perf_counter() - t0

@@ -143,6 +143,17 @@ class Grammars:
             threading.Thread(target=self._worker, name=f"grammar-{i}", daemon=True).start()
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
 
+    def bitmask_rows(self, requests: list) -> dict:
+        """The StepPlan fields for these requests' masks: one packed row each (numpy int32,
+        the layout xgrammar fills; the scheduler never needs torch for it)."""
+        import numpy as np
+
+        bitmask = np.zeros((len(requests), self.words), dtype=np.int32)
+        for i, req in enumerate(requests):
+            req.grammar.fill(bitmask, i)
+        return dict(structured_request_ids=[r.request_id for r in requests],
+                    structured_bitmask=bitmask.tobytes())
+
     def submit(self, spec: StructuredSpec) -> Future:
         """The cached or newly started compile of ``spec`` (never blocks)."""
         key = (spec.kind, spec.value)
@@ -263,10 +274,3 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
-
-
-def new_bitmask(rows: int, words: int):
-    """A bitmask buffer xgrammar fills (numpy int32; the scheduler never needs torch for it)."""
-    import numpy as np
-
-    return np.zeros((rows, words), dtype=np.int32)

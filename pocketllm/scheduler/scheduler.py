@@ -19,6 +19,12 @@ it. Workers must apply ``finished_request_ids`` before ``new_requests``.
 
 Prefix-cache blocks are published only after the step that computed them
 succeeded, so no request ever reads KV that is not there yet.
+
+With overlap (``SchedulerConfig.overlap``) the next step may be planned before
+the last one's result: a request's ``num_computed_tokens`` counts the tokens of
+steps in flight, each token being sampled is a ``PENDING`` placeholder until
+``update()`` fills it in, and ``num_verified_tokens`` counts what results have
+confirmed. Nothing is preempted while a step is in flight.
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from pocketllm.errors import InvalidRequestError
-from pocketllm.sampling import uses_penalties as needs_token_history
-from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, NewRequestData, StepPlan,
-                                      StepResult, TokenBatch, TokenDelta, TokenizedRequest,
-                                      TokenLogprobs)
+from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, NewRequestData,
+                                      StepPlan, StepResult, TokenBatch, TokenDelta,
+                                      TokenizedRequest, TokenLogprobs)
+from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
 from .request import Request, RequestStatus
@@ -320,9 +326,7 @@ class Scheduler:
 
     def _poll_grammars(self) -> None:
         """Ready the matchers of finished compiles; fail bad or too slow grammars."""
-        import time
-
-        now = time.monotonic()
+        now = self.clock()
         for req in list(self._compiling):
             why = req.grammar.poll(now)
             if why is not None:
@@ -334,24 +338,14 @@ class Scheduler:
     def grammar_wait_s(self) -> Optional[float]:
         """How long the loop may sleep before a compiling grammar's time limit passes
         (None: nothing compiles, or no clock runs yet; a finished compile wakes it anyway)."""
-        import time
-
-        now = time.monotonic()
+        now = self.clock()
         waits = [w for w in (r.grammar.deadline(now) for r in self._compiling) if w is not None]
         return max(0.0, min(waits)) if waits else None
 
     def _structured_rows(self, entries: list) -> dict:
         """The plan's bitmask rows: one per structured request that samples in this step."""
         rows = [req for req, _n, samples in entries if samples and req.grammar is not None]
-        if not rows:
-            return {}
-        from .grammar import new_bitmask
-
-        bitmask = new_bitmask(len(rows), self.grammars.words)
-        for i, req in enumerate(rows):
-            req.grammar.fill(bitmask, i)
-        return dict(structured_request_ids=[r.request_id for r in rows],
-                    structured_bitmask=bitmask.tobytes())
+        return self.grammars.bitmask_rows(rows) if rows else {}
 
     def _match_prefix(self, req: Request) -> list[int]:
         if not self.config.enable_prefix_caching:
@@ -416,7 +410,7 @@ class Scheduler:
         if not (self.config.overlap and self.config.enable_chunked_prefill and self._inflight
                 and self._inflight[-1][1] and self.running):
             return False  # (an empty plan is followed by nothing: no promise chain of them)
-        return not any(samples and (req.grammar is not None or needs_token_history(req.sampling))
+        return not any(samples and (req.grammar is not None or uses_penalties(req.sampling))
                        for req, _n, samples in self._inflight[-1][1])
 
     # ------------------------------------------------------------ results in

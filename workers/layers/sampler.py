@@ -25,7 +25,6 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from pocketllm.proto.messages import SamplingSpec, TokenLogprobs
-from pocketllm.sampling import uses_penalties  # noqa: F401  (the runner's import)
 
 _MASK64 = (1 << 64) - 1
 
