@@ -42,6 +42,10 @@ def test_add_rms_norm_matches_layer(dtype, dim):
                                rtol=0 if exact else 2 ** -7)
     with torch.no_grad():
         torch.testing.assert_close(out, norm(expected_residual), **TOL[dtype])
+        # the layer's own add() (torch on CPU, this kernel on CUDA) computes the same pair
+        layer_out, layer_residual = norm.add(x, residual)
+        torch.testing.assert_close(layer_residual, expected_residual, atol=0, rtol=0)
+        torch.testing.assert_close(layer_out, norm(expected_residual), **TOL[dtype])
         torch.testing.assert_close(K.rmsnorm.rms_norm(x, norm.weight, norm.eps), norm(x),
                                    **TOL[dtype])
 
@@ -104,3 +108,32 @@ def test_kv_write_scatters_rows_and_skips_negative_slots():
             assert torch.equal(k_cache[slot], k[row]) and torch.equal(v_cache[slot], v[row])
     untouched = [s for s in range(40) if s not in (9, 2, 33, 0)]
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_gpu_path_of_a_whole_model_matches_torch(family):
+    """Every kernel of the GPU path at once (attention, KV write, fused residual norms,
+    rotary, activation), compiled on CUDA or interpreted here: greedy decoding gives the
+    torch path's tokens and logprobs."""
+    from unittest import mock
+
+    import pocketllm.workers.kernels as kernels
+    from test_worker_parity import GREEDY_LP, PROMPT, make_runner
+    from tiny_checkpoints import PlanDriver, make_tiny_checkpoint
+
+    def greedy(runner):
+        driver = PlanDriver(runner)
+        driver.add("r", PROMPT, GREEDY_LP, 8)
+        tokens = driver.run()["r"]
+        return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
+
+    path = make_tiny_checkpoint(family)
+    with mock.patch.object(kernels, "kernels_usable", lambda device: False):
+        torch_tokens, torch_logprobs = greedy(make_runner(path))
+    with mock.patch.object(kernels, "kernels_usable", lambda device: True):
+        runner = make_runner(path)
+    assert type(runner.backend).__name__ == "TritonAttention"
+    assert runner.model.layers[0].input_layernorm.add_kernel is not None
+    tokens, logprobs = greedy(runner)
+    assert tokens == torch_tokens
+    assert logprobs == pytest.approx(torch_logprobs, abs=1e-5)

@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         # Norm weights stay float32: they are tiny and bf16 would round Gemma's 1 + w.
         self.weight = nn.Parameter(torch.ones(dim, device=device), requires_grad=False)
         self.kernel = fused_kernel(device, "rmsnorm", "rms_norm")  # one launch instead of four
+        self.add_kernel = fused_kernel(device, "rmsnorm", "add_rms_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -25,3 +26,11 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, (self.dim,), self.weight, self.eps)
         return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``, the sum in x's dtype: a decoder layer's
+        residual add and the norm after it, one launch on the GPU path."""
+        if self.add_kernel is not None:
+            return self.add_kernel(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual

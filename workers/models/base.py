@@ -192,12 +192,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
-        """Hidden states [T, hidden] before the final norm (applied in compute_logits)."""
+        """Hidden states [T, hidden] before the final norm (applied in compute_logits).
+
+        The residual stream travels between layers as ``(x, residual)``, their sum not yet
+        taken: each layer adds it in the norm it opens with (one fused launch on the GPU
+        path) and hands back its sublayer's output with the new residual."""
         rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kind, kv in zip(self.layers, self.cfg.layer_rope, kv_caches):
-            x = layer(x, rope[kind], meta, kv)
-        return x
+            x, residual = layer(x, residual, rope[kind], meta, kv)
+        return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Float32 logits for the rows that sample (the norm is row-wise, so it runs here);

@@ -76,12 +76,15 @@ class Gemma3DecoderLayer(nn.Module):
         for name in self.norm_names:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
 
-    def forward(self, x: torch.Tensor, rope: RopeCosSin, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, meta, kv)
-        x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
+                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``CausalLM.forward``: the stream is ``x + residual``."""
+        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
+            else (self.input_layernorm(x), x)
+        attn = self.post_attention_layernorm(self.self_attn(h, rope, meta, kv))
+        h, residual = self.pre_feedforward_layernorm.add(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 def _plus_one(weight: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ window over every layer; Qwen may slide it over layers >= max_window_layers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -85,10 +87,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, rope: RopeCosSin, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
+                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``CausalLM.forward``: the stream is ``x + residual``."""
+        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
+            else (self.input_layernorm(x), x)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta, kv),
+                                                        residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(CausalLM):
