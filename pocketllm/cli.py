@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="largest decode batch captured as a CUDA graph")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=0,
+                   help="largest step holding a prefill that replays piecewise CUDA graphs "
+                        "(0: such steps run eagerly; opt-in until measured on a GPU)")
     g.add_argument("--overlap-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="plan step N+1 while step N runs (auto: on for one CUDA rank)")
     g.add_argument("--admission-delay", type=float, default=0.05,
@@ -77,6 +80,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=not ns.no_prefix_caching,
         enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
         cuda_graphs=not ns.no_cuda_graphs, cuda_graph_max_batch=ns.cuda_graph_max_batch,
+        cuda_graph_max_tokens=ns.cuda_graph_max_tokens,
         admission_delay=ns.admission_delay,
         overlap_scheduling={"auto": None, "on": True, "off": False}[ns.overlap_scheduling],
         structured_output_timeout_s=ns.structured_output_timeout,

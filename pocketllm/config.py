@@ -41,6 +41,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU; False: eager launches
     cuda_graph_max_batch: int = 256  # largest captured decode batch; larger ones run eagerly
+    # Largest step holding a prefill that replays piecewise CUDA graphs (capped at
+    # max_num_batched_tokens); 0: such steps run eagerly. Off until measured on a GPU.
+    cuda_graph_max_tokens: int = 0
     # Seconds a new request may wait, while CUDA-graph decodes run, for others to share its
     # prefill step (0: admit at once); see docs/architecture.md "Admission batching".
     admission_delay: float = 0.05
@@ -79,6 +82,9 @@ class EngineArgs:
                      "cuda_graph_max_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
+        if not isinstance(self.cuda_graph_max_tokens, int) or self.cuda_graph_max_tokens < 0:
+            raise InvalidRequestError("cuda_graph_max_tokens must be a non-negative integer",
+                                      "cuda_graph_max_tokens")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
         for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s"):

@@ -1,5 +1,6 @@
 """Decode under CUDA graphs: the ladder, and greedy parity of the GPU path (graphs on and
-off) with the CPU torch path on every family's tiny checkpoint (GPU tests skip without CUDA)."""
+off, piecewise graphs for the prefill steps) with the CPU torch path on every family's tiny
+checkpoint (GPU tests skip without CUDA)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def greedy_batch(path: str, device: str, **kw) -> dict[str, list[int]]:
     runner = ModelRunner(load_model_info(args), args)
     if device == "cuda":
         assert (runner.graphs is not None) == kw.get("cuda_graphs", True)
+        assert (runner.mixed_graphs is not None) == bool(kw.get("cuda_graph_max_tokens"))
     driver = PlanDriver(runner)
     rng = random.Random(3)
     spec = SamplingSpec(temperature=0.0, max_tokens=24)
@@ -51,3 +53,5 @@ def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):
     cpu = greedy_batch(path, "cpu")
     assert greedy_batch(path, "cuda", cuda_graphs=False) == cpu
     assert greedy_batch(path, "cuda", cuda_graphs=True) == cpu
+    # and with the prefill steps (39 tokens, then fewer) on piecewise graphs
+    assert greedy_batch(path, "cuda", cuda_graphs=True, cuda_graph_max_tokens=64) == cpu

@@ -121,23 +121,29 @@ class ModelRunner:
         # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
         # the scheduler readmits a preempted request before any newer one, so it stays found.
         self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.graphs = self._capture_graphs()
+        self.graphs, self.mixed_graphs = self._capture_graphs()
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
                     self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
                     self.load_seconds)
 
     def _capture_graphs(self):
-        """Decode CUDA graphs when the Triton kernels run on a GPU and the flag allows."""
+        """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA
+        graphs need the Triton kernels on a GPU, and the flags must allow them."""
         if not (self.args.cuda_graphs and self.device.type == "cuda"
                 and getattr(self.backend, "kernel_tables", False)):
-            return None
+            return None, None
         from .cuda_graphs import DecodeGraphs
+        from .piecewise_graphs import MixedGraphs
 
         with torch.inference_mode():
-            return DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
-                                self.num_kv_blocks, self.device,
-                                min(self.args.cuda_graph_max_batch, self.args.max_num_seqs))
+            decode = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
+                                  self.num_kv_blocks, self.device,
+                                  min(self.args.cuda_graph_max_batch, self.args.max_num_seqs))
+            max_tokens = min(self.args.cuda_graph_max_tokens, self.args.max_num_batched_tokens)
+            mixed = MixedGraphs(self.model, self.kv_caches, self.max_model_len, self.device,
+                                max_tokens) if max_tokens > 0 else None
+        return decode, mixed
 
     def capabilities(self) -> WorkerCapabilities:
         return WorkerCapabilities(
@@ -270,12 +276,14 @@ class ModelRunner:
             return self._sample(plan, samplers, logits)
         meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
                               kernel_tables=getattr(self.backend, "kernel_tables", False))
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if pending is not None:
-            ids_t[pending[0]] = pending[1]
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
-            hidden = self.model(ids_t, pos_t, max(positions), meta, self.kv_caches)
+            if mixed_rung:
+                hidden = self.mixed_graphs.run(input_ids, positions, meta, mixed_rung, pending)
+            else:
+                hidden = self.model(self._device_ids(input_ids, pending),
+                                    torch.tensor(positions, dtype=torch.long, device=self.device),
+                                    max(positions), meta, self.kv_caches)
             if not sample_rows:
                 return LaunchedStep(plan.step_id)
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
@@ -289,6 +297,13 @@ class ModelRunner:
                                   f"{type(e).__name__}: {e}") from e
             raise
         return self._sample(plan, samplers, logits)
+
+    def _device_ids(self, input_ids: list[int],
+                    pending: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if pending is not None:
+            ids[pending[0]] = pending[1]
+        return ids
 
     def _keep_last(self, samplers: list[tuple[str, _RequestState]], tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens on the device: the next plan, made before the

@@ -32,14 +32,17 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first."""
+                window: Optional[int], scale: float, softcap: Optional[float],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first.
+        ``out``: a [T, H, D] tensor to write the result into (and return)."""
+        if out is None:
+            out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         if meta.decode is None and meta.prefill is None:
             if meta.num_tokens:
                 raise ValueError("TritonAttention needs build_metadata(..., kernel_tables=True)")
-            return torch.empty_like(q)
+            return out
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         if meta.decode is not None:
             d = meta.decode
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,

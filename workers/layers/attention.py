@@ -213,8 +213,10 @@ def _rows(rows: list[int], device: torch.device) -> Union[slice, torch.Tensor]:
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first."""
+                window: Optional[int], scale: float, softcap: Optional[float],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first.
+        ``out``: a [T, H, D] tensor to write the result into (and return)."""
 
 
 class TorchAttention:
@@ -222,7 +224,11 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
+                window: Optional[int], scale: float, softcap: Optional[float],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is not None:
+            return out.copy_(self.forward(q, k, v, k_cache, v_cache, meta, window, scale,
+                                          softcap))
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = None if meta.covers_all_rows else torch.empty_like(q)

@@ -86,22 +86,29 @@ class Attention(nn.Module):
         self.backend = backend
         self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
 
-    def forward(self, x: torch.Tensor, rope: RopeCosSin, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+    def project(self, h: torch.Tensor, rope: RopeCosSin
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden rows -> q [T, H, D], k and v [T, Hkv, D], rotary applied."""
+        tokens = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_kernel is not None:
-            q, k = self.rotary_kernel(q, k, *rope)
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta,
-                                   self.window, self.scale, self.softcap)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+            return (*self.rotary_kernel(q, k, *rope), v)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """Write k/v into the cache and attend: [T, H, D] (into ``out`` when given)."""
+        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window,
+                                    self.scale, self.softcap, out)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):
@@ -127,6 +134,47 @@ class GatedMLP(nn.Module):
         if self.act_kernel is not None:
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
         return self.down_proj(act_and_mul(self.act, gate_up))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer cut at its attention call, so that the model can run
+    everything between two attention calls as one piece (``CausalLM.segment``).
+
+    The residual stream travels as ``(x, residual)`` with the sum not yet taken: each
+    layer adds it inside the RMSNorm it opens with (``RMSNorm.add``: one launch on the
+    GPU path) and hands back its last sublayer's output with the new residual."""
+
+    self_attn: Attention
+    input_layernorm: RMSNorm
+
+    def pre_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q, k, v, residual."""
+        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
+            else (self.input_layernorm(x), x)
+        return (*self.self_attn.project(h, rope), residual)
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention rows [T, H, D] -> the layer's output x and the residual."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
+                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.pre_attention(x, residual, rope)
+        return self.post_attention(self.self_attn.attend(q, k, v, meta, kv), residual)
+
+
+@dataclass
+class Segment:
+    """What one piece between two attention calls hands on: the next layer's q/k/v and the
+    residual, or (after the last layer) the hidden states; plus the rotary rows."""
+
+    rope: dict[str, RopeCosSin]
+    residual: Optional[torch.Tensor] = None
+    qkv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    hidden: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -186,22 +234,38 @@ class CausalLM(nn.Module):
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
-        """Hidden states [T, hidden] before the final norm (applied in compute_logits).
+        """Hidden states [T, hidden] before the final norm (applied in compute_logits):
+        the segments, with each layer's attention between them."""
+        seg = self.embed(input_ids, positions, max_position)
+        for i, layer in enumerate(self.layers):
+            seg = self.segment(i + 1, layer.self_attn.attend(*seg.qkv, meta, kv_caches[i]), seg)
+        return seg.hidden
 
-        The residual stream travels between layers as ``(x, residual)``, their sum not yet
-        taken: each layer adds it in the norm it opens with (one fused launch on the GPU
-        path) and hands back its sublayer's output with the new residual."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int
+              ) -> Segment:
+        """Segment 0: the embedding and the first layer up to its attention."""
         rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kind, kv in zip(self.layers, self.cfg.layer_rope, kv_caches):
-            x, residual = layer(x, residual, rope[kind], meta, kv)
-        return x if residual is None else x + residual
+        return self._enter(0, self.embed_tokens(input_ids), None, rope)
+
+    def segment(self, index: int, attn: torch.Tensor, prev: Segment) -> Segment:
+        """Segment ``index`` (1 .. num_layers): layer index-1 after its attention, then
+        layer ``index`` up to its own (or, after the last layer, the hidden states)."""
+        x, residual = self.layers[index - 1].post_attention(attn, prev.residual)
+        if index == len(self.layers):
+            return Segment(prev.rope, hidden=x + residual)
+        return self._enter(index, x, residual, prev.rope)
+
+    def _enter(self, index: int, x: torch.Tensor, residual: Optional[torch.Tensor],
+               rope: dict[str, RopeCosSin]) -> Segment:
+        q, k, v, residual = self.layers[index].pre_attention(
+            x, residual, rope[self.cfg.layer_rope[index]])
+        return Segment(rope, residual, (q, k, v))
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Float32 logits for the rows that sample (the norm is row-wise, so it runs here);

@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pocketllm.errors import UnsupportedFeatureError
 
 from ..distributed import TPGroup
-from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.attention import AttentionBackend
 from ..layers.norm import RMSNorm
-from .base import Attention, CausalLM, GatedMLP, RopeCosSin, WeightTarget
+from .base import Attention, CausalLM, DecoderLayer, GatedMLP, WeightTarget
 from .config import FULL, SLIDING, ArchConfig, as_int, get, layer_kinds, rope_params
 
 # Multimodal checkpoints nest the text model; the vision tower is not served.
@@ -64,7 +63,7 @@ def gemma3_arch_config(hf: dict, architecture: str) -> ArchConfig:
     )
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     norm_names = ("input_layernorm", "post_attention_layernorm",
                   "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -76,13 +75,9 @@ class Gemma3DecoderLayer(nn.Module):
         for name in self.norm_names:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
-                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``CausalLM.forward``: the stream is ``x + residual``."""
-        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
-            else (self.input_layernorm(x), x)
-        attn = self.post_attention_layernorm(self.self_attn(h, rope, meta, kv))
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.post_attention_layernorm(self.self_attn.output(attn))
         h, residual = self.pre_feedforward_layernorm.add(attn, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -93,7 +88,7 @@ def _plus_one(weight: torch.Tensor) -> torch.Tensor:
 
 class Gemma3ForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         return Gemma3DecoderLayer(cfg, index, backend, device, dtype, tp)
 
     def weight_targets(self) -> dict[str, WeightTarget]:

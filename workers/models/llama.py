@@ -6,15 +6,12 @@ window over every layer; Qwen may slide it over layers >= max_window_layers.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from torch import nn
 
 from ..distributed import TPGroup
-from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.attention import AttentionBackend
 from ..layers.norm import RMSNorm
-from .base import Attention, CausalLM, GatedMLP, RopeCosSin
+from .base import Attention, CausalLM, DecoderLayer, GatedMLP
 from .config import FULL, SLIDING, ArchConfig, as_int, get, layer_kinds, rope_params
 
 # transformers' config class defaults for keys a config.json may leave out.
@@ -76,7 +73,7 @@ def llama_arch_config(hf: dict, architecture: str) -> ArchConfig:
     )
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
@@ -87,18 +84,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
-                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``CausalLM.forward``: the stream is ``x + residual``."""
-        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
-            else (self.input_layernorm(x), x)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta, kv),
-                                                        residual)
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.post_attention_layernorm.add(self.self_attn.output(attn), residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+                   device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         return LlamaDecoderLayer(cfg, index, backend, device, dtype, tp)

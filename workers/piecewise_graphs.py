@@ -1,0 +1,156 @@
+"""Steps holding a prefill chunk under piecewise CUDA graphs.
+
+Such a step cannot replay one whole-forward graph: its attention depends on how
+many sequences of what lengths it holds. Nothing else does. Each piece between
+two attention calls (``CausalLM.segment``: a layer's output projection, MLP and
+norms, then the next layer's norm, q/k/v projection and rotary) depends only on
+the token count. So every rung of a token-count ladder captures
+``num_layers + 1`` graphs; a step pads its tokens to a rung, replays the pieces
+in order, and runs each layer's attention eagerly between them over its real
+rows only. An eager step of an 8B model spends tens of milliseconds launching
+hundreds of kernels per layer from Python; here it launches one graph per layer
+plus the attention's few kernels.
+
+The pieces hand their results to each other through static buffers (q, k, v,
+the residual, the attention rows, the rotary rows), so the rungs' graphs share
+one memory pool and hold nothing per piece. A padded row reads token 0 at
+position 0 and is never attended to or sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .models.base import CausalLM, Segment
+
+logger = logging.getLogger("pocketllm.worker")
+
+CAPTURE_BUDGET_S = 60.0  # startup stops adding rungs past this (on top of the decode graphs')
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """8, 16, 32, 64, 128, 192, 256, then every 128 up to 2048 and every 256 after."""
+    rungs, t = [8, 16, 32, 64, 128, 192, 256], 256
+    while t < max_tokens:
+        t += 128 if t < 2048 else 256
+        rungs.append(t)
+    return sorted({min(r, max_tokens) for r in rungs})
+
+
+def capture_cuda_graph(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class MixedGraphs:
+    """``capture(fn, pool) -> graph`` records ``fn`` into an object with ``replay()`` and
+    ``pool()`` (tests pass one that reruns ``fn``: CUDA graphs need a GPU)."""
+
+    def __init__(self, model: CausalLM, kv_caches: list, max_model_len: int,
+                 device: torch.device, max_tokens: int,
+                 capture: Callable = capture_cuda_graph):
+        self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
+        rungs = token_ladder(max_tokens)
+        t, dtype = rungs[-1], model.dtype
+        attn = model.layers[0].self_attn
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+        def buffer(*shape, dtype=dtype):
+            return torch.zeros(t, *shape, dtype=dtype, device=device)
+
+        self.input_ids, self.positions = buffer(dtype=torch.long), buffer(dtype=torch.long)
+        self.attn = buffer(heads, dim)
+        self.q, self.k, self.v = buffer(heads, dim), buffer(kv_heads, dim), buffer(kv_heads, dim)
+        self.residual = buffer(model.cfg.hidden_size)
+        self.hidden = buffer(model.cfg.hidden_size)
+        rope = model.embed(self.input_ids[:1], self.positions[:1], max_model_len - 1).rope
+        self.rope = {kind: (buffer(*cos.shape[1:], dtype=cos.dtype),
+                            buffer(*sin.shape[1:], dtype=sin.dtype))
+                     for kind, (cos, sin) in rope.items()}
+        self.graphs: dict[int, list] = {}
+        self._capture(rungs, capture)
+
+    @property
+    def token_counts(self) -> list[int]:
+        return sorted(self.graphs)
+
+    def rung(self, tokens: int) -> int:
+        """The captured token count a step of ``tokens`` rows pads to (0: none fits)."""
+        for t in self.token_counts:
+            if t >= tokens:
+                return t
+        return 0
+
+    # ------------------------------------------------------------------ pieces
+
+    def _static(self, t: int) -> Segment:
+        return Segment({k: (cos[:t], sin[:t]) for k, (cos, sin) in self.rope.items()},
+                       self.residual[:t], (self.q[:t], self.k[:t], self.v[:t]))
+
+    def _piece(self, index: int, t: int) -> None:
+        """Piece ``index`` over the first ``t`` rows, static buffers in and out."""
+        if index == 0:
+            seg = self.model.embed(self.input_ids[:t], self.positions[:t], self.max_model_len - 1)
+            for kind, (cos, sin) in seg.rope.items():
+                self.rope[kind][0][:t].copy_(cos)
+                self.rope[kind][1][:t].copy_(sin)
+        else:
+            seg = self.model.segment(index, self.attn[:t], self._static(t))
+        if seg.hidden is not None:
+            self.hidden[:t].copy_(seg.hidden)
+            return
+        self.residual[:t].copy_(seg.residual)
+        for buf, x in zip((self.q, self.k, self.v), seg.qkv):
+            buf[:t].copy_(x)
+
+    def _capture(self, rungs: Sequence[int], capture: Callable) -> None:
+        pieces = len(self.model.layers) + 1
+        started = time.perf_counter()
+        for index in range(pieces):  # compiles the kernels before any capture
+            self._piece(index, rungs[-1])
+        pool = None
+        # Largest first, so the smaller rungs reuse its memory pool. Past the budget the
+        # smaller rungs are skipped: their steps pad up to the smallest captured one.
+        for t in sorted(rungs, reverse=True):
+            if time.perf_counter() - started > CAPTURE_BUDGET_S:
+                logger.warning("piecewise CUDA graph capture stopped after %.0fs: steps under "
+                               "%d tokens pad up to the next captured size", CAPTURE_BUDGET_S,
+                               t + 1)
+                break
+            graphs = []
+            for index in range(pieces):
+                graphs.append(capture(lambda index=index, t=t: self._piece(index, t), pool))
+                pool = graphs[-1].pool()
+            self.graphs[t] = graphs
+        logger.info("captured %d x %d piecewise CUDA graphs (%d..%d tokens) in %.1fs",
+                    len(self.graphs), pieces, min(self.graphs, default=0),
+                    max(self.graphs, default=0), time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ a step
+
+    def run(self, input_ids: list[int], positions: list[int], meta, rung: int,
+            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Hidden states [len(input_ids), hidden] of one step, as ``CausalLM.forward``
+        gives them. ``pending``: (rows, tokens) already on the device, written over those
+        input rows."""
+        n = len(input_ids)
+        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        if pending is not None:
+            self.input_ids[pending[0]] = pending[1]
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        if n < rung:
+            self.input_ids[n:rung].zero_()
+            self.positions[n:rung].zero_()
+        graphs = self.graphs[rung]
+        graphs[0].replay()
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attend(self.q[:n], self.k[:n], self.v[:n], meta, self.kv_caches[i],
+                                   out=self.attn[:n])
+            graphs[i + 1].replay()
+        return self.hidden[:n]
