@@ -225,6 +225,8 @@ class CausalLM(nn.Module):
                                                    cfg.embed_scale, tp)
         self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, device, dtype, tp)
                                     for i in range(cfg.num_layers))
+        # Indexed twice per layer and step: a tuple skips ModuleList's slow __getitem__.
+        self._layer_at = tuple(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied,
@@ -243,7 +245,7 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm (applied in compute_logits):
         the segments, with each layer's attention between them."""
         seg = self.embed(input_ids, positions, max_position)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._layer_at):
             seg = self.segment(i + 1, layer.self_attn.attend(*seg.qkv, meta, kv_caches[i]), seg)
         return seg.hidden
 
@@ -256,14 +258,14 @@ class CausalLM(nn.Module):
     def segment(self, index: int, attn: torch.Tensor, prev: Segment) -> Segment:
         """Segment ``index`` (1 .. num_layers): layer index-1 after its attention, then
         layer ``index`` up to its own (or, after the last layer, the hidden states)."""
-        x, residual = self.layers[index - 1].post_attention(attn, prev.residual)
-        if index == len(self.layers):
+        x, residual = self._layer_at[index - 1].post_attention(attn, prev.residual)
+        if index == len(self._layer_at):
             return Segment(prev.rope, hidden=x + residual)
         return self._enter(index, x, residual, prev.rope)
 
     def _enter(self, index: int, x: torch.Tensor, residual: Optional[torch.Tensor],
                rope: dict[str, RopeCosSin]) -> Segment:
-        q, k, v, residual = self.layers[index].pre_attention(
+        q, k, v, residual = self._layer_at[index].pre_attention(
             x, residual, rope[self.cfg.layer_rope[index]])
         return Segment(rope, residual, (q, k, v))
 
