@@ -168,6 +168,12 @@ class StepResult(_Msg):
     token_ids: list[int] = []
     logprobs: list[Optional[TokenLogprobs]] = []
     error: Optional[str] = None  # a failed forward: the scheduler fails the step
+    path: str = ""  # how the forward ran: one of STEP_PATHS ("": nothing to compute)
+
+
+# A step's forward replayed a decode CUDA graph, replayed piecewise graphs around eager
+# attention, or ran eagerly.
+STEP_PATHS = ("graph", "piecewise", "eager")
 
 
 class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
@@ -297,6 +303,7 @@ class SchedulerStats(_Msg):
     prefix_cache_hits: int = 0  # cumulative, in tokens
     preemptions: int = 0  # cumulative
     overlapped_steps: int = 0  # cumulative: steps planned while the previous one ran
+    steps_by_path: dict[str, int] = {}  # cumulative: computed steps by StepResult.path
 
 
 # ---------------------------------------------------------------- lifecycle

@@ -24,6 +24,17 @@ def test_generate_batch_and_token_prompts(llm_tiny):
     assert ids_out.usage.prompt_tokens == 4 and len(ids_out.token_ids) == 24
 
 
+def test_engine_stats_count_the_steps_by_path(llm_tiny):
+    from pocketllm.bench.throughput import settled_stats
+
+    before = settled_stats(llm_tiny)
+    llm_tiny.generate("count my steps", SamplingParams(max_tokens=5, ignore_eos=True))
+    after = settled_stats(llm_tiny, newer_than=before)
+    # one prefill step and four decodes, all eager on the CPU
+    assert after.steps_by_path["eager"] - before.steps_by_path.get("eager", 0) == 5
+    assert set(after.steps_by_path) == {"eager"}
+
+
 def test_greedy_is_deterministic_alone_and_batched(llm_tiny):
     alone = llm_tiny.generate(LONG_PROMPT, GREEDY)[0].token_ids
     batch = llm_tiny.generate(["other prompt"] * 3 + [LONG_PROMPT], GREEDY)

@@ -77,6 +77,9 @@ def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, 
                                           runner.device, 32, capture=RerunGraph)
         assert runner.mixed_graphs.token_counts == [8, 16, 32]
         RerunGraph.replays = 0
+        results = []
+        execute = runner.execute
+        runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
         piecewise = greedy(runner, chunk=8)
     # tokens equal; logprobs to float noise (a padded GEMM may block its rows differently)
     assert piecewise[0] == eager[0] and len(set(eager[0]["r1"])) > 3
@@ -85,6 +88,7 @@ def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, 
     # every step (at most 3 sequences x 8 tokens) went through the pieces
     steps = max(len(v) for v in eager[0].values()) + 30 // 8
     assert RerunGraph.replays >= steps * (len(runner.model.layers) + 1)
+    assert {r.path for r in results} == {"piecewise"}  # as the step results report it
 
 
 def test_steps_past_the_largest_rung_run_eagerly():
@@ -94,8 +98,12 @@ def test_steps_past_the_largest_rung_run_eagerly():
                                       runner.device, 16, capture=RerunGraph)
     assert runner.mixed_graphs.rung(17) == 0 and runner.mixed_graphs.rung(9) == 16
     RerunGraph.replays = 0
+    results = []
+    execute = runner.execute
+    runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
     assert greedy(runner, chunk=64)[0] == greedy(make_runner(path), chunk=64)[0]
-    assert RerunGraph.replays > 0  # the decode steps (3 rows) replayed; the 50-row prefill not
+    # the 50-row prefill ran eagerly; the decode steps (3 rows) replayed
+    assert [r.path for r in results] == ["eager"] + ["piecewise"] * (len(results) - 1)
 
 
 def test_max_tokens_flag_is_validated():

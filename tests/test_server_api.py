@@ -316,6 +316,11 @@ def test_metrics_counters(server):
                  "pocketllm_inter_token_latency_seconds", "pocketllm_e2e_request_latency_seconds",
                  "pocketllm_kv_blocks_total", "pocketllm_prefix_cache_hits_tokens"):
         assert name in text, name
+    # earlier tests ran steps; on the CPU every one is eager
+    assert 'pocketllm_steps{path="graph"} 0.0' in text
+    assert 'pocketllm_steps{path="piecewise"} 0.0' in text
+    eager = [line for line in text.splitlines() if line.startswith('pocketllm_steps{path="eager"}')]
+    assert len(eager) == 1 and float(eager[0].split()[-1]) > 0
 
 
 def test_auth(tiny_llama):

@@ -53,6 +53,7 @@ class LaunchedStep:
     specs: list = None
     slots: list[tuple[str, int]] = None  # (request id, position of its new token)
     error: Optional[str] = None
+    path: str = ""  # StepResult.path
 
 
 class StepError(RuntimeError):
@@ -180,7 +181,7 @@ class ModelRunner:
         """Wait for a launched step and return its tokens; they also replace the PENDING
         placeholders a later plan may already have given this worker."""
         if step.error is not None or step.copy is None:
-            return StepResult(step_id=step.step_id, error=step.error)
+            return StepResult(step_id=step.step_id, error=step.error, path=step.path)
         try:
             with torch.inference_mode():
                 out = Sampler.collect(step.copy, step.specs)
@@ -192,7 +193,7 @@ class ModelRunner:
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
         return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
-                          token_ids=out.token_ids, logprobs=out.logprobs)
+                          token_ids=out.token_ids, logprobs=out.logprobs, path=step.path)
 
     # ------------------------------------------------------------------ internals
 
@@ -273,7 +274,7 @@ class ModelRunner:
         rung = self._graph_rung(seqs, len(samplers))
         if rung:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
-            return self._sample(plan, samplers, logits)
+            return self._sample(plan, samplers, logits, "graph")
         meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
                               kernel_tables=getattr(self.backend, "kernel_tables", False))
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
@@ -284,8 +285,9 @@ class ModelRunner:
                 hidden = self.model(self._device_ids(input_ids, pending),
                                     torch.tensor(positions, dtype=torch.long, device=self.device),
                                     max(positions), meta, self.kv_caches)
+            path = "piecewise" if mixed_rung else "eager"
             if not sample_rows:
-                return LaunchedStep(plan.step_id)
+                return LaunchedStep(plan.step_id, path=path)
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
@@ -296,7 +298,7 @@ class ModelRunner:
                 raise RankFailure(f"rank {self.rank} failed mid-forward: "
                                   f"{type(e).__name__}: {e}") from e
             raise
-        return self._sample(plan, samplers, logits)
+        return self._sample(plan, samplers, logits, path)
 
     def _device_ids(self, input_ids: list[int],
                     pending: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -331,12 +333,12 @@ class ModelRunner:
         return rows, self._last_tokens.index_select(0, src)
 
     def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],
-                logits: Optional[torch.Tensor]) -> "LaunchedStep":
+                logits: Optional[torch.Tensor], path: str) -> "LaunchedStep":
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
             if plan.next_follows:  # ...but every rank feeds them to the next plan
                 self._keep_last(samplers, self.tp.broadcast_from_first(torch.empty(
                     len(samplers), dtype=torch.long, device=self.device)))
-            return LaunchedStep(plan.step_id)
+            return LaunchedStep(plan.step_id, path=path)
         specs = [state.sampling for _rid, state in samplers]
         histories = [state.history for _rid, state in samplers]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
@@ -348,4 +350,5 @@ class ModelRunner:
         if plan.next_follows:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, Sampler.to_host(tokens, raw_rows, specs), specs,
-                            [(rid, p) for (rid, _state), p in zip(samplers, positions)])
+                            [(rid, p) for (rid, _state), p in zip(samplers, positions)],
+                            path=path)

@@ -44,6 +44,10 @@ class AsyncLLM:
     def engine_caps(self):
         return self.client.capabilities
 
+    def engine_stats(self):
+        """See ``LLM.engine_stats``."""
+        return self.client.stats
+
     # ---------------------------------------------------------------- API
 
     async def generate(self, prompts: Union[Prompt, Sequence[Prompt]],

@@ -43,6 +43,11 @@ class LLM:
     def engine_caps(self):
         return self._client.capabilities
 
+    def engine_stats(self):
+        """The scheduler's latest gauges and counters (``SchedulerStats``), as the server's
+        /metrics shows them; sent after steps (at most every 0.1 s) and when it goes idle."""
+        return self._client.stats
+
     @property
     def model_info(self):
         return self._client.info

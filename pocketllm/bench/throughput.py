@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import EngineArgs
+from ..proto.messages import STEP_PATHS
 from ..sampling import SamplingParams
 
 
@@ -27,6 +28,7 @@ class ThroughputResult:
     seconds: float
     output_tokens: int
     dtype: str = "float32"
+    steps_by_path: Optional[dict[str, int]] = None  # per run, by how their forward ran
 
     @property
     def output_tps(self) -> float:
@@ -62,14 +64,30 @@ def run_pocketllm(args: EngineArgs, num_prompts: int, input_len: int, output_len
         # Warm-up: kernels compiled, allocator grown (prompts differ: no prefix-cache help).
         warm = random_prompts(llm.model_info.vocab_size, min(num_prompts, 64), input_len, ~seed)
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
+        before = settled_stats(llm)
         times, produced = [], 0
         for _ in range(runs):
             start = time.perf_counter()
             outputs = llm.generate(prompts, sp)
             times.append(time.perf_counter() - start)
             produced = sum(len(o.token_ids) for o in outputs)
+        after = settled_stats(llm, newer_than=before).steps_by_path
+        steps = {path: (n - before.steps_by_path.get(path, 0)) // runs
+                 for path, n in after.items()}
     return ThroughputResult("pocketllm", num_prompts, input_len, output_len,
-                            statistics.median(times), produced, dtype), prompts
+                            statistics.median(times), produced, dtype, steps), prompts
+
+
+def settled_stats(llm, newer_than=None, timeout: float = 2.0):
+    """The engine's stats once they say idle: the scheduler sends them after its last step
+    (``newer_than``: a stats message they must have replaced)."""
+    deadline = time.monotonic() + timeout
+    stats = llm.engine_stats()
+    while time.monotonic() < deadline and (
+            stats is newer_than or stats.running or stats.waiting):
+        time.sleep(0.02)
+        stats = llm.engine_stats()
+    return stats
 
 
 def report(results: list[ThroughputResult]) -> str:
@@ -78,6 +96,10 @@ def report(results: list[ThroughputResult]) -> str:
              f"{'engine':<14} {'requests':>8} {'seconds':>9} {'output tok/s':>14} "
              f"{'total tok/s':>14}"]
     lines += [r.row() for r in results]
+    for r in results:
+        if r.steps_by_path:
+            lines.append(f"{r.name} steps per run: " + ", ".join(
+                f"{path} {r.steps_by_path.get(path, 0):,}" for path in STEP_PATHS))
     if len(results) == 2:
         lines.append(f"ratio {results[0].name}/{results[1].name}: output tokens/s "
                      f"{results[0].output_tps / results[1].output_tps:.2f}x")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -110,6 +110,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
         self.num_overlapped_steps = 0
+        self.steps_by_path: Counter = Counter()  # StepResult.path
         self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
@@ -424,6 +425,8 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
         entries = self._inflight.popleft()[1]
+        if result.path:
+            self.steps_by_path[result.path] += 1
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             for req, _, _ in entries:
@@ -530,6 +533,7 @@ class Scheduler:
             "prefix_cache_hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
             "overlapped_steps": self.num_overlapped_steps,
+            "steps_by_path": dict(self.steps_by_path),
         }
 
     def check_invariants(self) -> None:

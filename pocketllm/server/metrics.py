@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..proto.messages import SchedulerStats
+from ..proto.messages import STEP_PATHS, SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5)
@@ -30,6 +30,9 @@ class Metrics:
         self.preemptions = Gauge(p + "preemptions", "Requests preempted (cumulative)", registry=r)
         self.overlapped = Gauge(p + "overlapped_steps", "Steps planned while the previous one "
                                 "ran (cumulative)", registry=r)
+        self.steps = Gauge(p + "steps", "Computed steps by how the forward ran: graph (a "
+                           "decode CUDA graph), piecewise (graphs around eager attention), "
+                           "eager (cumulative)", ["path"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
@@ -48,6 +51,8 @@ class Metrics:
         self.prefix_hits.set(stats.prefix_cache_hits)
         self.preemptions.set(stats.preemptions)
         self.overlapped.set(stats.overlapped_steps)
+        for path in STEP_PATHS:
+            self.steps.labels(path=path).set(stats.steps_by_path.get(path, 0))
 
     def render(self, stats: SchedulerStats) -> bytes:
         self.update_engine(stats)
