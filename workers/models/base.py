@@ -159,12 +159,6 @@ class DecoderLayer(nn.Module):
         """Attention rows [T, H, D] -> the layer's output x and the residual."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin,
-                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.pre_attention(x, residual, rope)
-        return self.post_attention(self.self_attn.attend(q, k, v, meta, kv), residual)
-
 
 @dataclass
 class Segment:
