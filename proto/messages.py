@@ -169,6 +169,10 @@ class StepResult(_Msg):
     logprobs: list[Optional[TokenLogprobs]] = []
     error: Optional[str] = None  # a failed forward: the scheduler fails the step
     path: str = ""  # how the forward ran: one of STEP_PATHS ("": nothing to compute)
+    launch_ms: float = 0.0  # host time to queue the step (on the CPU: to compute it)
+    # CUDA, by path: from the first kernel to the last of this step and of earlier ones
+    # that sampled nothing (not waited for then), gaps included
+    device_ms: dict[str, float] = {}
 
 
 # A step's forward replayed a decode CUDA graph, replayed piecewise graphs around eager
@@ -304,6 +308,8 @@ class SchedulerStats(_Msg):
     preemptions: int = 0  # cumulative
     overlapped_steps: int = 0  # cumulative: steps planned while the previous one ran
     steps_by_path: dict[str, int] = {}  # cumulative: computed steps by StepResult.path
+    step_launch_ms_by_path: dict[str, float] = {}  # cumulative StepResult.launch_ms, by path
+    step_device_ms_by_path: dict[str, float] = {}  # cumulative StepResult.device_ms, by path
 
 
 # ---------------------------------------------------------------- lifecycle

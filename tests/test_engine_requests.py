@@ -33,6 +33,9 @@ def test_engine_stats_count_the_steps_by_path(llm_tiny):
     # one prefill step and four decodes, all eager on the CPU
     assert after.steps_by_path["eager"] - before.steps_by_path.get("eager", 0) == 5
     assert set(after.steps_by_path) == {"eager"}
+    # on the CPU a launch computes the step, and there is no device span to read
+    launched = after.step_launch_ms_by_path["eager"] - before.step_launch_ms_by_path.get("eager", 0)
+    assert 0 < launched < 60_000 and after.step_device_ms_by_path == {}
 
 
 def test_greedy_is_deterministic_alone_and_batched(llm_tiny):

@@ -310,17 +310,29 @@ def test_delete_cancels_all_choices(server):
 
 
 def test_metrics_counters(server):
-    text = httpx.get(server.url + "/metrics").text
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"prompt": "count the steps", "max_tokens": 3})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10  # the scheduler's idle stats follow its last step
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        if 'pocketllm_steps{path="eager"} 0.0' not in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     for name in ("pocketllm_requests_total", "pocketllm_prompt_tokens_total",
                  "pocketllm_generation_tokens_total", "pocketllm_time_to_first_token_seconds",
                  "pocketllm_inter_token_latency_seconds", "pocketllm_e2e_request_latency_seconds",
                  "pocketllm_kv_blocks_total", "pocketllm_prefix_cache_hits_tokens"):
         assert name in text, name
-    # earlier tests ran steps; on the CPU every one is eager
+    # on the CPU every step is eager
     assert 'pocketllm_steps{path="graph"} 0.0' in text
     assert 'pocketllm_steps{path="piecewise"} 0.0' in text
     eager = [line for line in text.splitlines() if line.startswith('pocketllm_steps{path="eager"}')]
     assert len(eager) == 1 and float(eager[0].split()[-1]) > 0
+    assert 'pocketllm_step_device_seconds{path="eager"} 0.0' in text  # no device span on a CPU
+    launch = [line for line in text.splitlines()
+              if line.startswith('pocketllm_step_launch_seconds{path="eager"}')]
+    assert len(launch) == 1 and float(launch[0].split()[-1]) > 0
 
 
 def test_auth(tiny_llama):

@@ -54,6 +54,8 @@ class LaunchedStep:
     slots: list[tuple[str, int]] = None  # (request id, position of its new token)
     error: Optional[str] = None
     path: str = ""  # StepResult.path
+    launch_s: float = 0.0  # host time to queue the step
+    span: Optional[tuple] = None  # CUDA events queued before and after the step's work
 
 
 class StepError(RuntimeError):
@@ -118,6 +120,7 @@ class ModelRunner:
         # the next plan is read from here (overlapped scheduling).
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
+        self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
         # Prompt lengths of dropped requests whose output counts matter: a preempted one
         # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
         # the scheduler readmits a preempted request before any newer one, so it stays found.
@@ -168,32 +171,62 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Queue a step's forward and sampling on the device without waiting for them, so
         the next plan can be launched before this one's tokens are read (``finish``)."""
+        started, start = time.perf_counter(), self._event()
         try:
             with torch.inference_mode():
-                return self._launch(plan)
+                step = self._launch(plan)
         except RankFailure:
             raise
         except Exception as e:  # the worker process must outlive a bad step
             logger.exception("step %s failed", plan.step_id)
             return LaunchedStep(plan.step_id, error=f"{type(e).__name__}: {e}")
+        step.launch_s = time.perf_counter() - started
+        if start is not None:
+            step.span = (start, self._event())
+        return step
+
+    def _event(self) -> Optional[torch.cuda.Event]:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def finish(self, step: "LaunchedStep") -> StepResult:
         """Wait for a launched step and return its tokens; they also replace the PENDING
         placeholders a later plan may already have given this worker."""
-        if step.error is not None or step.copy is None:
-            return StepResult(step_id=step.step_id, error=step.error, path=step.path)
+        if step.error is not None:
+            return StepResult(step_id=step.step_id, error=step.error)
         try:
             with torch.inference_mode():
-                out = Sampler.collect(step.copy, step.specs)
+                out = Sampler.collect(step.copy, step.specs) if step.copy is not None else None
+                timing = self._timing(step)
         except Exception as e:
             logger.exception("step %s failed", step.step_id)
             return StepResult(step_id=step.step_id, error=f"{type(e).__name__}: {e}")
+        if out is None:
+            return StepResult(step_id=step.step_id, **timing)
         for (rid, position), token in zip(step.slots, out.token_ids):
             state = self.requests.get(rid)
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
         return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
-                          token_ids=out.token_ids, logprobs=out.logprobs, path=step.path)
+                          token_ids=out.token_ids, logprobs=out.logprobs, **timing)
+
+    def _timing(self, step: "LaunchedStep") -> dict:
+        """StepResult's path and times. A device span runs from the first to the last of a
+        step's kernels, gaps where the GPU waited for the host included. It is read once
+        the step's tokens are on the host; a step that samples nothing is not waited for,
+        and its span is reported with the next one that samples."""
+        if step.span is not None:
+            self._spans.append((step.path, *step.span))
+        device_ms: dict[str, float] = {}
+        if step.copy is not None:
+            for path, start, end in self._spans:
+                end.synchronize()  # at most just behind the tokens' copy
+                device_ms[path] = device_ms.get(path, 0.0) + start.elapsed_time(end)
+            self._spans.clear()
+        return {"path": step.path, "launch_ms": step.launch_s * 1e3, "device_ms": device_ms}
 
     # ------------------------------------------------------------------ internals
 

@@ -28,7 +28,8 @@ class ThroughputResult:
     seconds: float
     output_tokens: int
     dtype: str = "float32"
-    steps_by_path: Optional[dict[str, int]] = None  # per run, by how their forward ran
+    # Per run, by how the steps' forward ran: (steps, launch ms, device ms) summed.
+    step_profile: Optional[dict[str, tuple[int, float, float]]] = None
 
     @property
     def output_tps(self) -> float:
@@ -71,11 +72,20 @@ def run_pocketllm(args: EngineArgs, num_prompts: int, input_len: int, output_len
             outputs = llm.generate(prompts, sp)
             times.append(time.perf_counter() - start)
             produced = sum(len(o.token_ids) for o in outputs)
-        after = settled_stats(llm, newer_than=before).steps_by_path
-        steps = {path: (n - before.steps_by_path.get(path, 0)) // runs
-                 for path, n in after.items()}
+        after = settled_stats(llm, newer_than=before)
     return ThroughputResult("pocketllm", num_prompts, input_len, output_len,
-                            statistics.median(times), produced, dtype, steps), prompts
+                            statistics.median(times), produced, dtype,
+                            step_profile(before, after, runs)), prompts
+
+
+def step_profile(before, after, runs: int) -> dict[str, tuple[int, float, float]]:
+    """(steps, launch ms, device ms) per run and path, between two SchedulerStats."""
+    def per_run(field: str, path: str) -> float:
+        return (getattr(after, field).get(path, 0) - getattr(before, field).get(path, 0)) / runs
+
+    return {path: (round(per_run("steps_by_path", path)),
+                   per_run("step_launch_ms_by_path", path),
+                   per_run("step_device_ms_by_path", path)) for path in STEP_PATHS}
 
 
 def settled_stats(llm, newer_than=None, timeout: float = 2.0):
@@ -97,9 +107,11 @@ def report(results: list[ThroughputResult]) -> str:
              f"{'total tok/s':>14}"]
     lines += [r.row() for r in results]
     for r in results:
-        if r.steps_by_path:
-            lines.append(f"{r.name} steps per run: " + ", ".join(
-                f"{path} {r.steps_by_path.get(path, 0):,}" for path in STEP_PATHS))
+        if r.step_profile:
+            lines.append(f"{r.name} steps per run by how their forward ran, with the total ms "
+                         "spent launching them and their device span (CUDA only):")
+            lines += [f"  {path:<10} {n:>7,} steps  launch {launch:>9,.0f}  device "
+                      f"{device:>9,.0f}" for path, (n, launch, device) in r.step_profile.items()]
     if len(results) == 2:
         lines.append(f"ratio {results[0].name}/{results[1].name}: output tokens/s "
                      f"{results[0].output_tps / results[1].output_tps:.2f}x")

@@ -110,7 +110,10 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
         self.num_overlapped_steps = 0
-        self.steps_by_path: Counter = Counter()  # StepResult.path
+        # Per StepResult.path: steps, and their cumulative launch and device milliseconds.
+        self.steps_by_path: Counter = Counter()
+        self.step_launch_ms: Counter = Counter()
+        self.step_device_ms: Counter = Counter()
         self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
@@ -427,6 +430,8 @@ class Scheduler:
         entries = self._inflight.popleft()[1]
         if result.path:
             self.steps_by_path[result.path] += 1
+            self.step_launch_ms[result.path] += result.launch_ms
+        self.step_device_ms.update(result.device_ms)  # Counter.update adds
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             for req, _, _ in entries:
@@ -534,6 +539,8 @@ class Scheduler:
             "preemptions": self.num_preemptions,
             "overlapped_steps": self.num_overlapped_steps,
             "steps_by_path": dict(self.steps_by_path),
+            "step_launch_ms_by_path": dict(self.step_launch_ms),
+            "step_device_ms_by_path": dict(self.step_device_ms),
         }
 
     def check_invariants(self) -> None:

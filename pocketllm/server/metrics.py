@@ -33,6 +33,12 @@ class Metrics:
         self.steps = Gauge(p + "steps", "Computed steps by how the forward ran: graph (a "
                            "decode CUDA graph), piecewise (graphs around eager attention), "
                            "eager (cumulative)", ["path"], registry=r)
+        self.step_launch = Gauge(p + "step_launch_seconds", "Host time spent queueing the "
+                                 "steps of each path; on the CPU, computing them (cumulative)",
+                                 ["path"], registry=r)
+        self.step_device = Gauge(p + "step_device_seconds", "CUDA: the steps' span on the "
+                                 "device, first kernel to last (cumulative)", ["path"],
+                                 registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
@@ -53,6 +59,10 @@ class Metrics:
         self.overlapped.set(stats.overlapped_steps)
         for path in STEP_PATHS:
             self.steps.labels(path=path).set(stats.steps_by_path.get(path, 0))
+            self.step_launch.labels(path=path).set(
+                stats.step_launch_ms_by_path.get(path, 0.0) / 1e3)
+            self.step_device.labels(path=path).set(
+                stats.step_device_ms_by_path.get(path, 0.0) / 1e3)
 
     def render(self, stats: SchedulerStats) -> bytes:
         self.update_engine(stats)
