@@ -109,3 +109,12 @@ def test_steps_past_the_largest_rung_run_eagerly():
 def test_max_tokens_flag_is_validated():
     with pytest.raises(InvalidRequestError, match="cuda_graph_max_tokens"):
         EngineArgs(cuda_graph_max_tokens=-1).validate()
+
+
+def test_flag_without_cuda_graphs_warns_and_changes_nothing(caplog):
+    args = EngineArgs(model=make_tiny_checkpoint("llama"), device="cpu", dtype="float32",
+                      num_kv_blocks=16, cuda_graph_max_tokens=64)
+    with caplog.at_level("WARNING", logger="pocketllm.worker"):
+        runner = ModelRunner(load_model_info(args), args)
+    assert runner.mixed_graphs is None and runner.graphs is None
+    assert "--cuda-graph-max-tokens has no effect" in caplog.text

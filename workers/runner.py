@@ -136,6 +136,10 @@ class ModelRunner:
         graphs need the Triton kernels on a GPU, and the flags must allow them."""
         if not (self.args.cuda_graphs and self.device.type == "cuda"
                 and getattr(self.backend, "kernel_tables", False)):
+            if self.args.cuda_graph_max_tokens:
+                logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
+                               "(they need the Triton kernels on a GPU, and not "
+                               "--no-cuda-graphs)")
             return None, None
         from .cuda_graphs import DecodeGraphs
         from .piecewise_graphs import MixedGraphs
