@@ -1,0 +1,20 @@
+"""`pocketllm bench throughput`'s step profile: per-run differences of the engine's stats."""
+
+from __future__ import annotations
+
+from pocketllm.bench.throughput import ThroughputResult, report, step_profile
+from pocketllm.proto.messages import SchedulerStats
+
+
+def test_step_profile_is_the_per_run_difference_and_is_reported():
+    before = SchedulerStats(steps_by_path={"eager": 4}, step_launch_ms_by_path={"eager": 40.0})
+    after = SchedulerStats(steps_by_path={"eager": 24, "graph": 300},
+                           step_launch_ms_by_path={"eager": 640.0, "graph": 90.0},
+                           step_device_ms_by_path={"eager": 900.0, "graph": 1500.0})
+    profile = step_profile(before, after, runs=2)
+    assert profile == {"graph": (150, 45.0, 750.0), "piecewise": (0, 0.0, 0.0),
+                       "eager": (10, 300.0, 450.0)}
+    result = ThroughputResult("pocketllm", 8, 16, 16, 2.0, 128, step_profile=profile)
+    lines = report([result]).splitlines()
+    assert lines[-3].split() == ["graph", "150", "steps", "launch", "45", "device", "750"]
+    assert lines[-1].split() == ["eager", "10", "steps", "launch", "300", "device", "450"]
