@@ -56,6 +56,12 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("server did not become ready")
 
+    def openai_client(self):
+        """The official client on this server (no retries: a failure must show)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()

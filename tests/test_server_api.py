@@ -25,7 +25,7 @@ def server(tiny_llama):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def post(server, path, body, **kw):

@@ -43,7 +43,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def check_calls(calls, names=None):
@@ -197,7 +197,7 @@ def test_http_calls_parse_when_the_tags_are_special_tokens(tmp_path):
     srv = ServerProcess("--model", path, "--served-model-name", "tiny-special",
                         "--max-num-batched-tokens", "512", "--max-model-len", "512")
     try:
-        special = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        special = srv.openai_client()
         r = special.chat.completions.create(model="tiny-special", messages=ASK, tools=TOOLS,
                                             tool_choice=NAMED, **GREEDY)
         assert r.choices[0].finish_reason == "tool_calls", r.choices[0]

@@ -69,16 +69,15 @@ class MixedGraphs:
         self.q, self.k, self.v = buffer(heads, dim), buffer(kv_heads, dim), buffer(kv_heads, dim)
         self.residual = buffer(model.cfg.hidden_size)
         self.hidden = buffer(model.cfg.hidden_size)
-        rope = model.embed(self.input_ids[:1], self.positions[:1], max_model_len - 1).rope
+        # (also grows the rotary tables to max_model_len, as the pieces expect them)
+        rope = {kind: table.lookup(self.positions[:1], max_model_len - 1)
+                for kind, table in model.rotary.items()}
         self.rope = {kind: (buffer(*cos.shape[1:], dtype=cos.dtype),
                             buffer(*sin.shape[1:], dtype=sin.dtype))
                      for kind, (cos, sin) in rope.items()}
         self.graphs: dict[int, list] = {}
         self._capture(rungs, capture)
-
-    @property
-    def token_counts(self) -> list[int]:
-        return sorted(self.graphs)
+        self.token_counts = sorted(self.graphs)  # the rungs captured, ascending
 
     def rung(self, tokens: int) -> int:
         """The captured token count a step of ``tokens`` rows pads to (0: none fits)."""
