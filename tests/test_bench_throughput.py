@@ -18,3 +18,18 @@ def test_step_profile_is_the_per_run_difference_and_is_reported():
     lines = report([result]).splitlines()
     assert lines[-3].split() == ["graph", "150", "steps", "launch", "45", "device", "750"]
     assert lines[-1].split() == ["eager", "10", "steps", "launch", "300", "device", "450"]
+
+
+def test_each_run_prefills_its_own_prompts(tmp_path):
+    """A run that repeated the previous run's prompts would find them in the prefix cache and
+    skip their prefill: the measured runs draw fresh prompts and report the cache's help."""
+    from pocketllm.bench.throughput import run_pocketllm
+    from pocketllm.config import EngineArgs
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    args = EngineArgs(model=make_tiny_checkpoint("llama", str(tmp_path / "llama")), device="cpu",
+                      dtype="float32", block_size=4, enable_prefix_caching=True)
+    result, _ = run_pocketllm(args, num_prompts=6, input_len=16, output_len=4, seed=3, runs=2)
+    assert result.output_tokens == 6 * 4
+    assert result.cached_prompt_tokens == 0
+    assert "served from the prefix cache: 0" in report([result])

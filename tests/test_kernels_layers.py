@@ -129,11 +129,12 @@ def test_gpu_path_of_a_whole_model_matches_torch(family):
 
     path = make_tiny_checkpoint(family)
     with mock.patch.object(kernels, "kernels_usable", lambda device: False):
-        torch_tokens, torch_logprobs = greedy(make_runner(path))
+        torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
-        runner = make_runner(path)
+        runner = make_runner(path, DEVICE.type)
     assert type(runner.backend).__name__ == "TritonAttention"
     assert runner.model.layers[0].input_layernorm.add_kernel is not None
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
-    assert logprobs == pytest.approx(torch_logprobs, abs=1e-5)
+    # float32 either way; compiled reductions may sum in another order than torch's
+    assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)

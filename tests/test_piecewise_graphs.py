@@ -12,7 +12,8 @@ import pytest
 
 from kernel_modules import load_kernels
 
-load_kernels()  # the fused-kernel variant below runs the Triton kernels interpreted
+# The fused-kernel variant below runs the Triton kernels: interpreted here, compiled on CUDA.
+_, KERNEL_DEVICE = load_kernels()
 import pocketllm.workers.kernels as kernels  # noqa: E402
 from pocketllm.config import EngineArgs  # noqa: E402
 from pocketllm.errors import InvalidRequestError  # noqa: E402
@@ -60,8 +61,8 @@ def greedy(runner: ModelRunner, chunk: int) -> tuple[dict, dict]:
     return tokens, {rid: [lp.logprob for lp in r.logprobs] for rid, r in driver.reqs.items()}
 
 
-def make_runner(path: str) -> ModelRunner:
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
+def make_runner(path: str, device: str = "cpu") -> ModelRunner:
+    args = EngineArgs(model=path, device=device, dtype="float32", block_size=4,
                       num_kv_blocks=64, max_num_seqs=4)
     return ModelRunner(load_model_info(args), args)
 
@@ -70,9 +71,10 @@ def make_runner(path: str) -> ModelRunner:
                                            ("qwen3", False), ("llama", True)])
 def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, fused):
     path = make_tiny_checkpoint(family)
+    device = KERNEL_DEVICE.type if fused else "cpu"
     with mock.patch.object(kernels, "kernels_usable", lambda device: fused):
-        eager = greedy(make_runner(path), chunk=8)
-        runner = make_runner(path)
+        eager = greedy(make_runner(path, device), chunk=8)
+        runner = make_runner(path, device)
         runner.mixed_graphs = MixedGraphs(runner.model, runner.kv_caches, runner.max_model_len,
                                           runner.device, 32, capture=RerunGraph)
         assert runner.mixed_graphs.token_counts == [8, 16, 32]

@@ -21,8 +21,8 @@ NEW_TOKENS = 32
 GREEDY_LP = SamplingSpec(temperature=0.0, logprobs=5, max_tokens=NEW_TOKENS)
 
 
-def make_runner(path: str, **kw) -> ModelRunner:
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
+def make_runner(path: str, device: str = "cpu", **kw) -> ModelRunner:
+    args = EngineArgs(model=path, device=device, dtype="float32", block_size=4,
                       num_kv_blocks=64, max_num_seqs=4, **kw)
     return ModelRunner(load_model_info(args), args)
 

@@ -30,6 +30,7 @@ class ThroughputResult:
     dtype: str = "float32"
     # Per run, by how the steps' forward ran: (steps, launch ms, device ms) summed.
     step_profile: Optional[dict[str, tuple[int, float, float]]] = None
+    cached_prompt_tokens: int = 0  # per run, served from the prefix cache (should be ~0)
 
     @property
     def output_tps(self) -> float:
@@ -58,24 +59,28 @@ def run_pocketllm(args: EngineArgs, num_prompts: int, input_len: int, output_len
 
     with LLM(args) as llm:
         dtype = llm.engine_caps().dtype
-        prompts = random_prompts(llm.model_info.vocab_size, num_prompts, input_len, seed)
+        vocab = llm.model_info.vocab_size
+        # Each run draws its own prompts: a repeated prompt would be served from the prefix
+        # cache that the run before it filled, and the run would skip its prefill.
+        prompts = [random_prompts(vocab, num_prompts, input_len, seed + run) for run in range(runs)]
         sp = SamplingParams(max_tokens=output_len, temperature=1.0, seed=seed, ignore_eos=True,
-                            **(penalties.fields(llm.model_info.vocab_size, seed)
+                            **(penalties.fields(vocab, seed)
                                if penalties is not None else {}))
         # Warm-up: kernels compiled, allocator grown (prompts differ: no prefix-cache help).
-        warm = random_prompts(llm.model_info.vocab_size, min(num_prompts, 64), input_len, ~seed)
+        warm = random_prompts(vocab, min(num_prompts, 64), input_len, seed + runs)
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
         before = settled_stats(llm)
         times, produced = [], 0
-        for _ in range(runs):
+        for run_prompts in prompts:
             start = time.perf_counter()
-            outputs = llm.generate(prompts, sp)
+            outputs = llm.generate(run_prompts, sp)
             times.append(time.perf_counter() - start)
             produced = sum(len(o.token_ids) for o in outputs)
         after = settled_stats(llm, newer_than=before)
+    cached = (after.prefix_cache_hits - before.prefix_cache_hits) // runs
     return ThroughputResult("pocketllm", num_prompts, input_len, output_len,
                             statistics.median(times), produced, dtype,
-                            step_profile(before, after, runs)), prompts
+                            step_profile(before, after, runs), cached), prompts[0]
 
 
 def step_profile(before, after, runs: int) -> dict[str, tuple[int, float, float]]:
@@ -107,6 +112,9 @@ def report(results: list[ThroughputResult]) -> str:
              f"{'total tok/s':>14}"]
     lines += [r.row() for r in results]
     for r in results:
+        if r.step_profile is not None:
+            lines.append(f"{r.name} prompt tokens per run served from the prefix cache: "
+                         f"{r.cached_prompt_tokens:,}")
         if r.step_profile:
             lines.append(f"{r.name} steps per run by how their forward ran, with the total ms "
                          "spent launching them and their device span (CUDA only):")
