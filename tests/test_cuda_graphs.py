@@ -55,3 +55,46 @@ def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):
     assert greedy_batch(path, "cuda", cuda_graphs=True) == cpu
     # and with the prefill steps (39 tokens, then fewer) on piecewise graphs
     assert greedy_batch(path, "cuda", cuda_graphs=True, cuda_graph_max_tokens=64) == cpu
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [dict(cuda_graphs=False), dict(cuda_graphs=True),
+                                    dict(cuda_graphs=True, cuda_graph_max_tokens=64)])
+def test_launching_a_step_never_waits_for_the_gpu(graphs, tmp_path):
+    """Overlapped scheduling needs ``launch`` to queue a step and return: one synchronizing
+    call (a blocking host-to-GPU copy, an .item()) would hold the host until the GPU had
+    run everything queued, the previous step included. CUDA's sync debug mode turns any
+    such call into an error, under every sampling option that costs device work."""
+    path = make_tiny_checkpoint("llama", str(tmp_path / "llama"))
+    args = EngineArgs(model=path, device="cuda", dtype="float32", block_size=4,
+                      num_kv_blocks=128, max_num_seqs=8, **graphs)
+    runner = ModelRunner(load_model_info(args), args)
+    rng = random.Random(4)
+    specs = [SamplingSpec(temperature=1.0, seed=7, logprobs=2, max_tokens=10),
+             SamplingSpec(temperature=0.8, top_k=5, min_p=0.05, max_tokens=10),
+             SamplingSpec(temperature=0.0, presence_penalty=0.5, logit_bias={7: -100.0},
+                          max_tokens=10),
+             SamplingSpec(temperature=0.0, max_tokens=10)]
+
+    def run():
+        driver = PlanDriver(runner, chunk=16)  # 16-token chunks: steps mix prefill and decode
+        for i, spec in enumerate(specs):
+            driver.add(f"r{i}", [rng.randrange(12, 512) for _ in range(9 + 11 * i)], spec, 10)
+        return driver.run()
+
+    run()  # compiles the kernels (a compile may synchronize)
+    launch, paths = runner.launch, set()
+
+    def strict_launch(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        paths.add(step.path)
+        return step
+
+    runner.launch = strict_launch
+    assert all(len(tokens) == 10 for tokens in run().values())  # PlanDriver checks errors
+    mixed = "piecewise" if "cuda_graph_max_tokens" in graphs else "eager"
+    assert paths == {mixed, "graph" if graphs["cuda_graphs"] else "eager"}

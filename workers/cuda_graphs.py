@@ -129,13 +129,14 @@ class DecodeGraphs:
             if len(table) < width:
                 flat.extend([self.pad_block] * (width - len(table)))
         host = torch.frombuffer(flat, dtype=torch.int32)
-        self.slots[:n].copy_(host[:n])
-        self.seq_lens[:n].copy_(host[n:2 * n])
-        self.tables[:n, :width].copy_(host[2 * n:].view(n, width))
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        # non_blocking: a blocking copy would wait for the step still running (device.to_device)
+        self.slots[:n].copy_(host[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(host[n:2 * n], non_blocking=True)
+        self.tables[:n, :width].copy_(host[2 * n:].view(n, width), non_blocking=True)
+        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
         if pending is not None:
             self.input_ids[pending[0]] = pending[1]
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
         if n < rung:
             self._reset_padding(n, rung)
         graph, logits = self.graphs[rung]

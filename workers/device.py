@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -13,6 +14,16 @@ from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CAP_BYTES = 4 << 30  # the CPU KV budget never exceeds 4 GiB
 EXTRA_BLOCKS = 4  # slack above the most any set of sequences can hold
+
+
+def to_device(data, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Host data (a tensor or a list) on ``device`` without waiting for the GPU. A plain
+    host-to-GPU copy synchronizes the stream: in a step's launch it would stall the host
+    until the step before (or this step's own forward) had run, and the overlap of
+    planning with computing would be lost. (From pageable memory the driver stages the
+    data before the call returns, so the source may change right after.)"""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    return t.to(device, non_blocking=True)
 
 
 def choose_device(args: EngineArgs) -> torch.device:

@@ -139,10 +139,10 @@ class MixedGraphs:
         gives them. ``pending``: (rows, tokens) already on the device, written over those
         input rows."""
         n = len(input_ids)
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
         if pending is not None:
             self.input_ids[pending[0]] = pending[1]
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
         if n < rung:
             self.input_ids[n:rung].zero_()
             self.positions[n:rung].zero_()

@@ -22,7 +22,7 @@ from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResul
                                       WorkerCapabilities)
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
-                     kv_bytes_per_block, num_kv_blocks)
+                     kv_bytes_per_block, num_kv_blocks, to_device)
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
@@ -320,7 +320,7 @@ class ModelRunner:
                 hidden = self.mixed_graphs.run(input_ids, positions, meta, mixed_rung, pending)
             else:
                 hidden = self.model(self._device_ids(input_ids, pending),
-                                    torch.tensor(positions, dtype=torch.long, device=self.device),
+                                    to_device(positions, self.device, torch.long),
                                     max(positions), meta, self.kv_caches)
             path = "piecewise" if mixed_rung else "eager"
             if not sample_rows:
@@ -328,7 +328,7 @@ class ModelRunner:
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
-                hidden = hidden.index_select(0, torch.tensor(sample_rows, device=self.device))
+                hidden = hidden.index_select(0, to_device(sample_rows, self.device))
             logits = self.model.compute_logits(hidden)
         except Exception as e:
             if self.tp.world > 1:  # the other ranks may be left inside a collective
@@ -339,7 +339,7 @@ class ModelRunner:
 
     def _device_ids(self, input_ids: list[int],
                     pending: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = to_device(input_ids, self.device, torch.long)
         if pending is not None:
             ids[pending[0]] = pending[1]
         return ids
@@ -364,9 +364,8 @@ class ModelRunner:
         launched step sampled for its request, still on the device (no host sync)."""
         if not pending_rows:
             return None
-        rows = torch.tensor([row for row, _rid in pending_rows], device=self.device)
-        src = torch.tensor([self._last_rows[rid] for _row, rid in pending_rows],
-                           device=self.device)
+        rows = to_device([row for row, _rid in pending_rows], self.device)
+        src = to_device([self._last_rows[rid] for _row, rid in pending_rows], self.device)
         return rows, self._last_tokens.index_select(0, src)
 
     def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],

@@ -22,6 +22,8 @@ from typing import Optional, Protocol, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from ..device import to_device
+
 
 @dataclass
 class ScheduledSeq:
@@ -102,7 +104,7 @@ def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     only = groups[0].rows if len(groups) == 1 else None
     covers_all = isinstance(only, slice) and only.start == 0 and only.stop == num_tokens
     slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(slot_mapping.to(device), groups, num_tokens, covers_all)
+    return AttentionMetadata(to_device(slot_mapping, device), groups, num_tokens, covers_all)
 
 
 def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
@@ -134,7 +136,7 @@ def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     # array -> frombuffer is ~4x faster than torch.tensor(list) for a long list
     packed = torch.frombuffer(array.array("i", flat), dtype=torch.int32) if flat else \
         torch.empty(0, dtype=torch.int32)
-    packed = packed.clone() if device.type == "cpu" else packed.to(device)
+    packed = packed.clone() if device.type == "cpu" else to_device(packed, device)
     meta = AttentionMetadata(packed[:num_tokens], [], num_tokens, False, block_size)
     at = num_tokens
     for name, kind, width in zip(("decode", "prefill"), kinds, widths):
@@ -172,8 +174,8 @@ def _prefill_group(seq: ScheduledSeq, table: torch.Tensor, block_size: int,
         mask = kv_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - window
-        gather = None if seq.start == 0 else _slots(table, kv_pos, block_size)[None].to(device)
-        views[window] = KVView(gather, mask[None, None].to(device), False)
+        gather = None if seq.start == 0 else to_device(_slots(table, kv_pos, block_size)[None], device)
+        views[window] = KVView(gather, to_device(mask[None, None], device), False)
     return AttentionGroup(slice(seq.row, seq.row + n), 1, n, views)
 
 
@@ -198,8 +200,8 @@ def _decode_group(seqs: Sequence[ScheduledSeq], block_size: int,
         gather = tables.gather(1, kv_pos // block_size) * block_size + kv_pos % block_size
         gather = torch.where(valid, gather, pad_slot)
         uniform = bool((counts == lk).all())
-        mask = None if uniform else valid[:, None, None, :].to(device)
-        views[window] = KVView(gather.to(device), mask, uniform)
+        mask = None if uniform else to_device(valid[:, None, None, :], device)
+        views[window] = KVView(to_device(gather, device), mask, uniform)
     return AttentionGroup(_rows([s.row for s in seqs], device), len(seqs), 1, views)
 
 
@@ -207,7 +209,7 @@ def _rows(rows: list[int], device: torch.device) -> Union[slice, torch.Tensor]:
     """A slice when the rows are consecutive (no gather/scatter copy), else an index."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
+    return to_device(rows, device)
 
 
 class AttentionBackend(Protocol):

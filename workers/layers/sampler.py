@@ -26,6 +26,8 @@ import torch
 
 from pocketllm.proto.messages import SamplingSpec, TokenLogprobs
 
+from ..device import to_device
+
 _MASK64 = (1 << 64) - 1
 
 logger = logging.getLogger("pocketllm.worker")
@@ -138,8 +140,8 @@ def apply_penalties(logits: torch.Tensor, specs: Sequence[SamplingSpec],
             biased.add(row, h.bias_ids, h.bias_values)
     if rep.rows:
         index, (factor,) = rep.flat()
-        rows, ids = index.to(logits.device).unbind(0)
-        factor = factor.to(logits.device)
+        rows, ids = to_device(index, logits.device).unbind(0)
+        factor = to_device(factor, logits.device)
         values = logits[rows, ids].float()
         # HF/CTRL: a positive logit is divided by the penalty, a negative one multiplied.
         logits[rows, ids] = torch.where(values > 0, values / factor, values * factor).to(
@@ -153,8 +155,8 @@ def apply_penalties(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         index, (bias,) = biased.flat()
         parts.append((index, bias))
     if parts:
-        index = torch.cat([i for i, _v in parts], dim=1).to(logits.device)
-        delta = torch.cat([v for _i, v in parts]).to(logits.device, logits.dtype)
+        index = to_device(torch.cat([i for i, _v in parts], dim=1), logits.device)
+        delta = to_device(torch.cat([v for _i, v in parts]), logits.device).to(logits.dtype)
         logits.index_put_(tuple(index.unbind(0)), delta, accumulate=True)
 
 
@@ -201,7 +203,7 @@ def structured_token_mask(request_ids: Sequence[str], bitmask: bytes,
 def apply_token_mask(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> None:
     """In place: tokens the grammar forbids get -inf (bit j of word w allows token 32*w + j)."""
     rows, words = mask
-    rows, words = rows.to(logits.device), words.to(logits.device)
+    rows, words = to_device(rows, logits.device), to_device(words, logits.device)
     vocab = logits.shape[-1]
     if words.shape[-1] * 32 < vocab:
         raise ValueError(f"grammar bitmask covers {words.shape[-1] * 32} tokens, logits {vocab}")
@@ -249,8 +251,9 @@ class Sampler:
         if random_rows:
             uniforms = self._uniforms([specs[i] for i in random_rows],
                                       [positions[i] for i in random_rows])
-            rows = torch.tensor(random_rows, device=logits.device)
-            drawn = _draw(logits[rows], [specs[i] for i in random_rows], uniforms.to(logits.device))
+            rows = to_device(random_rows, logits.device)
+            drawn = _draw(logits[rows], [specs[i] for i in random_rows],
+                          to_device(uniforms, logits.device))
             tokens[rows] = drawn
         return tokens, raw_rows
 
@@ -294,7 +297,7 @@ def _nucleus_lse(x: torch.Tensor, top_ps: list[float], probe: int) -> Optional[t
 
 def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.Tensor) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([s.temperature for s in specs], device=device)
+    temps = to_device([s.temperature for s in specs], device)
     x = logits / temps[:, None]
     top_ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in specs]
     top_ps = [s.top_p for s in specs]
@@ -308,19 +311,19 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.T
             width = NUCLEUS_PROBE  # the top-p cut lies inside it: a full sort is not needed
         x, index = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
         ranks = torch.arange(x.shape[-1], device=device)
-        k = torch.tensor(top_ks, device=device)
+        k = to_device(top_ks, device)
         x = x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
         if min(top_ps) < 1.0:
             # top-p measures mass in the whole distribution (after any top-k cut)
             probs = x.softmax(dim=-1) if lse is None else (x - lse).exp()
             mass_before = probs.cumsum(dim=-1) - probs
-            p = torch.tensor(top_ps, device=device)
+            p = to_device(top_ps, device)
             drop = (mass_before >= p[:, None]) & (ranks[None, :] > 0)  # keep the best token
             x = x.masked_fill(drop, float("-inf"))
     probs = x.softmax(dim=-1)
     min_ps = [s.min_p for s in specs]
     if max(min_ps) > 0.0:
-        floor = torch.tensor(min_ps, device=device) * probs.max(dim=-1).values
+        floor = to_device(min_ps, device) * probs.max(dim=-1).values
         probs = probs.masked_fill(probs < floor[:, None], 0.0)
     cdf = probs.cumsum(dim=-1)
     target = (uniforms * cdf[:, -1])[:, None]
@@ -336,7 +339,7 @@ def _raw_logprob_rows(logits: torch.Tensor,
     asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
     if not asked:
         return None
-    return logits[torch.tensor(asked, device=logits.device)]
+    return logits[to_device(asked, logits.device)]
 
 
 def _logprob_tensors(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
@@ -345,7 +348,7 @@ def _logprob_tensors(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
     if raw_rows is None:
         return []
     asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-    rows = torch.tensor(asked, device=raw_rows.device)
+    rows = to_device(asked, raw_rows.device)
     logp = raw_rows.float().log_softmax(dim=-1)
     chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1)
     k = min(max(specs[i].logprobs for i in asked), logp.shape[-1])
