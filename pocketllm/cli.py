@@ -35,8 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
-    g.add_argument("--cuda-graph-max-batch", type=int, default=256,
-                   help="largest decode batch captured as a CUDA graph")
+    g.add_argument("--cuda-graph-max-batch", type=int, default=EngineArgs.cuda_graph_max_batch,
+                   help="largest decode batch captured as a CUDA graph (capped at "
+                        "--max-num-seqs)")
     g.add_argument("--cuda-graph-max-tokens", type=int, default=0,
                    help="largest step holding a prefill that replays piecewise CUDA graphs "
                         "(0: such steps run eagerly; opt-in until measured on a GPU)")

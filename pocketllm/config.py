@@ -40,7 +40,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU; False: eager launches
-    cuda_graph_max_batch: int = 256  # largest captured decode batch; larger ones run eagerly
+    cuda_graph_max_batch: int = 512  # largest captured decode batch (capped at max_num_seqs)
     # Largest step holding a prefill that replays piecewise CUDA graphs (capped at
     # max_num_batched_tokens); 0: such steps run eagerly. Off until measured on a GPU.
     cuda_graph_max_tokens: int = 0
