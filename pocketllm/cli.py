@@ -38,9 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-batch", type=int, default=EngineArgs.cuda_graph_max_batch,
                    help="largest decode batch captured as a CUDA graph (capped at "
                         "--max-num-seqs)")
-    g.add_argument("--cuda-graph-max-tokens", type=int, default=0,
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                    help="largest step holding a prefill that replays piecewise CUDA graphs "
-                        "(0: such steps run eagerly; opt-in until measured on a GPU)")
+                        "(default: --max-num-batched-tokens; 0: such steps run eagerly)")
     g.add_argument("--overlap-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="plan step N+1 while step N runs (auto: on for one CUDA rank)")
     g.add_argument("--admission-delay", type=float, default=0.05,

@@ -42,8 +42,8 @@ class EngineArgs:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU; False: eager launches
     cuda_graph_max_batch: int = 512  # largest captured decode batch (capped at max_num_seqs)
     # Largest step holding a prefill that replays piecewise CUDA graphs (capped at
-    # max_num_batched_tokens); 0: such steps run eagerly. Off until measured on a GPU.
-    cuda_graph_max_tokens: int = 0
+    # max_num_batched_tokens); None: max_num_batched_tokens; 0: such steps run eagerly.
+    cuda_graph_max_tokens: Optional[int] = None
     # Seconds a new request may wait, while CUDA-graph decodes run, for others to share its
     # prefill step (0: admit at once); see docs/architecture.md "Admission batching".
     admission_delay: float = 0.05
@@ -82,7 +82,8 @@ class EngineArgs:
                      "cuda_graph_max_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
-        if not isinstance(self.cuda_graph_max_tokens, int) or self.cuda_graph_max_tokens < 0:
+        if self.cuda_graph_max_tokens is not None and (
+                not isinstance(self.cuda_graph_max_tokens, int) or self.cuda_graph_max_tokens < 0):
             raise InvalidRequestError("cuda_graph_max_tokens must be a non-negative integer",
                                       "cuda_graph_max_tokens")
         if self.max_model_len is not None and self.max_model_len < 1:

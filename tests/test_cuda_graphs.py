@@ -37,7 +37,8 @@ def greedy_batch(path: str, device: str, **kw) -> dict[str, list[int]]:
     runner = ModelRunner(load_model_info(args), args)
     if device == "cuda":
         assert (runner.graphs is not None) == kw.get("cuda_graphs", True)
-        assert (runner.mixed_graphs is not None) == bool(kw.get("cuda_graph_max_tokens"))
+        assert (runner.mixed_graphs is not None) == (kw.get("cuda_graphs", True)
+                                                     and kw.get("cuda_graph_max_tokens") != 0)
     driver = PlanDriver(runner)
     rng = random.Random(3)
     spec = SamplingSpec(temperature=0.0, max_tokens=24)
@@ -52,14 +53,15 @@ def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):
     path = make_tiny_checkpoint(family, str(tmp_path / family))
     cpu = greedy_batch(path, "cpu")
     assert greedy_batch(path, "cuda", cuda_graphs=False) == cpu
+    assert greedy_batch(path, "cuda", cuda_graphs=True, cuda_graph_max_tokens=0) == cpu
+    # and with the prefill steps (39 tokens, then fewer) on piecewise graphs (the default)
     assert greedy_batch(path, "cuda", cuda_graphs=True) == cpu
-    # and with the prefill steps (39 tokens, then fewer) on piecewise graphs
-    assert greedy_batch(path, "cuda", cuda_graphs=True, cuda_graph_max_tokens=64) == cpu
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("graphs", [dict(cuda_graphs=False), dict(cuda_graphs=True),
-                                    dict(cuda_graphs=True, cuda_graph_max_tokens=64)])
+@pytest.mark.parametrize("graphs", [dict(cuda_graphs=False),
+                                    dict(cuda_graphs=True, cuda_graph_max_tokens=0),
+                                    dict(cuda_graphs=True)])
 def test_launching_a_step_never_waits_for_the_gpu(graphs, tmp_path):
     """Overlapped scheduling needs ``launch`` to queue a step and return: one synchronizing
     call (a blocking host-to-GPU copy, an .item()) would hold the host until the GPU had
@@ -96,5 +98,6 @@ def test_launching_a_step_never_waits_for_the_gpu(graphs, tmp_path):
 
     runner.launch = strict_launch
     assert all(len(tokens) == 10 for tokens in run().values())  # PlanDriver checks errors
-    mixed = "piecewise" if "cuda_graph_max_tokens" in graphs else "eager"
+    mixed = "piecewise" if graphs["cuda_graphs"] and "cuda_graph_max_tokens" not in graphs \
+        else "eager"
     assert paths == {mixed, "graph" if graphs["cuda_graphs"] else "eager"}

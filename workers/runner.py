@@ -148,7 +148,9 @@ class ModelRunner:
             decode = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
                                   self.num_kv_blocks, self.device,
                                   min(self.args.cuda_graph_max_batch, self.args.max_num_seqs))
-            max_tokens = min(self.args.cuda_graph_max_tokens, self.args.max_num_batched_tokens)
+            budget = self.args.max_num_batched_tokens
+            wanted = self.args.cuda_graph_max_tokens
+            max_tokens = budget if wanted is None else min(wanted, budget)
             mixed = MixedGraphs(self.model, self.kv_caches, self.max_model_len, self.device,
                                 max_tokens) if max_tokens > 0 else None
         return decode, mixed
