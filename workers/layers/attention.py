@@ -174,7 +174,8 @@ def _prefill_group(seq: ScheduledSeq, table: torch.Tensor, block_size: int,
         mask = kv_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - window
-        gather = None if seq.start == 0 else to_device(_slots(table, kv_pos, block_size)[None], device)
+        gather = None if seq.start == 0 else to_device(_slots(table, kv_pos, block_size)[None],
+                                                       device)
         views[window] = KVView(gather, to_device(mask[None, None], device), False)
     return AttentionGroup(slice(seq.row, seq.row + n), 1, n, views)
 
