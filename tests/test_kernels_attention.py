@@ -150,3 +150,22 @@ def test_kernel_metadata_layout():
     assert (p.max_seq_len, p.max_q_len) == (11, 6)
     assert build_metadata(seqs[1:2], 4, [None], torch.device("cpu"), 40,
                           kernel_tables=True).prefill is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kernel_metadata_sections_start_16_byte_aligned(seed):
+    """Triton compiles a kernel variant per pointer alignment: a section whose alignment
+    followed the step's token count would compile new variants while serving."""
+    rng = random.Random(seed)
+    seqs, row = [], 0
+    for _ in range(rng.randrange(1, 9)):
+        n = rng.choice([1, 1, rng.randrange(2, 30)])
+        start = rng.randrange(0, 20)
+        blocks = list(range(-(-(start + n) // 4)))
+        seqs.append(ScheduledSeq(blocks, start, n, row))
+        row += n
+    meta = build_metadata(seqs, 4, [None], torch.device("cpu"), 400, kernel_tables=True)
+    for paged in (meta.decode, meta.prefill):
+        if paged is not None:
+            for t in (paged.block_tables, paged.seq_lens, paged.q_start, paged.q_lens):
+                assert (t.data_ptr() - meta.slot_mapping.data_ptr()) % 16 == 0

@@ -35,7 +35,13 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+# Ints that change from step to step are not specialized (Triton would otherwise compile a
+# variant for each "== 1" / "divisible by 16" pattern of them, stalling the first steps that
+# meet a new one); nothing in the kernels gains from knowing them.
+STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition"]
+
+
+@triton.jit(do_not_specialize=STEP_INTS)
 def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
@@ -97,7 +103,7 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
                      out.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS[1:])
 def _merge_kernel(Out, PartOut, PartLse, SeqLens, QRows,
                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
                   window, partition,

@@ -26,7 +26,7 @@ from triton.runtime.errors import OutOfResources
 from .paged_decode_attention import _tanh
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width: see STEP_INTS
 def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens,
                     stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                     stride_ot, stride_oh, stride_bt,

@@ -107,6 +107,9 @@ def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     return AttentionMetadata(to_device(slot_mapping, device), groups, num_tokens, covers_all)
 
 
+ALIGN_INTS = 4  # int32s per 16 bytes
+
+
 def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
                      device: torch.device) -> AttentionMetadata:
     """Every int the kernels need, packed on the host into one int32 buffer and sent
@@ -123,12 +126,20 @@ def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     num_tokens = len(flat)
     kinds = ([s for s in seqs if s.num_tokens == 1], [s for s in seqs if s.num_tokens > 1])
     widths = []
+
+    def align() -> None:
+        # Every section starts 16-byte aligned: Triton compiles a kernel variant per
+        # pointer alignment, and a step-dependent one meant new compiles mid-serving.
+        flat.extend([0] * (-len(flat) % ALIGN_INTS))
+
     for kind in kinds:  # per kind: seq_lens, q_start, q_lens, then the [B, W] block table
         width = max((-(-(s.start + s.num_tokens) // block_size) for s in kind), default=0)
         widths.append(width)
-        flat.extend(s.start + s.num_tokens for s in kind)
-        flat.extend(s.row for s in kind)
-        flat.extend(s.num_tokens for s in kind)
+        for values in ([s.start + s.num_tokens for s in kind], [s.row for s in kind],
+                       [s.num_tokens for s in kind]):
+            align()
+            flat.extend(values)
+        align()
         for s in kind:
             table = s.block_ids[:width]
             flat.extend(table)
@@ -140,13 +151,16 @@ def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
     meta = AttentionMetadata(packed[:num_tokens], [], num_tokens, False, block_size)
     at = num_tokens
     for name, kind, width in zip(("decode", "prefill"), kinds, widths):
+        b = len(kind)
+        sections = []
+        for size in (b, b, b, b * width):  # as packed above, each from an aligned start
+            at += -at % ALIGN_INTS
+            sections.append(packed[at:at + size])
+            at += size
         if not kind:
             continue
-        b = len(kind)
-        lens, starts, q_lens = (packed[at + i * b:at + (i + 1) * b] for i in range(3))
-        at += 3 * b
-        tables = packed[at:at + b * width].view(b, width)
-        at += b * width
+        lens, starts, q_lens, tables = sections
+        tables = tables.view(b, width)
         lone = kind[0] if len(kind) == 1 and kind[0].start == 0 else None
         setattr(meta, name, PagedSeqs(tables, lens, starts, q_lens,
                                       max(s.start + s.num_tokens for s in kind),
