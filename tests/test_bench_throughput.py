@@ -14,10 +14,13 @@ def test_step_profile_is_the_per_run_difference_and_is_reported():
     profile = step_profile(before, after, runs=2)
     assert profile == {"graph": (150, 45.0, 750.0), "piecewise": (0, 0.0, 0.0),
                        "eager": (10, 300.0, 450.0)}
-    result = ThroughputResult("pocketllm", 8, 16, 16, 2.0, 128, step_profile=profile)
+    result = ThroughputResult("pocketllm", 8, 16, 16, 2.0, 128, step_profile=profile,
+                              run_seconds=1.5)
     lines = report([result]).splitlines()
-    assert lines[-3].split() == ["graph", "150", "steps", "launch", "45", "device", "750"]
-    assert lines[-1].split() == ["eager", "10", "steps", "launch", "300", "device", "450"]
+    assert lines[-4].split() == ["graph", "150", "steps", "launch", "45", "device", "750"]
+    assert lines[-2].split() == ["eager", "10", "steps", "launch", "300", "device", "450"]
+    # (750 + 450) ms of device spans in a 1.5 s run: the GPU waited for the host 20% of it
+    assert lines[-1].strip() == "device spans cover 80% of a run's 1.50 s"
 
 
 def test_each_run_prefills_its_own_prompts(tmp_path):

@@ -31,6 +31,7 @@ class ThroughputResult:
     # Per run, by how the steps' forward ran: (steps, launch ms, device ms) summed.
     step_profile: Optional[dict[str, tuple[int, float, float]]] = None
     cached_prompt_tokens: int = 0  # per run, served from the prefix cache (should be ~0)
+    run_seconds: float = 0.0  # mean wall time of a run, what the per-run profile sums over
 
     @property
     def output_tps(self) -> float:
@@ -80,7 +81,8 @@ def run_pocketllm(args: EngineArgs, num_prompts: int, input_len: int, output_len
     cached = (after.prefix_cache_hits - before.prefix_cache_hits) // runs
     return ThroughputResult("pocketllm", num_prompts, input_len, output_len,
                             statistics.median(times), produced, dtype,
-                            step_profile(before, after, runs), cached), prompts[0]
+                            step_profile(before, after, runs), cached,
+                            statistics.mean(times)), prompts[0]
 
 
 def step_profile(before, after, runs: int) -> dict[str, tuple[int, float, float]]:
@@ -120,6 +122,10 @@ def report(results: list[ThroughputResult]) -> str:
                          "spent launching them and their device span (CUDA only):")
             lines += [f"  {path:<10} {n:>7,} steps  launch {launch:>9,.0f}  device "
                       f"{device:>9,.0f}" for path, (n, launch, device) in r.step_profile.items()]
+            device_s = sum(device for _n, _launch, device in r.step_profile.values()) / 1e3
+            if device_s and r.run_seconds:  # the rest of the wall time the GPU waited
+                lines.append(f"  device spans cover {device_s / r.run_seconds:.0%} of a run's "
+                             f"{r.run_seconds:.2f} s")
     if len(results) == 2:
         lines.append(f"ratio {results[0].name}/{results[1].name}: output tokens/s "
                      f"{results[0].output_tps / results[1].output_tps:.2f}x")
