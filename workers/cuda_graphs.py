@@ -41,6 +41,19 @@ def ladder(max_batch: int) -> list[int]:
     return sorted({min(r, max_batch) for r in rungs})
 
 
+def write_inputs(ids_buf: torch.Tensor, positions_buf: torch.Tensor, input_ids: list[int],
+                 positions: list[int], pending: Optional[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> None:
+    """A step's token ids and positions into a graph's static buffers, without waiting for
+    the GPU (``device.to_device``); ``pending``: (rows, tokens) already on the device,
+    written over those input rows."""
+    n = len(input_ids)
+    ids_buf[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
+    if pending is not None:
+        ids_buf[pending[0]] = pending[1]
+    positions_buf[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int,
                  pad_block: int, device: torch.device, max_batch: int):
@@ -133,10 +146,7 @@ class DecodeGraphs:
         self.slots[:n].copy_(host[:n], non_blocking=True)
         self.seq_lens[:n].copy_(host[n:2 * n], non_blocking=True)
         self.tables[:n, :width].copy_(host[2 * n:].view(n, width), non_blocking=True)
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
-        if pending is not None:
-            self.input_ids[pending[0]] = pending[1]
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         if n < rung:
             self._reset_padding(n, rung)
         graph, logits = self.graphs[rung]

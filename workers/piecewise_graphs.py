@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .cuda_graphs import write_inputs
 from .models.base import CausalLM, Segment
 
 logger = logging.getLogger("pocketllm.worker")
@@ -139,10 +140,7 @@ class MixedGraphs:
         gives them. ``pending``: (rows, tokens) already on the device, written over those
         input rows."""
         n = len(input_ids)
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
-        if pending is not None:
-            self.input_ids[pending[0]] = pending[1]
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         if n < rung:
             self.input_ids[n:rung].zero_()
             self.positions[n:rung].zero_()
