@@ -1,4 +1,5 @@
-"""Triton RMSNorm (+ residual), rotary, gated activation and KV write against the torch
+"""Triton RMSNorm (+ residual), rotary, gated activation, KV write and the one-row
+products (gemv, with the norm or activation before them fused in) against the torch
 layers they replace (interpreter on CPU, compiled on CUDA)."""
 
 from __future__ import annotations
@@ -94,6 +95,82 @@ def test_gated_activation_refuses_unknown():
         K.gated_act.act_and_mul(rand(2, 8), "relu2")
 
 
+GEMV_CONFIG = (8, 32, 1)  # small blocks: several programs and K chunks at test sizes
+GEMV_SHAPES = [(40, 96), (37, 130)]  # even, and ragged in both N and K
+
+
+def _linear(x, weight, bias):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def assert_product_close(got, expected, dtype):
+    """Element-wise in float32; in bfloat16 as a whole (a sum that cancels rounds
+    to a large relative error in one element, whichever kernel computes it)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, **TOL[dtype])
+    else:
+        err = (got.double() - expected.double()).norm() / expected.double().norm()
+        assert err < 1e-2, f"relative error {float(err):.1e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(dtype, n, k, with_bias):
+    weight, x = rand(n, k, dtype=dtype, seed=20), rand(1, k, dtype=dtype, seed=21)
+    bias = rand(n, dtype=dtype, seed=22) if with_bias else None
+    got = K.gemv.gemv(x, weight, bias, config=GEMV_CONFIG)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert_product_close(got, _linear(x, weight, bias), dtype)
+    logits = K.gemv.gemv(x, weight, out_dtype=torch.float32, config=GEMV_CONFIG)
+    assert logits.dtype == torch.float32  # the LM head's float32 logits, no extra cast
+    assert_product_close(logits, _linear(x.float(), weight.float(), None), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+def test_norm_gemv_matches_norm_then_linear(dtype, n, k):
+    norm = reference_norm(k, 1e-6, seed=23)
+    weight, bias = rand(n, k, dtype=dtype, seed=24), rand(n, dtype=dtype, seed=25)
+    x, residual = rand(1, k, dtype=dtype, seed=26), rand(1, k, dtype=dtype, seed=27)
+    with torch.no_grad():
+        got, new_residual = K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight, bias,
+                                             config=GEMV_CONFIG)
+        out, expected_residual = K.rmsnorm.add_rms_norm(x, residual, norm.weight, norm.eps)
+        # the same rounding as the fused norm kernel (bit-exact residual) ...
+        assert torch.equal(new_residual, expected_residual)
+        assert_product_close(got, _linear(out, weight, bias), dtype)
+        # ... and as the torch layers
+        assert_product_close(got, _linear(norm(x + residual), weight, bias), dtype)
+        first, same_x = K.gemv.norm_gemv(x, None, norm.weight, norm.eps, weight, bias,
+                                         config=GEMV_CONFIG)
+        assert same_x is x  # the first layer: no residual yet, x becomes it
+        assert_product_close(first, _linear(norm(x), weight, bias), dtype)
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_matches_activation_then_linear(hidden_act, dtype):
+    n, k = GEMV_SHAPES[1]
+    weight = rand(n, k, dtype=dtype, seed=28)
+    gate_up = rand(1, 2 * k, dtype=dtype, seed=29) * 3
+    expected = _linear(act_and_mul(get_activation(hidden_act), gate_up), weight, None)
+    got = K.gemv.gated_gemv(gate_up, weight, None, hidden_act, config=GEMV_CONFIG)
+    assert_product_close(got, expected, dtype)
+
+
+def test_gemv_refuses_what_it_does_not_compute():
+    from pocketllm.errors import UnsupportedFeatureError
+
+    weight = rand(8, 16)
+    with pytest.raises(ValueError, match="one row"):
+        K.gemv.gemv(rand(2, 16), weight)
+    with pytest.raises(ValueError, match="features"):
+        K.gemv.gemv(rand(1, 12), weight)
+    with pytest.raises(UnsupportedFeatureError):
+        K.gemv.gated_gemv(rand(1, 32), weight, None, "relu2")
+
+
 def test_kv_write_scatters_rows_and_skips_negative_slots():
     kv_heads, dim = 3, 24
     qkv = rand(5, 5 * kv_heads * dim, seed=8)  # k/v as strided views of a fused row
@@ -134,6 +211,7 @@ def test_gpu_path_of_a_whole_model_matches_torch(family):
         runner = make_runner(path, DEVICE.type)
     assert type(runner.backend).__name__ == "TritonAttention"
     assert runner.model.layers[0].input_layernorm.add_kernel is not None
+    assert runner.model.layers[0].mlp.down_proj.gated_gemv is not None  # one-row decode steps
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
     # float32 either way; compiled reductions may sum in another order than torch's

@@ -10,6 +10,11 @@
   so every rank holds the same number of rows); the head's logits are gathered
   on rank 0, which samples.
 
+On the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
+(``kernels/gemv.py``) that also takes in the op before it: the RMSNorm (and
+residual add) before q/k/v and gate/up (``ColumnParallelLinear.normed``), the
+gated activation before the down projection (``RowParallelLinear(hidden_act=)``).
+
 Each layer says, as a ``Shard``, which part of a checkpoint tensor it holds, so a
 loader reads only that part. At world 1 every shard is the whole tensor and the
 forward passes are exactly the plain ones.
@@ -26,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import SINGLE, TPGroup
+from ..kernels import fused_kernel
+from .norm import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((sum(self.out_sizes), in_features), device, dtype)
         self.bias: Optional[nn.Parameter] = (
             _param((sum(self.out_sizes),), device, dtype) if bias else None)
+        self.gemv = fused_kernel(device, "gemv", "gemv")
+        self.norm_gemv = fused_kernel(device, "gemv", "norm_gemv")
 
     def out_rows(self, index: int) -> slice:
         """The rows of ``weight`` that the index-th stacked matrix fills."""
@@ -100,7 +109,18 @@ class ColumnParallelLinear(nn.Module):
         return None if part.whole else part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1:
+            return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)``, or with no residual yet
+        ``(self(norm(x)), x)``: a pre-norm sublayer's entry, one launch for one row."""
+        if self.norm_gemv is not None and x.shape[0] == 1:
+            return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        h, residual = norm.add(x, residual) if residual is not None else (norm(x), x)
+        return self(h), residual
 
 
 class RowParallelLinear(nn.Module):
@@ -113,15 +133,27 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, in_shard.size), device, dtype)
         # The bias is added once, after the sum, so every rank holds all of it.
         self.bias: Optional[nn.Parameter] = _param((out_features,), device, dtype) if bias else None
+        self.gemv = fused_kernel(device, "gemv", "gemv")
+        self.gated_gemv = fused_kernel(device, "gemv", "gated_gemv")
 
     def weight_shard(self) -> Optional[Shard]:
         return None if self.in_shard.whole else self.in_shard
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hidden_act: str = "") -> torch.Tensor:
+        """x @ W.T (+ bias). With ``hidden_act``, x is one ``[gate | up]`` row and the
+        input is its ``act(gate) * up`` (the GPU path's fused MLP tail)."""
         if self.tp.world == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._product(x, self.bias, hidden_act)
+        out = self.tp.all_reduce(self._product(x, None, hidden_act))
         return out if self.bias is None else out + self.bias
+
+    def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor], hidden_act: str
+                 ) -> torch.Tensor:
+        if hidden_act:
+            return self.gated_gemv(x, self.weight, bias, hidden_act)
+        if self.gemv is not None and x.shape[0] == 1:
+            return self.gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -168,10 +200,14 @@ class LMHead(nn.Module):
             rows, self.shard = vocab_shard(vocab_size, tp)
             self.weight = _param((rows, hidden_size), device, dtype)
             _zero_padding(self.weight, self.shard.size)
+        self.gemv = fused_kernel(device, "gemv", "gemv")
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        logits = F.linear(hidden, weight).float()
+        if self.gemv is not None and hidden.shape[0] == 1:
+            logits = self.gemv(hidden, weight, out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, weight).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.tp.world == 1:

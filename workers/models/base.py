@@ -86,19 +86,23 @@ class Attention(nn.Module):
         self.backend = backend
         self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
 
-    def project(self, h: torch.Tensor, rope: RopeCosSin
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden rows -> q [T, H, D], k and v [T, Hkv, D], rotary applied."""
-        tokens = h.shape[0]
-        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+    def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
+                rope: RopeCosSin
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows entering the layer (and the residual, None for the first layer) ->
+        q [T, H, D], k and v [T, Hkv, D] of ``norm(x + residual)``, rotary applied;
+        and the new residual."""
+        tokens = x.shape[0]
+        qkv, residual = self.qkv_proj.normed(norm, x, residual)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_kernel is not None:
-            return (*self.rotary_kernel(q, k, *rope), v)
-        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+            return (*self.rotary_kernel(q, k, *rope), v, residual)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v, residual
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                kv_cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
@@ -130,8 +134,18 @@ class GatedMLP(nn.Module):
         self.act_kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self._down(self.gate_up_proj(x))
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)``."""
+        gate_up, residual = self.gate_up_proj.normed(norm, x, residual)
+        return self._down(gate_up), residual
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.act_kernel is not None:
+            if gate_up.shape[0] == 1:  # one launch: the activation inside the product
+                return self.down_proj(gate_up, hidden_act=self.hidden_act)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
         return self.down_proj(act_and_mul(self.act, gate_up))
 
@@ -150,9 +164,7 @@ class DecoderLayer(nn.Module):
     def pre_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q, k, v, residual."""
-        h, residual = self.input_layernorm.add(x, residual) if residual is not None \
-            else (self.input_layernorm(x), x)
-        return (*self.self_attn.project(h, rope), residual)
+        return self.self_attn.project(self.input_layernorm, x, residual, rope)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

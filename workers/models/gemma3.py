@@ -78,8 +78,8 @@ class Gemma3DecoderLayer(DecoderLayer):
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.post_attention_layernorm(self.self_attn.output(attn))
-        h, residual = self.pre_feedforward_layernorm.add(attn, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.mlp.normed(self.pre_feedforward_layernorm, attn, residual)
+        return self.post_feedforward_layernorm(h), residual
 
 
 def _plus_one(weight: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,8 @@ class LlamaDecoderLayer(DecoderLayer):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.post_attention_layernorm.add(self.self_attn.output(attn), residual)
-        return self.mlp(h), residual
+        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
+                               residual)
 
 
 class LlamaForCausalLM(CausalLM):
