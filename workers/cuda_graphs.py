@@ -88,7 +88,10 @@ class DecodeGraphs:
     def _capture(self, rungs: Sequence[int]) -> None:
         self._reset_padding(0, rungs[-1])  # every row is padding while capturing
         started = time.perf_counter()
-        self._forward(rungs[-1])  # compiles the kernels and grows the rotary tables
+        # Compile every kernel before any capture (a compile may synchronize); one-row
+        # steps take their own (gemv) kernels. Also grows the rotary tables.
+        for b in {rungs[0], rungs[-1]}:
+            self._forward(b)
         torch.cuda.synchronize(self.device)
         pool = None
         # Largest first, so the smaller graphs reuse the first one's memory pool.
