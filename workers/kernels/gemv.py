@@ -1,18 +1,15 @@
 """Matrix-vector products for one-row steps, with the op before them fused in.
 
 Reference: ``F.linear`` (bf16 operands, float32 accumulation) after that op's own
-reference: ``layers.norm.RMSNorm`` (``norm_gemv``), the decoder layer's residual add
-and norm (``add_norm_gemv``), ``layers.activation.act_and_mul`` (``gated_gemv``).
+reference: ``layers.norm.RMSNorm`` with the decoder layer's residual add before it
+(``norm_gemv``), ``layers.activation.act_and_mul`` (``gated_gemv``).
 
 A batch-1 decode step reads every weight once and does almost no arithmetic, so
 its time is the weights' streaming plus, for each small op between two
 projections, a launch and a ramp-up during which memory idles. Each program here
 owns ``BLOCK_N`` output features and walks the whole input row in ``BLOCK_K``
 chunks, keeping a ``[BLOCK_N, BLOCK_K]`` float32 partial sum that it reduces once at
-the end: no split-K pass and no second kernel. Its weight loads run one tile ahead of
-the arithmetic, and on Hopper the first tile is fetched before the program waits for
-the kernel that produced its input (programmatic dependent launch), so the weights
-stream through the previous kernel's tail. The input row is tiny and read by
+the end: no split-K pass and no second kernel. The input row is tiny and read by
 every program from cache, so the op before the product is recomputed per program
 instead of launched on its own: the RMS of the row is a first pass over it, the
 normed (or activated) input is rounded to the model dtype exactly where the unfused
@@ -22,8 +19,6 @@ evict-first so the row stays cached.
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
@@ -66,19 +61,11 @@ def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
 @triton.jit
 def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, N, K, stride_w, x_half, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRE: tl.constexpr):
     pid = tl.program_id(0)
-    if PDL:  # let the next kernel's programs start as ours drain (see _launch)
-        tl.extra.cuda.gdc_launch_dependents()
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows = tl.where(row_ok, rows, 0)  # padded rows reread row 0: no mask on the hot loads
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    # The first weight tile depends on no earlier kernel: fetch it before waiting for them.
-    w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0, eviction_policy="evict_first")
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the input row is the previous kernel's output
     inv_rms = 1.0
     if PRE == "norm" or PRE == "add_norm":  # the row's RMS, in ROW_BLOCK-wide loads
         sq = tl.zeros([ROW_BLOCK], dtype=tl.float32)
@@ -91,15 +78,18 @@ def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, N, K, stride_w, x_half, eps,
                      ).to(X.dtype.element_ty)
             sq += x.to(tl.float32) * x.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
-        xf = _input_chunk(X, Res, NormW, ResOut, cols, cols < K, x_half, inv_rms, pid == 0, PRE)
-        # issue the next tile's load before this one's arithmetic (none past the end)
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=(cols + BLOCK_K)[None, :] < K, other=0.0,
-                         eviction_policy="evict_first")
+        k_ok = cols < K
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        xf = _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, pid == 0, PRE)
         acc += w.to(tl.float32) * xf[None, :]
-        w = w_next
         w_ptrs += BLOCK_K
     y = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -132,52 +122,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     res_out = torch.empty_like(x) if pre == "add_norm" else None
     block_n, block_k, warps = config or CONFIG
     block_k = min(block_k, triton.next_power_of_2(k))
-    pdl = {"launch_pdl": True} if _pdl(x.device) else {}
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
         weight, bias if bias is not None else weight, y, n, k, weight.stride(0), k, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCK=min(triton.next_power_of_2(k), 8192),
-        HAS_BIAS=bias is not None, PRE=pre, PDL=bool(pdl), num_warps=warps, **pdl)
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, PRE=pre, num_warps=warps)
     return y, res_out
 
-
-@functools.lru_cache(maxsize=None)
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper and later): a gemv's programs may start while
-    the kernel before it drains, and stream their first weights before they wait for it.
-    ``POCKETLLM_PDL=0`` turns it off (to measure what it buys)."""
-    if device.type != "cuda" or os.environ.get("POCKETLLM_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: Optional[torch.dtype] = None,
-         config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [1, K] -> [1, N] (``out_dtype``: x's if None)."""
-    x = _check_row(x, weight.shape[1], "x")
-    return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config)[0]
-
-
-def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               hidden_act: str, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """``F.linear(act_and_mul(gate_up), weight, bias)`` for a ``[gate | up]`` row [1, 2K]."""
-    act = KERNEL_ACTIVATIONS.get(hidden_act)
-    if act is None:
-        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
-    gate_up = _check_row(gate_up, 2 * weight.shape[1], "gate_up")
-    return _launch(gate_up, weight, bias, act, config=config)[0]
-
-
-def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-              eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              config: Optional[tuple[int, int, int]] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
-    to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x."""
-    x = _check_row(x, weight.shape[1], "x")
-    if residual is None:
-        return _launch(x, weight, bias, "norm", None, norm_weight, eps, config=config)[0], x
-    residual = _check_row(residual, weight.shape[1], "residual")
-    return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, config=config)
