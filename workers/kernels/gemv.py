@@ -130,3 +130,33 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, PRE=pre, num_warps=warps)
     return y, res_out
 
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None,
+         config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [1, K] -> [1, N] (``out_dtype``: x's if None)."""
+    x = _check_row(x, weight.shape[1], "x")
+    return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config)[0]
+
+
+def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               hidden_act: str, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """``F.linear(act_and_mul(gate_up), weight, bias)`` for a ``[gate | up]`` row [1, 2K]."""
+    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    if act is None:
+        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    gate_up = _check_row(gate_up, 2 * weight.shape[1], "gate_up")
+    return _launch(gate_up, weight, bias, act, config=config)[0]
+
+
+def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+              eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              config: Optional[tuple[int, int, int]] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
+    to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x."""
+    x = _check_row(x, weight.shape[1], "x")
+    if residual is None:
+        return _launch(x, weight, bias, "norm", None, norm_weight, eps, config=config)[0], x
+    residual = _check_row(residual, weight.shape[1], "residual")
+    return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, config=config)
