@@ -148,6 +148,35 @@ def test_norm_gemv_matches_norm_then_linear(dtype, n, k):
         assert_product_close(first, _linear(norm(x), weight, bias), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_gemv_rotates_q_and_k_as_the_rotary_kernel_does(dtype):
+    heads, kv_heads, dim, k = 4, 2, 32, 96
+    n = (heads + 2 * kv_heads) * dim
+    norm = reference_norm(k, 1e-6, seed=30)
+    weight, bias = rand(n, k, dtype=dtype, seed=31), rand(n, dtype=dtype, seed=32)
+    x, residual = rand(1, k, dtype=dtype, seed=33), rand(1, k, dtype=dtype, seed=34)
+    table = RotaryTable(dim, {"rope_theta": 10000.0}, 64, DEVICE, dtype)
+    cos, sin = table.lookup(torch.tensor([37], device=DEVICE), 37)
+    with torch.no_grad():
+        plain, plain_residual = K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight,
+                                                 bias, config=GEMV_CONFIG)
+        q = plain[:, :heads * dim].reshape(1, heads, dim).clone()
+        kk = plain[:, heads * dim:(heads + kv_heads) * dim].reshape(1, kv_heads, dim).clone()
+        K.rotary.apply_rotary_qk(q, kk, cos, sin)
+        rotated, new_residual = K.gemv.norm_gemv(
+            x, residual, norm.weight, norm.eps, weight, bias,
+            rotary=(cos, sin, dim, (heads + kv_heads) * dim), config=GEMV_CONFIG)
+    expected = torch.cat([q.reshape(1, -1), kk.reshape(1, -1),
+                          plain[:, (heads + kv_heads) * dim:]], dim=1)
+    # the same rounding as the two kernels it replaces: equal up to the sums' order
+    torch.testing.assert_close(rotated, expected, **TOL[dtype])
+    assert torch.equal(rotated[:, (heads + kv_heads) * dim:], plain[:, (heads + kv_heads) * dim:])
+    assert torch.equal(new_residual, plain_residual)
+    with pytest.raises(ValueError, match="tile"):
+        K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight[:n - 8], None,
+                         rotary=(cos, sin, dim, (heads + kv_heads) * dim), config=GEMV_CONFIG)
+
+
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_gemv_matches_activation_then_linear(hidden_act, dtype):

@@ -271,7 +271,7 @@ def tune():
         decode_mod.MIN_PARTITION, decode_mod.PROGRAMS_PER_SM = cand
         _run_decode(None, case)
     decode_mod.MIN_PARTITION, decode_mod.PROGRAMS_PER_SM = _best(
-        "decode split", [(p, s) for p in (128, 256, 512, 1024) for s in (1, 2, 4)], all_steps,
+        "decode split", [(p, s) for p in (64, 128, 256, 512) for s in (1, 2, 4, 8)], all_steps,
         run_split)
     for dim_class, shape, window, cases in (
             (128, LLAMA, None, [[(0, 4096)], [(3584, 512)] * 4, [(0, 256)] * 16, [(0, 1024)] * 4]),

@@ -13,7 +13,9 @@ the end: no split-K pass and no second kernel. The input row is tiny and read by
 every program from cache, so the op before the product is recomputed per program
 instead of launched on its own: the RMS of the row is a first pass over it, the
 normed (or activated) input is rounded to the model dtype exactly where the unfused
-kernels round it, and program 0 writes the new residual. The weights are marked
+kernels round it, and program 0 writes the new residual. The q/k/v projection can
+also leave q and k rotated: a program then owns the same dims of both halves of a
+head, the pairs that rotary embedding mixes. The weights are marked
 evict-first so the row stays cached.
 """
 
@@ -28,6 +30,9 @@ import triton.language as tl
 from pocketllm.errors import UnsupportedFeatureError
 
 from .gated_act import KERNEL_ACTIVATIONS
+
+# (cos, sin, head_dim, rows): see norm_gemv.
+Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 @triton.jit
@@ -59,13 +64,24 @@ def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
 
 
 @triton.jit
-def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, N, K, stride_w, x_half, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRE: tl.constexpr):
+def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half, eps,
+                 rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PRE: tl.constexpr, HALF: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.where(row_ok, rows, 0)  # padded rows reread row 0: no mask on the hot loads
+    # Each program owns two groups of BLOCK_N / 2 rows: adjacent ones, or (HALF > 0) the
+    # same dims of the two halves of a head, the pairs the rotary epilogue rotates.
+    HB: tl.constexpr = BLOCK_N // 2
+    if HALF > 0:
+        per_head: tl.constexpr = HALF // HB
+        rows_a = (pid // per_head) * (2 * HALF) + (pid % per_head) * HB + tl.arange(0, HB)
+        rows_b = rows_a + HALF
+    else:
+        rows_a = pid * BLOCK_N + tl.arange(0, HB)
+        rows_b = rows_a + HB
+    a_ok, b_ok = rows_a < N, rows_b < N
+    rows_a = tl.where(a_ok, rows_a, 0)  # padded rows reread row 0: no mask on the hot loads
+    rows_b = tl.where(b_ok, rows_b, 0)
     inv_rms = 1.0
     if PRE == "norm" or PRE == "add_norm":  # the row's RMS, in ROW_BLOCK-wide loads
         sq = tl.zeros([ROW_BLOCK], dtype=tl.float32)
@@ -79,27 +95,48 @@ def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, N, K, stride_w, x_half, eps,
             sq += x.to(tl.float32) * x.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wa_ptrs = W + rows_a.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    wb_ptrs = W + rows_b.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    acc_a = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
         k_ok = cols < K
         if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            wa = tl.load(wa_ptrs, eviction_policy="evict_first")
+            wb = tl.load(wb_ptrs, eviction_policy="evict_first")
         else:
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            wa = tl.load(wa_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            wb = tl.load(wb_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         xf = _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, pid == 0, PRE)
-        acc += w.to(tl.float32) * xf[None, :]
-        w_ptrs += BLOCK_K
-    y = tl.sum(acc, 1)
+        acc_a += wa.to(tl.float32) * xf[None, :]
+        acc_b += wb.to(tl.float32) * xf[None, :]
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+    ya, yb = tl.sum(acc_a, 1), tl.sum(acc_b, 1)
     if HAS_BIAS:
-        y += tl.load(Bias + rows).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+        ya += tl.load(Bias + rows_a).to(tl.float32)
+        yb += tl.load(Bias + rows_b).to(tl.float32)
+    if HALF > 0:  # rotary on q/k heads: round first, rotate in float32 (as the rotary kernel)
+        ya = ya.to(Y.dtype.element_ty).to(tl.float32)
+        yb = yb.to(Y.dtype.element_ty).to(tl.float32)
+        d = rows_a % (2 * HALF)
+        cos = tl.load(Cos + d).to(tl.float32)
+        sin = tl.load(Sin + d).to(tl.float32)
+        rotate = rows_a < rot_rows
+        ya, yb = tl.where(rotate, ya * cos - yb * sin, ya), tl.where(rotate, yb * cos + ya * sin, yb)
+    tl.store(Y + rows_a, ya.to(Y.dtype.element_ty), mask=a_ok)
+    tl.store(Y + rows_b, yb.to(Y.dtype.element_ty), mask=b_ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps): the most even of the settings timed on an H200 across
-# the Llama-3-8B projections (docs/benchmarks.md); BLOCK_K shrinks for narrow rows.
-CONFIG = (8, 512, 4)
+# (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the Llama-3-8B projections
+# (docs/benchmarks.md): taller tiles for wide outputs (fewer programs redo the norm).
+# BLOCK_K shrinks for narrow rows.
+CONFIG, WIDE_CONFIG, WIDE = (8, 512, 4), (16, 256, 4), 16384
+
+
+def _config(n: int) -> tuple[int, int, int]:
+    return WIDE_CONFIG if n >= WIDE else CONFIG
 
 
 def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -113,21 +150,30 @@ def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pre: str,
             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
             eps: float = 0.0, out_dtype: Optional[torch.dtype] = None,
-            config: Optional[tuple[int, int, int]] = None
+            rotary: Optional["Rotary"] = None, config: Optional[tuple[int, int, int]] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("a gemv needs a weight whose rows are contiguous")
     y = torch.empty(1, n, device=x.device, dtype=out_dtype or x.dtype)
     res_out = torch.empty_like(x) if pre == "add_norm" else None
-    block_n, block_k, warps = config or CONFIG
+    block_n, block_k, warps = config or _config(n)
     block_k = min(block_k, triton.next_power_of_2(k))
+    half, cos, sin, rot_rows = 0, y, y, 0
+    if rotary is not None:
+        cos, sin, head_dim, rot_rows = rotary
+        half = head_dim // 2
+        block_n = min(block_n, half)  # a program's rows stay inside one head
+        if head_dim % 2 or n % head_dim or half % (block_n // 2) or rot_rows % head_dim:
+            raise ValueError(f"rotary over heads of {head_dim} does not tile {n} rows")
+        cos, sin = cos.reshape(half), sin.reshape(half)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
-        weight, bias if bias is not None else weight, y, n, k, weight.stride(0), k, eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCK=min(triton.next_power_of_2(k), 8192),
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, PRE=pre, num_warps=warps)
+        weight, bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k,
+        eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=min(triton.next_power_of_2(k), 8192), EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, PRE=pre, HALF=half, num_warps=warps)
     return y, res_out
 
 
@@ -151,12 +197,17 @@ def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              config: Optional[tuple[int, int, int]] = None
+              rotary: Optional[Rotary] = None, config: Optional[tuple[int, int, int]] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
-    to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x."""
+    to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x.
+    ``rotary`` = (cos, sin, head_dim, rows): the first ``rows`` outputs are heads of
+    ``head_dim`` that leave rotated by the token's cos/sin ([D/2] each), as
+    ``rotary.apply_rotary_qk`` rotates q and k."""
     x = _check_row(x, weight.shape[1], "x")
     if residual is None:
-        return _launch(x, weight, bias, "norm", None, norm_weight, eps, config=config)[0], x
+        return _launch(x, weight, bias, "norm", None, norm_weight, eps, rotary=rotary,
+                       config=config)[0], x
     residual = _check_row(residual, weight.shape[1], "residual")
-    return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, config=config)
+    return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, rotary=rotary,
+                   config=config)

@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch shape, tuned on an H200 under CUDA graphs (``bench --tune`` sweeps them).
+# Launch shape, tuned on an H200 under CUDA graphs (``bench --tune`` sweeps them). A
+# decode graph is captured for the longest context, so a small batch is split finely:
+# splits past a sequence's length exit at once, and short splits keep each program's
+# chain of dependent loads short (docs/benchmarks.md, "Batch-1 decode").
 TILES = {128: (64, 4), 256: (64, 4)}  # by head_dim up to 128 / 256: (keys per loop, warps)
-MIN_PARTITION = 128  # fewest keys per split
-PROGRAMS_PER_SM = 2  # a small batch is split until the launch has about this many
+MIN_PARTITION = 64  # fewest keys per split
+PROGRAMS_PER_SM = 8  # a small batch is split until the launch has about this many
 
 
 @triton.jit

@@ -113,12 +113,20 @@ class ColumnParallelLinear(nn.Module):
             return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path."""
+        return self.norm_gemv is not None and x.shape[0] == 1
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
+               rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x + residual)), x + residual)``, or with no residual yet
-        ``(self(norm(x)), x)``: a pre-norm sublayer's entry, one launch for one row."""
-        if self.norm_gemv is not None and x.shape[0] == 1:
-            return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        ``(self(norm(x)), x)``: a pre-norm sublayer's entry, one launch for one row.
+        ``rotary`` (only where ``fuses(x)``): see ``kernels.gemv.norm_gemv``."""
+        if self.fuses(x):
+            return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
+                                  rotary)
+        if rotary is not None:
+            raise ValueError("rotary is fused only into a one-row projection on the GPU path")
         h, residual = norm.add(x, residual) if residual is not None else (norm(x), x)
         return self(h), residual
 

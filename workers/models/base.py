@@ -85,6 +85,9 @@ class Attention(nn.Module):
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
         self.backend = backend
         self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
+        # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
+        self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
+        self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: RopeCosSin
@@ -92,17 +95,24 @@ class Attention(nn.Module):
         """Rows entering the layer (and the residual, None for the first layer) ->
         q [T, H, D], k and v [T, Hkv, D] of ``norm(x + residual)``, rotary applied;
         and the new residual."""
-        tokens = x.shape[0]
+        if self.rotary_in_projection and self.qkv_proj.fuses(x):  # one launch for all of it
+            qkv, residual = self.qkv_proj.normed(norm, x, residual,
+                                                 (*rope, self.head_dim, self.rotated_rows))
+            return (*self._heads(qkv), residual)
         qkv, residual = self.qkv_proj.normed(norm, x, residual)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._heads(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_kernel is not None:
             return (*self.rotary_kernel(q, k, *rope), v, residual)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v, residual
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
+        return (q.view(tokens, self.num_heads, self.head_dim),
+                k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.reshape(tokens, self.num_kv_heads, self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                kv_cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
