@@ -8,6 +8,7 @@ The runner never appends the tokens it samples: the next plan's
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -141,6 +142,17 @@ class ModelRunner:
                                "(they need the Triton kernels on a GPU, and not "
                                "--no-cuda-graphs)")
             return None, None
+        # A garbage collection during a capture may destroy another runner's graphs (a
+        # process that built one before, as tests do): that CUDA call invalidates the
+        # capture. So collect once now and not while capturing.
+        gc.collect()
+        gc.disable()
+        try:
+            return self._capture()
+        finally:
+            gc.enable()
+
+    def _capture(self):
         from .cuda_graphs import DecodeGraphs
         from .piecewise_graphs import MixedGraphs
 
