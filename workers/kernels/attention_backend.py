@@ -2,7 +2,8 @@
 
 Per layer and step: one kv_write launch, then one paged-decode launch (plus its
 merge when split) for the one-token sequences and one prefill launch for the
-chunks; each writes its own rows of the output. It reads the metadata that
+chunks; each writes its own rows of the output. A step of decodes alone skips the
+kv_write launch: the decode kernel writes each sequence's new k/v row itself. It reads the metadata that
 ``build_metadata(..., kernel_tables=True)`` builds (see ``kernel_tables``).
 
 One exception, measured: a lone long prompt computed from position 0 (no cached
@@ -42,12 +43,15 @@ class TritonAttention:
             if meta.num_tokens:
                 raise ValueError("TritonAttention needs build_metadata(..., kernel_tables=True)")
             return out
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        p = meta.prefill
+        if p is not None or meta.decode is None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode is not None:
             d = meta.decode
+            # A decode-only step's rows are all decodes: the decode kernel writes them.
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
-                                   d.max_seq_len, meta.block_size, scale, window, softcap, out)
-        p = meta.prefill
+                                   d.max_seq_len, meta.block_size, scale, window, softcap, out,
+                                   new_kv=(k, v, meta.slot_mapping) if p is None else None)
         rows = p.lone_fresh_rows if p is not None else None
         if (rows is not None and softcap is None and (window is None or window >= p.max_q_len)
                 and p.max_q_len >= self.sdpa_fresh_min_tokens[128 if q.shape[2] <= 128 else 256]):

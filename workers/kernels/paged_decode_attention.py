@@ -5,7 +5,9 @@ cache by block table, SDPA). Here one program serves one (sequence, KV head,
 split) and all the query heads that share that KV head (GQA), so each K/V row is
 read from memory once per step. When the batch is too small to fill the GPU
 (few sequences x KV heads), each sequence's keys are cut into splits that run in
-parallel and a second kernel merges their partial softmaxes (flash-decoding).
+parallel, and the last split of each (sequence, KV head) to finish merges their
+partial softmaxes (flash-decoding, with the merge in the same launch: an arrival
+counter per pair tells a program it is the last).
 
 Masking: a sequence of length L attends to positions ``[L - window, L)`` clamped
 at 0 (``window`` 0 = full). Scores are ``scale * q.k``, optionally soft-capped
@@ -45,13 +47,16 @@ STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition"]
 
 
 @triton.jit(do_not_specialize=STEP_INTS)
-def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
+def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLens, QRows,
+                   KNew, VNew, Slots,
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
+                   stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale, softcap, window, partition,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   WRITE_KV: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,6 +70,19 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         row = tl.load(QRows + seq).to(tl.int64)
+        if WRITE_KV:  # the split holding the new token writes its k/v first (no kv_write launch)
+            if end == seq_len:
+                slot = tl.load(Slots + row)
+                if slot >= 0:
+                    k_new = tl.load(KNew + row * stride_knt + kv_head * stride_knh + dims,
+                                    mask=dim_ok)
+                    v_new = tl.load(VNew + row * stride_vnt + kv_head * stride_vnh + dims,
+                                    mask=dim_ok)
+                    tl.store(K + slot * stride_kslot + kv_head * stride_kh + dims, k_new,
+                             mask=dim_ok)
+                    tl.store(V + slot * stride_vslot + kv_head * stride_vh + dims, v_new,
+                             mask=dim_ok)
+                tl.debug_barrier()  # the whole program reads those rows back below
         q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -100,33 +118,67 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QRows,
             tl.store(PartOut + base[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
                      mask=out_mask)
             tl.store(PartLse + base, m_i + tl.log2(l_i), mask=head_ok)
+            # The last of this (sequence, KV head)'s splits to finish merges them all: a
+            # counter per pair, released after the partials and reset by that last one.
+            tl.debug_barrier()
+            span = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
+            used = tl.cdiv(span, partition)  # the splits that run for this sequence
+            counter = Counters + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                tl.atomic_xchg(counter, 0)
+                _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot,
+                              stride_oh, stride_pb, stride_ph, stride_ps, GROUP, HEAD_DIM,
+                              MERGE_CHUNK, BLOCK_D)
         else:
             out = acc / l_i[:, None]
             tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                      out.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=STEP_INTS[1:])
-def _merge_kernel(Out, PartOut, PartLse, SeqLens, QRows,
-                  stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
-                  window, partition,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(SeqLens + seq)
-    span = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
-    used = tl.cdiv(span, partition)  # splits that ran for this sequence
-    splits = tl.arange(0, BLOCK_S)
+@triton.jit
+def _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot, stride_oh,
+                  stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output rows of this KV head's query heads from their splits' partial softmaxes
+    (online over chunks of splits). Loads skip L1: other programs wrote the partials."""
     dims = tl.arange(0, BLOCK_D)
-    base = seq.to(tl.int64) * stride_pb + head * stride_ph + splits * stride_ps
-    lse = tl.load(PartLse + base, mask=splits < used, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(PartOut + base[:, None] * HEAD_DIM + dims[None, :],
-                   mask=(splits < used)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
-    row = tl.load(QRows + seq).to(tl.int64)
-    tl.store(Out + row * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    dim_ok = dims < HEAD_DIM
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        base = seq.to(tl.int64) * stride_pb + head * stride_ph
+        mx = tl.full([], float("-inf"), tl.float32)
+        den = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, used, CHUNK):
+            splits = s0 + tl.arange(0, CHUNK)
+            ok = splits < used
+            at = base + splits * stride_ps
+            lse = tl.load(PartLse + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(PartOut + at[:, None] * HEAD_DIM + dims[None, :],
+                           mask=ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
+            new_mx = tl.maximum(mx, tl.max(lse, 0))
+            rescale = tl.exp2(mx - new_mx)
+            weights = tl.exp2(lse - new_mx)
+            den = den * rescale + tl.sum(weights, 0)
+            acc = acc * rescale + tl.sum(part * weights[:, None], 0)
+            mx = new_mx
+        tl.store(Out + row * stride_ot + head * stride_oh + dims,
+                 (acc / den).to(Out.dtype.element_ty), mask=dim_ok)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per (sequence, KV head) of a split launch; each
+    launch leaves them zero again. Kept per device, so a CUDA graph replays over the same
+    ones (the warm-up before capture allocates them: splits happen below one program per
+    multiprocessor, so this size rarely grows)."""
+    have = _counters.get(device)
+    if have is None or have.numel() < needed:
+        have = _counters[device] = torch.zeros(max(needed, 1024), dtype=torch.int32,
+                                               device=device)
+    return have
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +205,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, window: Optional[int] = None,
                            softcap: Optional[float] = None, out: Optional[torch.Tensor] = None,
                            partition: Optional[int] = None,
-                           tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                           tiles: Optional[tuple[int, int]] = None,
+                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                           ) -> torch.Tensor:
     """Attention of one query row per sequence over its paged cache.
 
     q: [T, H, D] (rows ``q_rows[b]`` are sequence b's query); k/v_cache: [slots, Hkv, D]
@@ -161,7 +215,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     int32 (the query is the last position); ``max_seq_len`` is seq_lens.max() known on
     the host. Writes rows ``q_rows`` of ``out`` ([T, H, D], allocated if None).
     ``partition`` forces the split size in tokens (tests); None chooses it. ``tiles``
-    overrides (BLOCK_N, warps), for tuning.
+    overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
+    [T, Hkv, D]: write each sequence's new k/v row (at ``q_rows``) into its slot first,
+    as ``kv_write.write_kv`` would (negative slots are skipped); the cache need not
+    hold that position yet.
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -183,23 +240,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = torch.empty(num_seqs, heads, num_splits, dim, device=q.device,
                                dtype=torch.float32)
         part_lse = torch.empty(num_seqs, heads, num_splits, device=q.device, dtype=torch.float32)
+        counters = _split_counters(q.device, num_seqs * kv_heads)
     else:
-        part_out = part_lse = out  # unused
+        part_out = part_lse = counters = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = triton.next_power_of_2(dim)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q_rows)
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, q_rows,
+        q, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, seq_lens, q_rows,
+        k_new, v_new, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), heads * num_splits, num_splits, 1,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale, softcap or 1.0, window or 0, partition,
         GROUP=group, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision, num_warps=warps)
-    if split:
-        _merge_kernel[(num_seqs, heads)](
-            out, part_out, part_lse, seq_lens, q_rows, out.stride(0), out.stride(1),
-            heads * num_splits, num_splits, 1, window or 0, partition,
-            HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4)
+        SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
+        WRITE_KV=new_kv is not None, MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)),
+        num_warps=warps)
     return out
