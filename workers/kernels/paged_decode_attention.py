@@ -56,7 +56,7 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   WRITE_KV: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,7 +128,7 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                 tl.atomic_xchg(counter, 0)
                 _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot,
                               stride_oh, stride_pb, stride_ph, stride_ps, GROUP, HEAD_DIM,
-                              MERGE_CHUNK, BLOCK_D)
+                              BLOCK_G, MERGE_CHUNK, BLOCK_D)
         else:
             out = acc / l_i[:, None]
             tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -138,32 +138,37 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
 @triton.jit
 def _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot, stride_oh,
                   stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The output rows of this KV head's query heads from their splits' partial softmaxes
-    (online over chunks of splits). Loads skip L1: other programs wrote the partials."""
+                  HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """The output rows of this KV head's query heads from their splits' partial softmaxes,
+    all heads at once (online over chunks of splits). Loads skip L1: other programs wrote
+    the partials."""
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        base = seq.to(tl.int64) * stride_pb + head * stride_ph
-        mx = tl.full([], float("-inf"), tl.float32)
-        den = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, used, CHUNK):
-            splits = s0 + tl.arange(0, CHUNK)
-            ok = splits < used
-            at = base + splits * stride_ps
-            lse = tl.load(PartLse + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(PartOut + at[:, None] * HEAD_DIM + dims[None, :],
-                           mask=ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
-            new_mx = tl.maximum(mx, tl.max(lse, 0))
-            rescale = tl.exp2(mx - new_mx)
-            weights = tl.exp2(lse - new_mx)
-            den = den * rescale + tl.sum(weights, 0)
-            acc = acc * rescale + tl.sum(part * weights[:, None], 0)
-            mx = new_mx
-        tl.store(Out + row * stride_ot + head * stride_oh + dims,
-                 (acc / den).to(Out.dtype.element_ty), mask=dim_ok)
+    head_base = seq.to(tl.int64) * stride_pb + heads * stride_ph
+    mx = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: padded heads stay NaN-free
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s0 in range(0, used, CHUNK):
+        splits = s0 + tl.arange(0, CHUNK)
+        ok = g_ok[:, None] & (splits < used)[None, :]
+        at = head_base[:, None] + splits[None, :] * stride_ps
+        lse = tl.load(PartLse + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(PartOut + at[:, :, None] * HEAD_DIM + dims[None, None, :],
+                       mask=ok[:, :, None] & dim_ok[None, None, :], other=0.0,
+                       cache_modifier=".cg")
+        new_mx = tl.maximum(mx, tl.max(lse, 1))
+        rescale = tl.exp2(mx - new_mx)
+        weights = tl.exp2(lse - new_mx[:, None])
+        den = den * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.sum(part * weights[:, :, None], 1)
+        mx = new_mx
+    tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             (acc / den[:, None]).to(Out.dtype.element_ty),
+             mask=g_ok[:, None] & dim_ok[None, :])
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -257,6 +262,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
-        WRITE_KV=new_kv is not None, MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)),
+        WRITE_KV=new_kv is not None, BLOCK_G=triton.next_power_of_2(group),
+        MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)),
         num_warps=warps)
     return out
