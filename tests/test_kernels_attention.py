@@ -158,6 +158,18 @@ def test_split_merge_in_the_decode_kernel_is_race_free():
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_warm_up_runs_every_variant_and_touches_only_the_padding_block():
+    k_cache = torch.full((BLOCKS * BS + BS, 2, 32), float("nan"), device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[BLOCKS * BS:] = 0
+    v_cache[BLOCKS * BS:] = 0
+    backend = K.attention_backend.TritonAttention()
+    backend.sdpa_fresh_min_tokens = {128: 8, 256: 8}
+    backend.warm_up(k_cache, v_cache, 4, BLOCKS, BS, {(None, None), (5, 2.0)}, 0.2)
+    assert torch.isnan(k_cache[:BLOCKS * BS]).all() and torch.isnan(v_cache[:BLOCKS * BS]).all()
+    assert not k_cache[BLOCKS * BS:].any() and not v_cache[BLOCKS * BS:].any()
+
+
 def test_prefill_small_tiles_many_query_blocks():
     seqs, q, k, v, k_cache, v_cache = make_step([(10, 50), (0, 33)], 2, 2, 16, seed=9)
     meta = build_metadata(seqs, BS, [7], DEVICE, BLOCKS * BS, kernel_tables=True)

@@ -115,6 +115,7 @@ class ModelRunner:
         self.kv[:, :, self.pad_slot:].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
+        self._warm_up_attention()
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, _RequestState] = {}
         # The last launched step's sampled tokens, still on the device: a PENDING input of
@@ -131,6 +132,19 @@ class ModelRunner:
         logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
                     self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
                     self.load_seconds)
+
+    def _warm_up_attention(self) -> None:
+        """Compile the attention kernels' variants now, not during the first requests."""
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is None:
+            return
+        started = time.perf_counter()
+        attn = self.model.layers[0].self_attn
+        kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in self.model.layers}
+        with torch.inference_mode():
+            warm_up(*self.kv_caches[0], attn.num_heads, self.num_kv_blocks, self.block_size,
+                    kinds, attn.scale)
+        logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
 
     def _capture_graphs(self):
         """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA

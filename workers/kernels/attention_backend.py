@@ -63,6 +63,46 @@ class TritonAttention:
         return out
 
 
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                pad_block: int, block_size: int,
+                layer_kinds: set[tuple[Optional[int], Optional[float]]], scale: float) -> None:
+        """Compile, before serving, each kernel variant a step can meet (Triton compiles
+        one on first use, seconds the first requests would wait): every prefill query
+        tile, SDPA's fresh path, and decode with and without its k/v write, unsplit and
+        each merge width. Scratch rows of zeros, in and out of the zero padding block
+        only. ``layer_kinds``: the (window, softcap) pairs of the model's layers."""
+        device, dtype = k_cache.device, k_cache.dtype
+        kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+
+        def rows(n: int, heads: int) -> torch.Tensor:
+            return torch.zeros(n, heads, dim, device=device, dtype=dtype)
+
+        def tables(n: int, length: int) -> torch.Tensor:
+            width = -(-length // block_size)
+            return torch.full((n, width), pad_block, dtype=torch.int32, device=device)
+
+        def ints(*values: int) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        for window, softcap in layer_kinds:
+            for length in (16, 32, 64, 128):  # each query tile height
+                prefill_attention(rows(length, num_heads), k_cache, v_cache, tables(1, length),
+                                  ints(length), ints(0), ints(length), length, block_size,
+                                  scale, window, softcap)
+            k = rows(4, kv_heads)
+            slots = torch.full((4,), pad_block * block_size, dtype=torch.int32, device=device)
+            for splits in (1, 2, 4, 8):  # unsplit, then each merge chunk width
+                for new_kv in ((k, k, slots), None):
+                    paged_decode_attention(rows(4, num_heads), k_cache, v_cache,
+                                           tables(4, 8 * splits), ints(*[8 * splits] * 4),
+                                           ints(0, 1, 2, 3), 8 * splits, block_size, scale,
+                                           window, softcap, partition=8, new_kv=new_kv)
+        length = self.sdpa_fresh_min_tokens[128 if dim <= 128 else 256]
+        if length < 1 << 20:
+            _sdpa_causal(rows(length, num_heads), rows(length, kv_heads), rows(length, kv_heads),
+                         scale)
+
+
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain causal attention of one sequence's rows: [L, H, D] in, [L, H, D] out."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
