@@ -106,6 +106,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(b)
             pool = graph.pool()
+            graph.replay()  # the first replay uploads the graph: now, not in a request
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),

@@ -46,6 +46,7 @@ def capture_cuda_graph(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         fn()
+    graph.replay()  # a graph's first replay uploads it: now, not in the first request
     return graph
 
 

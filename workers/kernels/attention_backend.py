@@ -97,8 +97,8 @@ class TritonAttention:
                                            tables(4, 8 * splits), ints(*[8 * splits] * 4),
                                            ints(0, 1, 2, 3), 8 * splits, block_size, scale,
                                            window, softcap, partition=8, new_kv=new_kv)
-        length = self.sdpa_fresh_min_tokens[128 if dim <= 128 else 256]
-        if length < 1 << 20:
+        shortest = self.sdpa_fresh_min_tokens[128 if dim <= 128 else 256]
+        for length in (shortest, 2 * shortest, 4 * shortest) if shortest < 1 << 20 else ():
             _sdpa_causal(rows(length, num_heads), rows(length, kv_heads), rows(length, kv_heads),
                          scale)
 
