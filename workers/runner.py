@@ -128,6 +128,7 @@ class ModelRunner:
         # the scheduler readmits a preempted request before any newer one, so it stays found.
         self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.graphs, self.mixed_graphs = self._capture_graphs()
+        self._warm_up_sampler()
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
                     self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
@@ -145,6 +146,20 @@ class ModelRunner:
             warm_up(*self.kv_caches[0], attn.num_heads, self.num_kv_blocks, self.block_size,
                     kinds, attn.scale)
         logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
+
+    def _warm_up_sampler(self) -> None:
+        """Sample once from dummy logits, greedy and at random, on CUDA: CUDA loads a
+        kernel's module on its first use and the pinned-memory pool starts empty, which
+        cost the first requests about half a second (docs/benchmarks.md). Seeded, so the
+        shared generator of unseeded requests is not advanced."""
+        if self.device.type != "cuda":
+            return
+        logits = torch.zeros(2, self.model.cfg.vocab_size, device=self.device)
+        specs = [SamplingSpec(temperature=0.0, logprobs=1),
+                 SamplingSpec(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, seed=0,
+                              logprobs=1)]
+        self.sampler(logits, specs, [0, 0])
+        torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self):
         """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA
