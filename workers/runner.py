@@ -149,8 +149,8 @@ class ModelRunner:
 
     def _warm_up_sampler(self) -> None:
         """Sample once from dummy logits, greedy and at random, on CUDA: CUDA loads a
-        kernel's module on its first use and the pinned-memory pool starts empty, which
-        cost the first requests about half a second (docs/benchmarks.md). Seeded, so the
+        kernel's module on its first use and the pinned-memory pool starts empty, costs
+        the first requests would pay (docs/benchmarks.md, "Cold start"). Seeded, so the
         shared generator of unseeded requests is not advanced."""
         if self.device.type != "cuda":
             return

@@ -8,6 +8,8 @@
 | ``rmsnorm``                | ``layers.norm.RMSNorm`` (+ the residual add)      |
 | ``rotary``                 | ``layers.rotary.apply_rotary``                    |
 | ``gated_act``              | ``layers.activation.act_and_mul``                 |
+| ``gemv``                   | ``F.linear`` of one row (+ the norm / activation  |
+|                            | before it, the rotary after q/k/v)                |
 
 ``attention_backend.TritonAttention`` puts the first three behind the
 ``AttentionBackend`` interface; ``bench`` checks and times them all on a GPU

@@ -1,10 +1,11 @@
 """TritonAttention: the ``AttentionBackend`` of the GPU path.
 
-Per layer and step: one kv_write launch, then one paged-decode launch (plus its
-merge when split) for the one-token sequences and one prefill launch for the
+Per layer and step: one kv_write launch, then one paged-decode launch for the
+one-token sequences (it merges its own splits) and one prefill launch for the
 chunks; each writes its own rows of the output. A step of decodes alone skips the
-kv_write launch: the decode kernel writes each sequence's new k/v row itself. It reads the metadata that
-``build_metadata(..., kernel_tables=True)`` builds (see ``kernel_tables``).
+kv_write launch: the decode kernel writes each sequence's new k/v row itself. It reads
+the metadata that ``build_metadata(..., kernel_tables=True)`` builds (see
+``kernel_tables``).
 
 One exception, measured: a lone long prompt computed from position 0 (no cached
 prefix, no window cutting it, no soft-cap) goes to PyTorch's SDPA on the step's
@@ -61,7 +62,6 @@ class TritonAttention:
                               p.q_lens, p.max_q_len, meta.block_size, scale, window, softcap,
                               out)
         return out
-
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                 pad_block: int, block_size: int,
