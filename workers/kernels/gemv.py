@@ -8,7 +8,7 @@ A batch-1 decode step reads every weight once and does almost no arithmetic, so
 its time is the weights' streaming plus, for each small op between two
 projections, a launch and a ramp-up during which memory idles. Each program here
 owns ``BLOCK_N`` output features and walks the whole input row in ``BLOCK_K``
-chunks, keeping a ``[BLOCK_N, BLOCK_K]`` float32 partial sum that it reduces once at
+chunks, keeping float32 partial sums per (feature, column) that it reduces once at
 the end: no split-K pass and no second kernel. The input row is tiny and read by
 every program from cache, so the op before the product is recomputed per program
 instead of launched on its own: the RMS of the row is a first pass over it, the
