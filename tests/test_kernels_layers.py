@@ -148,9 +148,10 @@ def test_norm_gemv_matches_norm_then_linear(dtype, n, k):
         assert_product_close(first, _linear(norm(x), weight, bias), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_gemv_rotates_q_and_k_as_the_rotary_kernel_does(dtype):
-    heads, kv_heads, dim, k = 4, 2, 32, 96
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 32), (torch.bfloat16, 32),
+                                       (torch.float32, 12)])  # 12: half a head is 6 rows
+def test_norm_gemv_rotates_q_and_k_as_the_rotary_kernel_does(dtype, dim):
+    heads, kv_heads, k = 4, 2, 96
     n = (heads + 2 * kv_heads) * dim
     norm = reference_norm(k, 1e-6, seed=30)
     weight, bias = rand(n, k, dtype=dtype, seed=31), rand(n, dtype=dtype, seed=32)
@@ -173,7 +174,7 @@ def test_norm_gemv_rotates_q_and_k_as_the_rotary_kernel_does(dtype):
     assert torch.equal(rotated[:, (heads + kv_heads) * dim:], plain[:, (heads + kv_heads) * dim:])
     assert torch.equal(new_residual, plain_residual)
     with pytest.raises(ValueError, match="tile"):
-        K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight[:n - 8], None,
+        K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight[:n - 2], None,
                          rotary=(cos, sin, dim, (heads + kv_heads) * dim), config=GEMV_CONFIG)
 
 

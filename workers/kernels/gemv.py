@@ -163,9 +163,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if rotary is not None:
         cos, sin, head_dim, rot_rows = rotary
         half = head_dim // 2
-        block_n = min(block_n, half)  # a program's rows stay inside one head
-        if head_dim % 2 or n % head_dim or half % (block_n // 2) or rot_rows % head_dim:
+        if head_dim % 2 or n % head_dim or rot_rows % head_dim:
             raise ValueError(f"rotary over heads of {head_dim} does not tile {n} rows")
+        while block_n > 2 and half % (block_n // 2):  # a program's rows stay in one head
+            block_n //= 2
         cos, sin = cos.reshape(half), sin.reshape(half)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
