@@ -19,6 +19,19 @@ KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gel
 
 
 @triton.jit
+def activate(gate, ACT: tl.constexpr):
+    """``ACT`` (a KERNEL_ACTIVATIONS value) of float32 ``gate``; also used by ``gemv``."""
+    if ACT == "silu":
+        return gate / (1.0 + tl.exp(-gate))
+    elif ACT == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 there; exp stays finite
+        return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 1 + tanh(inner)
+    else:
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+
+
+@triton.jit
 def _act_mul_kernel(GateUp, Out, inter, stride_in, stride_out,
                     ACT: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
@@ -27,16 +40,8 @@ def _act_mul_kernel(GateUp, Out, inter, stride_in, stride_out,
     row = GateUp + token.to(tl.int64) * stride_in
     gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    if ACT == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
-    elif ACT == "gelu_tanh":
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 there; exp stays finite
-        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 1 + tanh(inner)
-    else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    tl.store(Out + token.to(tl.int64) * stride_out + cols, (act * up).to(Out.dtype.element_ty),
-             mask=ok)
+    tl.store(Out + token.to(tl.int64) * stride_out + cols,
+             (activate(gate, ACT) * up).to(Out.dtype.element_ty), mask=ok)
 
 
 def act_and_mul(gate_up: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-from .gated_act import KERNEL_ACTIVATIONS
+from .gated_act import KERNEL_ACTIVATIONS, activate
 
 # (cos, sin, head_dim, rows): see norm_gemv.
 Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
@@ -51,15 +51,7 @@ def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
         xf = (xf * inv_rms * w).to(X.dtype.element_ty).to(tl.float32)
     elif PRE != "":
         up = tl.load(X + x_half + cols, mask=k_ok, other=0.0).to(tl.float32)
-        if PRE == "silu":
-            act = xf / (1.0 + tl.exp(-xf))
-        elif PRE == "gelu_tanh":
-            inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)
-            inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)
-            act = 0.5 * xf * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
-        else:
-            act = 0.5 * xf * (1.0 + tl.erf(xf * 0.7071067811865476))
-        xf = (act * up).to(X.dtype.element_ty).to(tl.float32)
+        xf = (activate(xf, PRE) * up).to(X.dtype.element_ty).to(tl.float32)
     return xf
 
 
