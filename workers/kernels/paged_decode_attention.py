@@ -121,8 +121,7 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
             # The last of this (sequence, KV head)'s splits to finish merges them all: a
             # counter per pair, released after the partials and reset by that last one.
             tl.debug_barrier()
-            span = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
-            used = tl.cdiv(span, partition)  # the splits that run for this sequence
+            used = tl.cdiv(seq_len - lo, partition)  # the splits that run for this sequence
             counter = Counters + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
                 tl.atomic_xchg(counter, 0)
