@@ -1,5 +1,9 @@
 """PocketLLM: a small, honest LLM serving engine (offline API, OpenAI-compatible server)."""
 
+from . import _source_layout
+
+_source_layout.install()  # a checkout imports proto/ and workers/ as the wheel does
+
 from .api.async_llm import AsyncLLM
 from .api.llm import LLM
 from .config import EngineArgs

@@ -7,9 +7,11 @@ import logging
 import os
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from . import _source_layout
 from .config import EngineArgs
 from .errors import CheckpointError, EngineStartupError, UnsupportedFeatureError
 from .model_info import ModelInfo
@@ -32,6 +35,24 @@ def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+def stage_command(module: str, *argv: str) -> tuple[list[str], dict]:
+    """``python -m module argv...`` importing the same ``pocketllm`` as this process.
+
+    ``-m`` puts the current directory first on the child's ``sys.path``, so in a clone
+    root the checkout would shadow an installed wheel: ``-P`` (Python 3.11+) leaves it
+    off. The folder this process imported the package from goes on ``PYTHONPATH``
+    unless it is a site directory the child searches anyway (a checkout, a test tree)."""
+    root = _source_layout.package_root()
+    env = {}
+    sites = {os.path.realpath(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
+                                           sysconfig.get_path("purelib"),
+                                           sysconfig.get_path("platlib"))}
+    if os.path.realpath(root) not in sites:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", module, *argv], env
 
 
 class Supervisor:
@@ -58,9 +79,9 @@ class Supervisor:
     # ---------------------------------------------------------------- start
 
     def _spawn(self, name: str, module: str, *extra: str, env: Optional[dict] = None) -> None:
-        cmd = [sys.executable, "-m", module, self.run_dir, *extra]
+        cmd, stage_env = stage_command(module, self.run_dir, *extra)
         self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
-                                            env={**os.environ, **(env or {})})
+                                            env={**os.environ, **stage_env, **(env or {})})
 
     def start(self, timeout: Optional[float] = None) -> None:
         """Start every stage and wait for each to report ready; on failure reap all and raise."""
