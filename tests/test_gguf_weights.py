@@ -227,8 +227,8 @@ def test_truncated_file(llama_file, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    info = load_model_info(EngineArgs())
+def embedded(default_model_path):
+    info = load_model_info(EngineArgs(model=default_model_path))
     start = time.perf_counter()
     ours = dict(load_gguf_weights(info.path, info))
     return info, ours, time.perf_counter() - start

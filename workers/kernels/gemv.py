@@ -131,6 +131,13 @@ def _config(n: int) -> tuple[int, int, int]:
     return WIDE_CONFIG if n >= WIDE else CONFIG
 
 
+def rotary_block_n(block_n: int, head_dim: int) -> int:
+    """The tile a rotary launch uses: narrowed until a program's rows stay in one head."""
+    while block_n > 2 and (head_dim // 2) % (block_n // 2):
+        block_n //= 2
+    return block_n
+
+
 def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"a gemv takes one row, got {what} of shape {tuple(x.shape)}")
@@ -157,8 +164,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         half = head_dim // 2
         if head_dim % 2 or n % head_dim or rot_rows % head_dim:
             raise ValueError(f"rotary over heads of {head_dim} does not tile {n} rows")
-        while block_n > 2 and half % (block_n // 2):  # a program's rows stay in one head
-            block_n //= 2
+        block_n = rotary_block_n(block_n, head_dim)
         cos, sin = cos.reshape(half), sin.reshape(half)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
