@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: --max-num-batched-tokens; 0: such steps run eagerly)")
     g.add_argument("--overlap-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="plan step N+1 while step N runs (auto: on for one CUDA rank)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: a request's logits do not depend on what else shares its "
+                        "steps (slower; docs/api.md)")
     g.add_argument("--admission-delay", type=float, default=0.05,
                    help="seconds a new request may wait, while CUDA-graph decodes run, for "
                         "others to share its prefill step (0: admit at once)")
@@ -84,6 +87,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         cuda_graph_max_tokens=ns.cuda_graph_max_tokens,
         admission_delay=ns.admission_delay,
         overlap_scheduling={"auto": None, "on": True, "off": False}[ns.overlap_scheduling],
+        batch_invariant=ns.batch_invariant,
         structured_output_timeout_s=ns.structured_output_timeout,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,

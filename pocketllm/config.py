@@ -49,6 +49,9 @@ class EngineArgs:
     admission_delay: float = 0.05
     # Plan step N+1 while step N runs. None: on for one CUDA rank (the only place it pays).
     overlap_scheduling: Optional[bool] = None
+    # CUDA: a request's logits do not depend on what else shares its steps (kernel choices
+    # fixed per row; slower). See docs/api.md "Batch-invariant mode".
+    batch_invariant: bool = False
     seed: int = 0
     # Constrained decoding: a grammar that takes longer to compile fails its request (400).
     structured_output_timeout_s: float = 10.0
@@ -97,6 +100,10 @@ class EngineArgs:
                 0 <= self.node_rank < self.nnodes):
             raise InvalidRequestError("nnodes must be >= 1 and node_rank in 0..nnodes-1",
                                       "node_rank")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise UnsupportedFeatureError(
+                "batch_invariant with tensor parallelism is not supported: an all-reduce's "
+                "summation order follows the message size", "batch_invariant")
         if self.nnodes > 1:
             if self.tensor_parallel_size % self.nnodes:
                 raise InvalidRequestError(

@@ -202,6 +202,7 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     load_seconds: float = 0.0
     attention_backend: str = "TorchAttention"  # or "TritonAttention" (CUDA)
     cuda_graph_batch_sizes: list[int] = []  # decode batches replayed as CUDA graphs
+    batch_invariant: bool = False  # logits independent of the rest of the batch (CUDA)
     weight_bytes: int = 0  # rank 0's parameters: what one decode step must read, per rank
 
 

@@ -27,6 +27,29 @@ def llm_tiny(tiny_llama):
     llm.shutdown()
 
 
+def invariant_args() -> dict:
+    """What an engine needs so that a request's tokens do not depend on its batch: nothing
+    on the CPU (float32, the torch path), the batch-invariant mode on CUDA (where the
+    default kernels choose their reduction order by batch shape)."""
+    import torch
+
+    return {"batch_invariant": True} if torch.cuda.is_available() else {}
+
+
+@pytest.fixture(scope="session")
+def llm_invariant(tiny_llama, llm_tiny):
+    """``llm_tiny``, or on CUDA the same engine in batch-invariant mode."""
+    from pocketllm import LLM, EngineArgs
+
+    if not invariant_args():
+        yield llm_tiny
+        return
+    llm = LLM(EngineArgs(model=tiny_llama, max_num_batched_tokens=64, seed=0,
+                         **invariant_args()))
+    yield llm
+    llm.shutdown()
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     # A hard dependency, so CI always has it; a GPU machine that carries only the engine's

@@ -45,20 +45,24 @@ def test_engine_stats_count_the_steps_by_path(llm_tiny):
         assert all(ms > 0 for ms in after.step_device_ms_by_path.values())
 
 
-def test_greedy_is_deterministic_alone_and_batched(llm_tiny):
-    alone = llm_tiny.generate(LONG_PROMPT, GREEDY)[0].token_ids
-    batch = llm_tiny.generate(["other prompt"] * 3 + [LONG_PROMPT], GREEDY)
+# Batch independence holds on the CPU path and, on CUDA, in batch-invariant mode
+# (conftest.invariant_args; tests/test_batch_invariant.py tests the mode itself).
+
+
+def test_greedy_is_deterministic_alone_and_batched(llm_invariant):
+    alone = llm_invariant.generate(LONG_PROMPT, GREEDY)[0].token_ids
+    batch = llm_invariant.generate(["other prompt"] * 3 + [LONG_PROMPT], GREEDY)
     assert batch[3].token_ids == alone
 
 
-def test_seeded_sampling_independent_of_batch(llm_tiny):
+def test_seeded_sampling_independent_of_batch(llm_invariant):
     sp = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = llm_tiny.generate("seeded", sp)[0].token_ids
+    alone = llm_invariant.generate("seeded", sp)[0].token_ids
     noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
-    batch = llm_tiny.generate(["x", "seeded", "y"], [noise, sp, noise])
+    batch = llm_invariant.generate(["x", "seeded", "y"], [noise, sp, noise])
     assert batch[1].token_ids == alone
-    other = llm_tiny.generate("seeded", SamplingParams(max_tokens=20, temperature=1.0, seed=99,
-                                                       ignore_eos=True))[0].token_ids
+    other = llm_invariant.generate("seeded", SamplingParams(max_tokens=20, temperature=1.0,
+                                                            seed=99, ignore_eos=True))[0].token_ids
     assert other != alone
 
 
@@ -179,31 +183,35 @@ def test_stop_strings_stream_and_not(llm_tiny):
     assert streamed == whole.text
 
 
-def test_chunked_prefill_matches_one_shot(tiny_llama, llm_tiny):
+def test_chunked_prefill_matches_one_shot(tiny_llama, llm_invariant):
+    from conftest import invariant_args
+
     prompt = LONG_PROMPT * 2
-    chunked = llm_tiny.generate(prompt, GREEDY)[0]  # budget 64 tokens per step
+    chunked = llm_invariant.generate(prompt, GREEDY)[0]  # budget 64 tokens per step
     with LLM(EngineArgs(model=tiny_llama, max_num_batched_tokens=2048,
-                        enable_prefix_caching=False)) as one_shot:
+                        enable_prefix_caching=False, **invariant_args())) as one_shot:
         assert chunked.usage.prompt_tokens > 64
         assert one_shot.generate(prompt, GREEDY)[0].token_ids == chunked.token_ids
 
 
-def test_prefix_cache_hit_is_counted_and_identical(llm_tiny):
+def test_prefix_cache_hit_is_counted_and_identical(llm_invariant):
     shared = "a shared system preamble that is long enough to fill blocks " * 4
-    first = llm_tiny.generate(shared + "question one", GREEDY)[0]
-    second = llm_tiny.generate(shared + "question two", GREEDY)[0]
-    again = llm_tiny.generate(shared + "question one", GREEDY)[0]
+    first = llm_invariant.generate(shared + "question one", GREEDY)[0]
+    second = llm_invariant.generate(shared + "question two", GREEDY)[0]
+    again = llm_invariant.generate(shared + "question one", GREEDY)[0]
     assert second.usage.cached_tokens >= 16
     assert again.usage.cached_tokens >= 16
     assert again.token_ids == first.token_ids
 
 
-def test_preemption_under_tiny_kv_budget(tiny_llama, llm_tiny):
+def test_preemption_under_tiny_kv_budget(tiny_llama, llm_invariant):
+    from conftest import invariant_args
+
     prompts = [f"request number {i} " * 6 for i in range(8)]
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    alone = [llm_tiny.generate(p, sp)[0].text for p in prompts]
+    alone = [llm_invariant.generate(p, sp)[0].text for p in prompts]
     with LLM(EngineArgs(model=tiny_llama, num_kv_blocks=24, max_num_seqs=8,
-                        enable_prefix_caching=False)) as small:
+                        enable_prefix_caching=False, **invariant_args())) as small:
         together = small.generate(prompts, sp)
     assert [o.text for o in together] == alone
 

@@ -24,8 +24,9 @@ from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResul
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
                      kv_bytes_per_block, num_kv_blocks, to_device)
+from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
-from .layers.attention import ScheduledSeq, TorchAttention, build_metadata
+from .layers.attention import ScheduledSeq, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
                              uses_output_counts)
 from .loader import load_model_weights
@@ -63,18 +64,6 @@ class StepError(RuntimeError):
     """A plan this runner cannot execute (unknown request, out-of-range blocks...)."""
 
 
-def choose_attention_backend(device: torch.device):
-    """Triton kernels on CUDA when Triton is there (POCKETLLM_TRITON=0 turns them off);
-    the torch reference everywhere else."""
-    from .kernels import kernels_usable
-
-    if kernels_usable(device):
-        from .kernels.attention_backend import TritonAttention
-
-        return TritonAttention()
-    return TorchAttention()
-
-
 class ModelRunner:
     def __init__(self, info: ModelInfo, args: EngineArgs, rank: int = 0, world_size: int = 1,
                  show_progress: bool = False):
@@ -91,8 +80,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             configure_cpu_threads()
             share_cpu_threads(ranks_on_this_host(args))
-        self.backend = choose_attention_backend(self.device)
-        with torch.inference_mode():
+        if args.batch_invariant:
+            kernel_policy.check_batch_invariant(self.device, world_size)
+        with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
+            self.policy = kernel_policy.policy_for(self.device)
+            self.backend = self.policy.attention_backend()
             self.model = build_model(info, self.backend, self.device, self.dtype, self.tp)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
@@ -116,7 +108,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self._warm_up_attention()
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(args.seed, batch_invariant=self.policy.batch_invariant)
         self.requests: dict[str, _RequestState] = {}
         # The last launched step's sampled tokens, still on the device: a PENDING input of
         # the next plan is read from here (overlapped scheduling).
@@ -208,6 +200,7 @@ class ModelRunner:
             max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
             attention_backend=type(self.backend).__name__,
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],
+            batch_invariant=self.policy.batch_invariant,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -228,7 +221,7 @@ class ModelRunner:
             logger.exception("step %s failed", plan.step_id)
             return LaunchedStep(plan.step_id, error=f"{type(e).__name__}: {e}")
         step.launch_s = time.perf_counter() - started
-        if start is not None:
+        if start is not None and step.path:  # an empty plan (overlap's filler) ran nothing
             step.span = (start, self._event())
         return step
 

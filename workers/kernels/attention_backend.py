@@ -10,6 +10,10 @@ the metadata that ``build_metadata(..., kernel_tables=True)`` builds (see
 One exception, measured: a lone long prompt computed from position 0 (no cached
 prefix, no window cutting it, no soft-cap) goes to PyTorch's SDPA on the step's
 own k/v rows, whose flash kernel beats the Triton one there (docs/benchmarks.md).
+
+Batch-invariant mode (``kernel_policy.py``): every row, decode or prefill, runs the
+prefill kernel with one fixed tile (``INVARIANT_TILES``), after one kv_write: the
+decode kernel's split count and SDPA both depend on the step's other sequences.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from ..layers.attention import AttentionMetadata
 from .kv_write import write_kv
 from .paged_decode_attention import paged_decode_attention
-from .prefill_attention import prefill_attention
+from .prefill_attention import INVARIANT_TILES, prefill_attention
 
 
 class TritonAttention:
@@ -31,6 +35,9 @@ class TritonAttention:
     # From this many rows a lone fresh prefill runs on SDPA, by head_dim up to 128 / 256
     # (tuned on an H200).
     sdpa_fresh_min_tokens = {128: 512, 256: 512}
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -45,6 +52,15 @@ class TritonAttention:
                 raise ValueError("TritonAttention needs build_metadata(..., kernel_tables=True)")
             return out
         p = meta.prefill
+        if self.batch_invariant:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            for seqs in (meta.decode, p):
+                if seqs is not None:
+                    prefill_attention(q, k_cache, v_cache, seqs.block_tables, seqs.seq_lens,
+                                      seqs.q_start, seqs.q_lens, seqs.max_q_len,
+                                      meta.block_size, scale, window, softcap, out,
+                                      tiles=INVARIANT_TILES)
+            return out
         if p is not None or meta.decode is None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode is not None:
@@ -84,6 +100,12 @@ class TritonAttention:
         def ints(*values: int) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
+        if self.batch_invariant:  # one tile for every row
+            for window, softcap in layer_kinds:
+                prefill_attention(rows(16, num_heads), k_cache, v_cache, tables(1, 16), ints(16),
+                                  ints(0), ints(16), 16, block_size, scale, window, softcap,
+                                  tiles=INVARIANT_TILES)
+            return
         for window, softcap in layer_kinds:
             for length in (16, 32, 64, 128):  # each query tile height
                 prefill_attention(rows(length, num_heads), k_cache, v_cache, tables(1, length),

@@ -52,7 +52,10 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens,
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         first_q = ctx + m0
         last_q = tl.minimum(ctx + m0 + BLOCK_M, seq_len) - 1
-        kv_lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0), 0)
+        # Key tiles start at multiples of BLOCK_N, whatever the chunk: a row then sums its
+        # keys in the same tiles wherever its query tile starts (tiles before its window
+        # are masked for it, and add exactly nothing).
+        kv_lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0), 0) // BLOCK_N * BLOCK_N
         kv_hi = last_q + 1
         # Keys every row of the block may see: no mask needed there.
         safe_lo = tl.where(window > 0, tl.maximum(last_q - window + 1, 0), 0)
@@ -97,6 +100,8 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens,
 # H200 (``bench --tune``); SMALL_TILES where the device lacks the shared memory.
 TILES = {128: (64, 32, 4, 2), 256: (128, 64, 8, 3)}
 SMALL_TILES = (64, 32, 4, 2)
+# Batch-invariant mode: one tile for every row, decode or prefill (kernel_policy.py).
+INVARIANT_TILES = (16, 64, 4, 2)
 _too_big: set[int] = set()  # head-dim classes whose TILES did not fit on this device
 
 

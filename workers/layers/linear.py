@@ -10,7 +10,8 @@
   so every rank holds the same number of rows); the head's logits are gathered
   on rank 0, which samples.
 
-On the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
+Which kernel computes a product is the kernel policy's call (``kernel_policy.py``):
+on the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
 (``kernels/gemv.py``) that also takes in the op before it: the RMSNorm (and
 residual add) before q/k/v and gate/up (``ColumnParallelLinear.normed``), the
 gated activation before the down projection (``RowParallelLinear(hidden_act=)``).
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import SINGLE, TPGroup
-from ..kernels import fused_kernel
+from ..kernel_policy import policy_for
 from .norm import RMSNorm
 
 
@@ -95,8 +96,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((sum(self.out_sizes), in_features), device, dtype)
         self.bias: Optional[nn.Parameter] = (
             _param((sum(self.out_sizes),), device, dtype) if bias else None)
-        self.gemv = fused_kernel(device, "gemv", "gemv")
-        self.norm_gemv = fused_kernel(device, "gemv", "norm_gemv")
+        self.policy = policy_for(device)
+        self.gemv = self.policy.kernel("gemv", "gemv")
+        self.norm_gemv = self.policy.kernel("gemv", "norm_gemv")
 
     def out_rows(self, index: int) -> slice:
         """The rows of ``weight`` that the index-th stacked matrix fills."""
@@ -109,13 +111,13 @@ class ColumnParallelLinear(nn.Module):
         return None if part.whole else part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1:
+        if self.policy.one_row(x):
             return self.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.policy.linear(x, self.weight, self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path."""
-        return self.norm_gemv is not None and x.shape[0] == 1
+        return self.policy.one_row(x)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,8 +143,9 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, in_shard.size), device, dtype)
         # The bias is added once, after the sum, so every rank holds all of it.
         self.bias: Optional[nn.Parameter] = _param((out_features,), device, dtype) if bias else None
-        self.gemv = fused_kernel(device, "gemv", "gemv")
-        self.gated_gemv = fused_kernel(device, "gemv", "gated_gemv")
+        self.policy = policy_for(device)
+        self.gemv = self.policy.kernel("gemv", "gemv")
+        self.gated_gemv = self.policy.kernel("gemv", "gated_gemv")
 
     def weight_shard(self) -> Optional[Shard]:
         return None if self.in_shard.whole else self.in_shard
@@ -159,9 +162,9 @@ class RowParallelLinear(nn.Module):
                  ) -> torch.Tensor:
         if hidden_act:
             return self.gated_gemv(x, self.weight, bias, hidden_act)
-        if self.gemv is not None and x.shape[0] == 1:
+        if self.policy.one_row(x):
             return self.gemv(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        return self.policy.linear(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -208,14 +211,15 @@ class LMHead(nn.Module):
             rows, self.shard = vocab_shard(vocab_size, tp)
             self.weight = _param((rows, hidden_size), device, dtype)
             _zero_padding(self.weight, self.shard.size)
-        self.gemv = fused_kernel(device, "gemv", "gemv")
+        self.policy = policy_for(device)
+        self.gemv = self.policy.kernel("gemv", "gemv")
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        if self.gemv is not None and hidden.shape[0] == 1:
+        if self.policy.one_row(hidden):
             logits = self.gemv(hidden, weight, out_dtype=torch.float32)
         else:
-            logits = F.linear(hidden, weight).float()
+            logits = self.policy.linear(hidden, weight, out_dtype=torch.float32)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.tp.world == 1:

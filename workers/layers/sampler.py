@@ -219,9 +219,10 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, batch_invariant: bool = False):
         # Unseeded requests share one stream, itself seeded for reproducible runs.
         self.generator = torch.Generator().manual_seed(seed)
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, specs: Sequence[SamplingSpec],
                  positions: Sequence[int],
@@ -251,10 +252,12 @@ class Sampler:
         if random_rows:
             uniforms = self._uniforms([specs[i] for i in random_rows],
                                       [positions[i] for i in random_rows])
-            rows = to_device(random_rows, logits.device)
-            drawn = _draw(logits[rows], [specs[i] for i in random_rows],
-                          to_device(uniforms, logits.device))
-            tokens[rows] = drawn
+            for group, at in _draw_groups(random_rows, specs, logits.shape[-1],
+                                          self.batch_invariant):
+                rows = to_device(group, logits.device)
+                tokens[rows] = _draw(logits[rows], [specs[i] for i in group],
+                                     to_device(uniforms[at], logits.device),
+                                     probe=not self.batch_invariant)
         return tokens, raw_rows
 
     @staticmethod
@@ -295,7 +298,28 @@ def _nucleus_lse(x: torch.Tensor, top_ps: list[float], probe: int) -> Optional[t
     return lse if bool((covered >= torch.tensor(top_ps, device=x.device)).all()) else None
 
 
-def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_groups(rows: list[int], specs: Sequence[SamplingSpec], vocab: int,
+                 batch_invariant: bool) -> list[tuple[list[int], torch.Tensor]]:
+    """(rows, their places among ``rows``) drawn together. By default all of them: the
+    top-k cut is the widest row's and the nucleus probe decides for all rows at once, so
+    a row's rounding depends on the others. Batch-invariant: one group per top-k width
+    and no probe; a lone row is paired with itself, since a one-row scan takes another
+    kernel than a batch's (torch's cumsum)."""
+    if not batch_invariant:
+        return [(rows, torch.arange(len(rows)))]
+    by_width: dict[int, list[int]] = {}
+    for place, i in enumerate(rows):
+        k = specs[i].top_k
+        by_width.setdefault(k if 0 < k < vocab else vocab, []).append(place)
+    groups = []
+    for places in by_width.values():
+        places = places * 2 if len(places) == 1 else places
+        groups.append(([rows[p] for p in places], torch.tensor(places)))
+    return groups
+
+
+def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.Tensor,
+          probe: bool = True) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
     temps = to_device([s.temperature for s in specs], device)
     x = logits / temps[:, None]
@@ -306,7 +330,7 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec], uniforms: torch.T
     if need_sorted:
         # topk is far cheaper than a full sort when every row caps k.
         width = max(top_ks)
-        lse = _nucleus_lse(x, top_ps, NUCLEUS_PROBE) if width == vocab else None
+        lse = _nucleus_lse(x, top_ps, NUCLEUS_PROBE) if probe and width == vocab else None
         if lse is not None:
             width = NUCLEUS_PROBE  # the top-p cut lies inside it: a full sort is not needed
         x, index = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)

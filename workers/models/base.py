@@ -154,7 +154,7 @@ class GatedMLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.act_kernel is not None:
-            if gate_up.shape[0] == 1:  # one launch: the activation inside the product
+            if self.down_proj.policy.one_row(gate_up):  # one launch: activation inside the product
                 return self.down_proj(gate_up, hidden_act=self.hidden_act)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
         return self.down_proj(act_and_mul(self.act, gate_up))

@@ -1,0 +1,108 @@
+"""Which kernel runs: the one place that decides from the device, the mode and the rows.
+
+Default mode, tuned for speed:
+- a one-row product (batch-1 decode) is a fused Triton gemv on CUDA (with the norm
+  before it, the activation before the down projection, the rotary after q/k/v);
+  rows of two or more take cuBLAS (``F.linear``), as does the CPU;
+- attention is ``TritonAttention`` on CUDA: decode splits chosen from the batch,
+  SDPA for a lone long fresh prompt; the torch reference on CPU;
+- the sampler cuts top-k/top-p at the widest row's width, probing the nucleus.
+Each of these choices depends on what else shares a step, so on CUDA the rounding
+of a request's logits does too.
+
+Batch-invariant mode (``EngineArgs.batch_invariant``, CUDA with Triton only): every
+choice is fixed per row. All products, one row or many, run the matmul of
+``kernels/bi_matmul.py``, whose launch shape depends on the weight alone; every
+attention row, decode or prefill, runs the prefill kernel with one fixed tile,
+whose key tiles start at absolute positions, so a row computes the same whether
+its keys came from its own chunk or the cache (chunking, prefix hits, preemption);
+the sampler draws each group of rows of one top-k width on its own (see
+``layers/sampler.py``). RMSNorm, rotary, the activations and the KV writes are per
+row already. Tensor parallelism is refused in this mode: an all-reduce's order
+follows the message size.
+
+Layers take their policy when they are built (``policy_for``), so a process may
+build a batch-invariant model beside a default one (the tests do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .kernels import kernels_usable
+
+_building_batch_invariant = False
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
+    batch_invariant: bool = False
+
+    def kernel(self, module: str, name: str):
+        """A Triton function the layer runs in place of its torch ops, None on the torch path."""
+        if not self.triton:
+            return None
+        return getattr(importlib.import_module(f"{kernels.__name__}.{module}"), name)
+
+    def one_row(self, x: torch.Tensor) -> bool:
+        """Whether a product of x runs as the one-row gemv (with whatever it fuses)."""
+        return self.triton and not self.batch_invariant and x.shape[0] == 1
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A product of two or more rows (any rows in batch-invariant mode)."""
+        if self.batch_invariant:
+            from .kernels.bi_matmul import linear
+
+            return linear(x, weight, bias, out_dtype)
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+    def attention_backend(self):
+        from .layers.attention import TorchAttention
+
+        if not self.triton:
+            return TorchAttention()
+        from .kernels.attention_backend import TritonAttention
+
+        return TritonAttention(batch_invariant=self.batch_invariant)
+
+
+def policy_for(device: torch.device) -> KernelPolicy:
+    """The policy of layers built now on ``device`` (see ``building``)."""
+    return KernelPolicy(triton=kernels_usable(device), batch_invariant=_building_batch_invariant)
+
+
+@contextlib.contextmanager
+def building(batch_invariant: bool) -> Iterator[None]:
+    """Layers built inside take this mode (the runner wraps its model's construction)."""
+    global _building_batch_invariant
+    before, _building_batch_invariant = _building_batch_invariant, batch_invariant
+    try:
+        yield
+    finally:
+        _building_batch_invariant = before
+
+
+def check_batch_invariant(device: torch.device, world_size: int) -> None:
+    """Refuse, before any weight is read, a batch-invariant engine this code cannot keep."""
+    from pocketllm.errors import UnsupportedFeatureError
+
+    if not kernels_usable(device):
+        raise UnsupportedFeatureError(
+            f"batch_invariant needs the CUDA path with Triton; this worker runs on {device} "
+            "(the torch path's library products choose their kernels by shape)",
+            "batch_invariant")
+    if world_size > 1:
+        raise UnsupportedFeatureError(
+            "batch_invariant with tensor parallelism is not supported: an all-reduce's "
+            "summation order follows the message size, so rows would round differently",
+            "batch_invariant")
