@@ -29,12 +29,12 @@ def test_matmul_rows_do_not_depend_on_the_batch(dtype):
     n, k = (200, 256) if CUDA else (40, 48)  # k not a multiple of the K chunk on CPU
     weight = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    rows = torch.randn(130, k, generator=gen).to(dtype).to(DEVICE)
-    full = K.bi_matmul.linear(rows, weight, bias)
+    rows = torch.randn(300, k, generator=gen).to(dtype).to(DEVICE)
+    full = K.bi_matmul.linear(rows, weight, bias)  # the largest tier's tile
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(full.float(), torch.nn.functional.linear(rows, weight, bias).float(),
                                **tol)
-    for m in (1, 2, 63, 65):  # a row alone, and in tiles of every fill
+    for m in (1, 2, 31, 33, 63, 65, 130, 257):  # alone, and in every tier's tile, every fill
         assert torch.equal(K.bi_matmul.linear(rows[:m], weight, bias), full[:m])
     assert torch.equal(K.bi_matmul.linear(rows[77:78], weight, bias), full[77:78])
     logits = K.bi_matmul.linear(rows[:3], weight, out_dtype=torch.float32)
