@@ -115,6 +115,17 @@ def launched_rank(ns: argparse.Namespace) -> None:
     ns.tensor_parallel_master_port = int(env["MASTER_PORT"])
 
 
+def port_number(text: str) -> int:
+    """A TCP port, refused at parse time (a port past 65535 would wrap around silently)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return port
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from .server.serve import ServeOptions, serve
 
@@ -213,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (or POCKETLLM_API_KEY)")

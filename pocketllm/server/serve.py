@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +37,25 @@ def default_model_name(args: EngineArgs) -> str:
     return os.path.basename(os.path.normpath(args.model))
 
 
+def bind_failure(e: OSError) -> str:
+    """Why the listening socket could not be opened, said the way a user can act on."""
+    if e.errno == errno.EADDRINUSE:
+        return "the port is already in use (another server?); pick another with --port"
+    if e.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges); pick another with --port"
+    if e.errno == errno.EADDRNOTAVAIL or isinstance(e, socket.gaierror):
+        return "no such address on this machine; check --host"
+    return e.strerror or str(e)
+
+
+def bound_address(runner: web.AppRunner, opts: ServeOptions) -> tuple[str, int]:
+    """The host and port actually bound (``--port 0`` takes a free one)."""
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return opts.host, addr[1]
+    return opts.host, opts.port
+
+
 def serve(args: EngineArgs, opts: ServeOptions) -> int:
     if args.node_rank > 0:  # another host's ranks: no HTTP, no control plane
         from ..supervisor import run_worker_node
@@ -56,10 +77,15 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     runner = web.AppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
                            access_log=None, shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, opts.host, opts.port)
-    await site.start()
-    log.info("listening on http://%s:%d (loading the model; /ready says 503 until done)",
-             opts.host, opts.port)
+    try:  # bound before loading, so /ready can say 503; "listening" is logged once ready
+        await web.TCPSite(runner, opts.host, opts.port).start()
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", opts.host, opts.port, bind_failure(e))
+        await runner.cleanup()
+        return 1
+    url = "http://%s:%d" % bound_address(runner, opts)
+    log.info("loading %s (%s/ready says 503 until it is ready)",
+             args.model or "the embedded Gemma 3 270M", url)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,8 +110,8 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
         log.error("the engine failed to start: %s", e)
         await runner.cleanup()
         return 1
-    log.info("ready: %s on %s in %.1f s", state.model_name, state.client.capabilities.device,
-             state.client.startup_seconds)
+    log.info("ready, listening on %s: %s on %s, loaded in %.1f s", url, state.model_name,
+             state.client.capabilities.device, state.client.startup_seconds)
     while not stop.is_set():  # a dead engine takes the server down, so a supervisor restarts it
         if not state.client.supervisor.alive():
             log.error("the engine died; shutting down")
