@@ -135,10 +135,10 @@ async def _read_body(request: web.Request, limits: RequestLimits) -> dict:
                                            f"{charset[:40]!r}")
     try:
         raw = await request.read()
-    except HttpProcessingError as e:  # a body that does not decode (bad gzip, bad chunks)
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # bad gzip, bad chunks
+        why = (getattr(e, "message", None) or str(e) or type(e).__name__).strip()
         raise InvalidRequestError(f"the request body could not be read: "
-                                  f"{(e.message or type(e).__name__).splitlines()[0][:120]}"
-                                  ) from None
+                                  f"{why.splitlines()[-1].strip()[:120]}") from None
     return L.parse_body(raw, limits)  # UTF-8, strict JSON, depth, no lone surrogates
 
 
