@@ -72,7 +72,7 @@ def _check_known(body: dict, allowed: set) -> None:
             shown = key if len(key) <= 60 else key[:57] + "..."
             raise InvalidRequestError(
                 f'unknown field "{shown}": this server acts on every field it accepts, and does '
-                f"not know this one. Remove it from the request.", key)
+                f"not know this one. Remove it from the request.", shown)
 
 
 def _typed(body: dict, key: str, check: Callable[[Any], bool], what: str) -> Any:
