@@ -218,6 +218,20 @@ def test_the_library_enforces_the_same_limits():
     refused(chat_request, MSG, SamplingParams(stop_token_ids=[100]), limits=MODEL,
             param="stop_token_ids")
     assert chat_request(MSG, sp, limits=MODEL).messages[0]["content"] == "hi"
+    refused(SamplingParams, seed=10 ** 5000, param="seed")  # str() of it would raise
+
+
+def test_the_configurable_limits_come_from_engine_args_and_flags():
+    from pocketllm.cli import build_parser, engine_args_from
+    from pocketllm.config import EngineArgs
+
+    ns = build_parser().parse_args(["serve", "--max-stop-strings", "5", "--max-stop-bytes", "9",
+                                    "--max-prompt-chars", "7", "--max-json-depth", "3"])
+    limits = RequestLimits.from_args(engine_args_from(ns))
+    assert (limits.max_stop_strings, limits.max_stop_bytes, limits.max_prompt_chars,
+            limits.max_json_depth) == (5, 9, 7, 3)
+    assert RequestLimits.from_args(EngineArgs()) == DEFAULT_LIMITS
+    refused(EngineArgs, max_json_depth=0, param="max_json_depth")
 
 
 # ---------------------------------------------------------------- HTTP errors (no engine)

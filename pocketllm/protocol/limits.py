@@ -88,8 +88,9 @@ def validate_settings(values: dict) -> None:
 
 
 def shown(value: Any) -> str:
+    """A value for an error message: short, and never a 4300-digit integer (str() refuses)."""
     text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else \
-        f"an integer of {len(str(abs(value)))} digits"
+        f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
