@@ -69,6 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment")
     g.add_argument("--backend-options", type=json.loads, default=None,
                    help="JSON object of backend-specific options")
+    lim = p.add_argument_group("request limits (docs/api.md \"Limits\")")
+    lim.add_argument("--max-stop-strings", type=int, default=EngineArgs.max_stop_strings)
+    lim.add_argument("--max-stop-bytes", type=int, default=EngineArgs.max_stop_bytes,
+                     help="all of a request's stop strings together, UTF-8")
+    lim.add_argument("--max-prompt-chars", type=int, default=EngineArgs.max_prompt_chars,
+                     help="a request's prompt text (all prompts, all message contents)")
+    lim.add_argument("--max-json-depth", type=int, default=EngineArgs.max_json_depth,
+                     help="nesting of a request body")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -94,7 +102,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
         rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
         node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
-        backend_options=ns.backend_options or {})
+        backend_options=ns.backend_options or {}, max_stop_strings=ns.max_stop_strings,
+        max_stop_bytes=ns.max_stop_bytes, max_prompt_chars=ns.max_prompt_chars,
+        max_json_depth=ns.max_json_depth)
 
 
 def launched_rank(ns: argparse.Namespace) -> None:

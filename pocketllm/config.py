@@ -64,6 +64,11 @@ class EngineArgs:
     node_rank: int = 0  # this host's index; host 0 runs the scheduler and the HTTP server
     tensor_parallel_secret_file: Optional[str] = None  # shared secret for ranks on other hosts
     backend_options: dict[str, Any] = field(default_factory=dict)
+    # What one request may hold (pocketllm/protocol/limits.py; docs/api.md "Limits").
+    max_stop_strings: int = 32
+    max_stop_bytes: int = 4096
+    max_prompt_chars: int = 1_000_000
+    max_json_depth: int = 64
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,6 +125,9 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
                                       "gpu_memory_utilization")
+        from .protocol.limits import validate_settings
+
+        validate_settings(self.__dict__)
         unknown = sorted(set(self.backend_options) - BACKEND_OPTIONS)
         if unknown:
             raise InvalidRequestError(

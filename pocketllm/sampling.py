@@ -7,6 +7,8 @@ from typing import Optional, Union
 
 from .errors import InvalidRequestError
 from .proto.messages import SamplingSpec
+from .protocol import limits as L
+from .protocol.limits import DEFAULT_LIMITS, RequestLimits
 from .protocol.response_format import parse_response_format
 
 MAX_LOGPROBS = 20
@@ -38,31 +40,45 @@ class SamplingParams:
     response_format: Optional[dict] = None
 
     def __post_init__(self) -> None:
-        self.validate()
+        self.validate(L.FIXED_LIMITS)  # the engine it is sent to checks its own settings
 
-    def validate(self) -> None:
+    def validate(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        """Ranges, and the edge's limits (protocol/limits.py): the engine's and, once the
+        model is known (the LLM's and the server's limits carry it), its vocabulary and
+        context."""
         def bad(param: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{param} = {getattr(self, param)!r} is invalid: {why}",
-                                       param)
+            return InvalidRequestError(f"{param} = {L.shown(getattr(self, param))} is invalid: "
+                                       f"{why}", param)
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "it must be an integer >= 1")
+        if self.max_tokens is not None:
+            L.check_max_tokens("max_tokens", self.max_tokens, limits)
         if not _is_num(self.temperature) or self.temperature < 0:
             raise bad("temperature", "it must be a number >= 0")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "it must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "it must be an integer >= 0 (0 or -1 turn it off)")
+        L.check_int("top_k", self.top_k)
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "it must be in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "it must be an integer")
+        if self.seed is not None:
+            L.check_int("seed", self.seed)
         if self.stop is not None and not isinstance(self.stop, str) and not (
                 isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
             raise bad("stop", "it must be a string or a list of strings")
+        L.check_stop(self.stop, limits)
         if not isinstance(self.stop_token_ids, list) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                _is_int(t) and t >= 0 for t in self.stop_token_ids[:L.MAX_STOP_TOKEN_IDS + 1]):
             raise bad("stop_token_ids", "it must be a list of token ids")
+        if len(self.stop_token_ids) > L.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} entries; "
+                                      f"at most {L.MAX_STOP_TOKEN_IDS} are allowed",
+                                      "stop_token_ids")
+        L.check_token_ids("stop_token_ids", self.stop_token_ids, limits)
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"it must be an integer in 0..{MAX_LOGPROBS}")
@@ -73,10 +89,10 @@ class SamplingParams:
         if (not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0
                 or self.repetition_penalty == float("inf")):
             raise bad("repetition_penalty", "it must be a number > 0 (1 turns it off)")
-        self._validate_logit_bias()
+        self._validate_logit_bias(limits)
         parse_response_format(self.response_format)
 
-    def _validate_logit_bias(self) -> None:
+    def _validate_logit_bias(self, limits: RequestLimits) -> None:
         bias = self.logit_bias
         if bias is None:
             return
@@ -89,11 +105,12 @@ class SamplingParams:
                                       f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
         for token, value in bias.items():
             if not _is_int(token) or token < 0:
-                raise InvalidRequestError(f"logit_bias key {token!r} is not a token id (an "
-                                          "integer >= 0)", "logit_bias")
+                raise InvalidRequestError(f"logit_bias key {L.shown(token)} is not a token id "
+                                          "(an integer >= 0)", "logit_bias")
+            L.check_token_ids("logit_bias", (token,), limits, "logit_bias key")
             if not _is_num(value) or not -100 <= value <= 100:
-                raise InvalidRequestError(f"logit_bias[{token}] = {value!r} is invalid: it must "
-                                          "be a number in [-100, 100]", "logit_bias")
+                raise InvalidRequestError(f"logit_bias[{token}] = {L.shown(value)} is invalid: it "
+                                          "must be a number in [-100, 100]", "logit_bias")
 
     def to_spec(self, max_tokens: Optional[int] = None) -> SamplingSpec:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

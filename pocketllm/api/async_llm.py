@@ -56,26 +56,29 @@ class AsyncLLM:
                        ) -> list[GenerationOutput]:
         items = split_prompts(prompts)
         params = sampling_list(sampling_params, len(items))
-        reqs = [prompt_request(p, sp) for p, sp in zip(items, params)]
+        reqs = [prompt_request(p, sp, limits=self.client.limits)
+                for p, sp in zip(items, params)]
         return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
 
     async def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
                    *, request_id: Optional[str] = None, **chat_options: Any
                    ) -> list[GenerationOutput]:
         req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, **chat_options)
+                           request_id=request_id, limits=self.client.limits,
+                           **chat_options)
         return [await self._collect(req)]
 
     def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                         *, request_id: Optional[str] = None) -> AsyncIterator[TokenEvent]:
         return self._stream(prompt_request(prompt, sampling_params or SamplingParams(),
-                                           request_id))
+                                           request_id, self.client.limits))
 
     def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[str] = None, **chat_options: Any
                     ) -> AsyncIterator[TokenEvent]:
         return self._stream(chat_request(messages, sampling_params or SamplingParams(),
-                                         request_id=request_id, **chat_options))
+                                         request_id=request_id, limits=self.client.limits,
+                                         **chat_options))
 
     def cancel(self, request_id: str) -> bool:
         return bool(self.client.abort([request_id]))

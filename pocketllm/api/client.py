@@ -20,6 +20,7 @@ from ..model_info import ModelInfo, load_model_info
 from ..proto import codec, endpoints
 from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutput,
                               SchedulerStats)
+from ..protocol.limits import RequestLimits
 from ..supervisor import Supervisor
 
 # A sink receives RequestOutput deltas, then stops after a finished one or an exception.
@@ -40,6 +41,9 @@ class EngineClient:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.info: ModelInfo = load_model_info(args)  # a bad checkpoint fails here, fast
+        # What a request may hold (protocol/limits.py): the engine's settings, the model's bounds.
+        self.limits = RequestLimits.from_args(args).for_model(self.info.vocab_size,
+                                                              self.info.max_model_len)
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # guards _sinks and the outbound sockets
         self._dead: Optional[str] = None

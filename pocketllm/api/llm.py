@@ -59,25 +59,29 @@ class LLM:
                  ) -> list[GenerationOutput]:
         items = split_prompts(prompts)
         params = sampling_list(sampling_params, len(items))
-        reqs = [prompt_request(p, sp) for p, sp in zip(items, params)]
+        reqs = [prompt_request(p, sp, limits=self._client.limits)
+                for p, sp in zip(items, params)]
         return self._run_all(reqs)
 
     def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
              *, request_id: Optional[str] = None, **chat_options: Any) -> list[GenerationOutput]:
         req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, **chat_options)
+                           request_id=request_id, limits=self._client.limits,
+                           **chat_options)
         return self._run_all([req])
 
     def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                         *, request_id: Optional[str] = None) -> Iterator[TokenEvent]:
-        req = prompt_request(prompt, sampling_params or SamplingParams(), request_id)
+        req = prompt_request(prompt, sampling_params or SamplingParams(), request_id,
+                             self._client.limits)
         return self._stream(req)
 
     def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[str] = None, **chat_options: Any
                     ) -> Iterator[TokenEvent]:
         req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, **chat_options)
+                           request_id=request_id, limits=self._client.limits,
+                           **chat_options)
         return self._stream(req)
 
     def cancel(self, request_id: str) -> bool:

@@ -8,7 +8,9 @@ from typing import Any, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
 from ..proto.messages import GenerateRequest
+from ..protocol import limits as L
 from ..protocol.chat import normalize_messages
+from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.tool_choice import tool_options
 from ..sampling import SamplingParams
 
@@ -44,13 +46,20 @@ def sampling_list(params: Union[None, SamplingParams, Sequence[SamplingParams]],
     return params
 
 
-def prompt_request(prompt: Prompt, params: SamplingParams,
-                   request_id: Optional[str] = None) -> GenerateRequest:
-    params.validate()
-    rid = request_id or new_request_id()
+def _request_id(request_id: Optional[str]) -> str:
+    return L.check_request_id(request_id) if request_id else new_request_id()
+
+
+def prompt_request(prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
+                   limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
+    """limits: the engine's (EngineClient.limits), which carry the model's bounds."""
+    params.validate(limits)
+    rid = _request_id(request_id)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        L.check_prompt_chars(len(prompt), limits, "prompt")
+        L.check_text("prompt", prompt)
         return GenerateRequest(rid, params.to_spec(), prompt=prompt)
     if isinstance(prompt, (list, tuple)):
         ids = list(prompt)
@@ -58,6 +67,7 @@ def prompt_request(prompt: Prompt, params: SamplingParams,
             raise InvalidRequestError("the prompt is empty", "prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("a token-id prompt must hold integers only", "prompt")
+        L.check_prompt_ids(ids, limits)
         return GenerateRequest(rid, params.to_spec(), prompt_token_ids=ids)
     raise InvalidRequestError(f"a prompt must be a string or a list of token ids, "
                               f"not {type(prompt).__name__}", "prompt")
@@ -68,8 +78,18 @@ def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[
                  parallel_tool_calls: Optional[bool] = None,
                  response_format: Any = None, reasoning_effort: Optional[str] = None,
                  thinking_mode: Optional[bool] = None, drop_thinking: Optional[bool] = None,
-                 chat_template_kwargs: Optional[dict] = None) -> GenerateRequest:
-    params.validate()
+                 chat_template_kwargs: Optional[dict] = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
+    """The same checks as the HTTP edge (protocol/limits.py) on what the caller passed."""
+    params.validate(limits)
+    rid = _request_id(request_id)
+    for param, value in (("messages", messages), ("tools", tools),
+                         ("chat_template_kwargs", chat_template_kwargs),
+                         ("response_format", response_format)):
+        L.check_structure(value, limits.max_json_depth, param, what=f'"{param}"')
+    L.check_messages(messages, limits)
+    L.check_template_kwargs(chat_template_kwargs)
+    L.check_tools(tools)
     if response_format is not None:  # protocol/response_format.py, as on HTTP
         if params.response_format is not None:
             raise InvalidRequestError("response_format is given twice (as chat()'s argument and "
@@ -87,5 +107,6 @@ def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[
     opts.update(tool_options(tools, tool_choice, parallel_tool_calls,  # protocol/tool_choice.py
                              response_format=response_format,
                              template_kwargs=chat_template_kwargs))
-    return GenerateRequest(request_id or new_request_id(), params.to_spec(),
-                           messages=normalize_messages(messages), chat_options=opts)
+    normalized = normalize_messages(messages)
+    L.check_message_chars(normalized, limits)
+    return GenerateRequest(rid, params.to_spec(), messages=normalized, chat_options=opts)

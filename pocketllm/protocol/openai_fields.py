@@ -12,8 +12,10 @@ from typing import Any, Callable, Optional
 
 from ..errors import InvalidRequestError
 from ..proto.messages import GenerateRequest
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from . import limits as L
 from .chat import normalize_messages
+from .limits import DEFAULT_LIMITS, RequestLimits
 from .tool_choice import tool_options
 
 MAX_N = 128
@@ -67,9 +69,10 @@ def _show(param: str, value: Any) -> str:
 def _check_known(body: dict, allowed: set) -> None:
     for key in body:
         if key not in allowed and key not in INERT:
+            shown = key if len(key) <= 60 else key[:57] + "..."
             raise InvalidRequestError(
-                f'unknown field "{key}": this server acts on every field it accepts, and does '
-                f"not know this one. Remove it from the request.", key)
+                f'unknown field "{shown}": this server acts on every field it accepts, and does '
+                f"not know this one. Remove it from the request.", shown)
 
 
 def _typed(body: dict, key: str, check: Callable[[Any], bool], what: str) -> Any:
@@ -87,12 +90,13 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _common(body: dict) -> tuple[SamplingParams, int, bool, bool]:
-    """Sampling fields both endpoints share; returns (params, n, stream, include_usage)."""
+def _common(body: dict, limits: RequestLimits) -> tuple[SamplingParams, int, bool, bool]:
+    """Sampling fields both endpoints share; returns (params, n, stream, include_usage).
+    The caller validates the params against its limits once the endpoint's fields are in."""
     n = _typed(body, "n", _is_int, "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
-        raise InvalidRequestError(f'"n" must be between 1 and {MAX_N}, not {n}', "n")
+        raise InvalidRequestError(f'"n" must be between 1 and {MAX_N}, not {L.shown(n)}', "n")
     stream = _typed(body, "stream", lambda v: isinstance(v, bool), "a boolean") or False
     opts = _typed(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     unknown = set(opts) - {"include_usage"}
@@ -140,10 +144,16 @@ def _logit_bias(body: dict) -> Optional[dict[int, float]]:
     if bias is None:
         return None
     out: dict[int, float] = {}
+    if len(bias) > MAX_LOGIT_BIAS:  # before parsing any key
+        raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most "
+                                  f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-            raise InvalidRequestError(f'invalid key in "logit_bias": {key!r}; keys are token '
-                                      "ids, written as non-negative integers", "logit_bias")
+            raise InvalidRequestError(f'invalid key in "logit_bias": {L.shown(key)}; keys are '
+                                      "token ids, written as non-negative integers", "logit_bias")
+        if len(key) > 19:  # INT64_MAX has 19 digits; int() of a long string is slow
+            raise InvalidRequestError(f'"logit_bias" key {L.shown(key)} is out of range (a '
+                                      "token id)", "logit_bias")
         if not _is_num(value):
             raise InvalidRequestError(f'"logit_bias" values must be numbers, not '
                                       f"{_show('logit_bias.' + key, value)}", "logit_bias")
@@ -151,13 +161,14 @@ def _logit_bias(body: dict) -> Optional[dict[int, float]]:
     return out
 
 
-def _max_tokens(body: dict, *keys: str) -> Optional[int]:
+def _max_tokens(body: dict, limits: RequestLimits, *keys: str) -> Optional[int]:
     value = None
     for key in keys:  # the later key wins (max_completion_tokens over max_tokens)
         v = _typed(body, key, _is_int, "an integer")
         if v is not None:
             if v < 1:
-                raise InvalidRequestError(f'"{key}" must be at least 1, not {v}', key)
+                raise InvalidRequestError(f'"{key}" must be at least 1, not {L.shown(v)}', key)
+            L.check_max_tokens(key, v, limits)
             value = v
     return value
 
@@ -176,9 +187,12 @@ def _choices(base: GenerateRequest, rid: str, n: int, seed: Optional[int],
     return out
 
 
-def parse_chat(body: dict, request_id: str) -> ParsedRequest:
+def parse_chat(body: dict, request_id: str,
+               limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """limits: the engine's, with the model's bounds once it is loaded (the body itself
+    was checked by limits.parse_body)."""
     _check_known(body, COMMON | CHAT_ONLY)
-    sp, n, stream, include_usage = _common(body)
+    sp, n, stream, include_usage = _common(body, limits)
     lp = body.get("logprobs")
     if lp is not None and not isinstance(lp, bool):
         raise refuse("logprobs", lp, "on chat, logprobs is a boolean; a count is the completions "
@@ -190,8 +204,10 @@ def parse_chat(body: dict, request_id: str) -> ParsedRequest:
         raise InvalidRequestError('"top_logprobs" needs "logprobs": true', "top_logprobs")
     if lp:
         sp.logprobs = top or 0
-    sp.max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
+    sp.max_tokens = _max_tokens(body, limits, "max_tokens", "max_completion_tokens")
+    L.check_messages(body.get("messages"), limits)
     messages = normalize_messages(body.get("messages"))
+    L.check_message_chars(messages, limits)
     opts: dict[str, Any] = {}
     agp = _typed(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean")
     opts["add_generation_prompt"] = True if agp is None else agp
@@ -204,19 +220,22 @@ def parse_chat(body: dict, request_id: str) -> ParsedRequest:
     if _typed(body, "drop_thinking", lambda v: isinstance(v, bool), "a boolean"):
         opts["drop_thinking"] = True  # read by the tokenizer stage (tokenizer/reasoning.py)
     kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    L.check_template_kwargs(kwargs)
+    L.check_tools(body.get("tools"))
     opts = {**(kwargs or {}), **opts}
     opts.update(tool_options(body.get("tools"), body.get("tool_choice"),  # tool_choice.py
                              body.get("parallel_tool_calls"),
                              response_format=body.get("response_format"), template_kwargs=kwargs))
-    sp.validate()
+    sp.validate(limits)
     base = GenerateRequest(request_id, sp.to_spec(), messages=messages, chat_options=opts)
     return ParsedRequest(request_id, _choices(base, request_id, n, sp.seed), stream,
                          include_usage, logprobs=bool(lp))
 
 
-def parse_completion(body: dict, request_id: str) -> ParsedRequest:
+def parse_completion(body: dict, request_id: str,
+                     limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
     _check_known(body, COMMON | COMPLETION_ONLY)
-    sp, n, stream, include_usage = _common(body)
+    sp, n, stream, include_usage = _common(body, limits)
     lp = body.get("logprobs")
     if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise refuse("logprobs", lp, f"on completions, logprobs is the number of alternatives, a "
@@ -243,11 +262,11 @@ def parse_completion(body: dict, request_id: str) -> ParsedRequest:
     sp.logprobs = lp
     if best_of > n and lp is None:
         sp.logprobs = 0  # candidates are ranked by their cumulative logprob
-    sp.max_tokens = _max_tokens(body, "max_tokens")
+    sp.max_tokens = _max_tokens(body, limits, "max_tokens")
     if "max_tokens" not in body:
         sp.max_tokens = 16  # OpenAI's completions default
-    sp.validate()
-    prompts = _prompts(body.get("prompt"))
+    sp.validate(limits)
+    prompts = _prompts(body.get("prompt"), limits)
     choices: list[GenerateRequest] = []
     for p, prompt in enumerate(prompts):
         base = GenerateRequest(request_id, sp.to_spec(),
@@ -264,7 +283,20 @@ def parse_completion(body: dict, request_id: str) -> ParsedRequest:
                          prompt_count=len(prompts), n=n, best_of=best_of)
 
 
-def _prompts(prompt: Any) -> list:
+def _prompts(prompt: Any, limits: RequestLimits) -> list:
+    prompts = _prompt_list(prompt)
+    if len(prompts) > MAX_N:
+        raise InvalidRequestError(f'"prompt" holds {len(prompts)} prompts; this server serves at '
+                                  f"most {MAX_N} choices per request", "prompt")
+    if isinstance(prompts[0], str):
+        L.check_prompt_chars(sum(map(len, prompts)), limits, "prompt")
+    else:
+        for ids in prompts:
+            L.check_prompt_ids(ids, limits)
+    return prompts
+
+
+def _prompt_list(prompt: Any) -> list:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError('"prompt" is empty', "prompt")

@@ -8,8 +8,9 @@ OpenAI's shapes, plus two PocketLLM extensions:
     {"type": "regex", "regex": "..."}                  (extension)
     {"type": "grammar", "grammar": "..."}              (extension: xgrammar EBNF / GBNF)
 
-Only the shape is checked here; whether the schema, pattern or grammar compiles is
-the tokenizer stage's check (it needs xgrammar). Every refusal names "response_format".
+Only the shape and the size limits (protocol/limits.py) are checked here; whether
+the schema, pattern or grammar compiles is the tokenizer stage's check (it needs
+xgrammar). Every refusal names "response_format".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Optional
 
 from ..errors import InvalidRequestError
 from ..proto.messages import StructuredSpec
+from .limits import check_grammar_text, check_schema
 
 PARAM = "response_format"
 TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -52,6 +54,7 @@ def parse_response_format(fmt: Any) -> Optional[StructuredSpec]:
         value = fmt.get(kind)
         if not isinstance(value, str) or not value:
             raise _bad(f'the {kind!r} format needs "{kind}": a non-empty string')
+        check_grammar_text(PARAM, kind, value)
         return StructuredSpec(kind, value)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
@@ -68,5 +71,6 @@ def parse_response_format(fmt: Any) -> Optional[StructuredSpec]:
     if not isinstance(schema, dict):
         raise _bad('"json_schema.schema" must be a JSON Schema object (the shape the answer '
                    "must take)")
+    check_schema(PARAM, schema)  # size and depth: a deep schema compiles for seconds
     # "strict" is accepted either way: the schema is always enforced (docs/api.md).
     return StructuredSpec("json_schema", json.dumps(schema))  # key order = property order

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..api.client import EngineClient
 from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, PromptTooLongError,
                       UnsupportedFeatureError)
 from ..proto.messages import SchedulerStats
+from ..protocol import limits as L
+from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.openai_fields import ParsedRequest, parse_chat, parse_completion
 from . import responses as R
+from .http_errors import openai_errors
 from .metrics import Metrics
 from .streaming import ChoiceGroup
 
@@ -34,10 +37,15 @@ class ServerState:
     draining: bool = False  # SIGTERM received: finish what runs, accept nothing new
     metrics: Metrics = field(default_factory=Metrics)
     groups: dict[str, ChoiceGroup] = field(default_factory=dict)  # active, by request id
+    limits: RequestLimits = DEFAULT_LIMITS  # the engine's settings; client.limits once ready
+
+    def request_limits(self) -> RequestLimits:
+        """With the model's bounds (vocabulary, context) once the engine is loaded."""
+        return self.client.limits if self.client is not None else self.limits
 
 
 def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _auth])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors, _auth])
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/alive", alive)
@@ -51,24 +59,6 @@ def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Applicat
 
 
 # ---------------------------------------------------------------- middleware
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPRequestEntityTooLarge:
-        return R.error_response(413, f"the request body is over this server's limit of "
-                                f"{request.app._client_max_size} bytes",
-                                code="request_too_large")
-    except web.HTTPNotFound:
-        return R.error_response(404, f"no route {request.method} {request.path}: this server "
-                                "serves /v1/chat/completions, /v1/completions, /v1/models, "
-                                "/v1/requests/<id>, /health, /alive, /ready and /metrics",
-                                code="not_found")
-    except web.HTTPMethodNotAllowed:
-        return R.error_response(405, f"{request.method} is not allowed on {request.path}",
-                                code="method_not_allowed")
 
 
 @web.middleware
@@ -129,29 +119,34 @@ async def models(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- generation
 
 
-async def _read_body(request: web.Request) -> dict:
-    raw = await request.read()
+# JSON, or a type that says nothing (curl -d sends form-urlencoded; some clients send none).
+_JSON_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain",
+               "application/octet-stream")
+
+
+async def _read_body(request: web.Request, limits: RequestLimits) -> dict:
+    ctype = request.content_type  # application/octet-stream when absent
+    if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
+        raise web.HTTPUnsupportedMediaType(text=f"the request body must be JSON (Content-Type: "
+                                           f"application/json), not {ctype[:100]!r}")
+    charset = request.charset
+    if charset is not None and charset.lower().replace("-", "") != "utf8":
+        raise web.HTTPUnsupportedMediaType(text=f"the request body must be UTF-8, not charset "
+                                           f"{charset[:40]!r}")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequestError("the request body is not valid UTF-8") from None
-    try:
-        body = json.loads(text)
-    except ValueError as e:
-        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
+        raw = await request.read()
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # bad gzip, bad chunks
+        why = (getattr(e, "message", None) or str(e) or type(e).__name__).strip()
+        raise InvalidRequestError(f"the request body could not be read: "
+                                  f"{why.splitlines()[-1].strip()[:120]}") from None
+    return L.parse_body(raw, limits)  # UTF-8, strict JSON, depth, no lone surrogates
 
 
 def _request_id(request: web.Request, body: dict) -> str:
     rid = body.get("request_id", request.headers.get("X-Request-Id"))
     if rid is None:
         return uuid.uuid4().hex
-    if not isinstance(rid, str) or not rid or len(rid) > 200:
-        raise InvalidRequestError("request_id must be a non-empty string of at most 200 "
-                                  "characters", "request_id")
-    return rid
+    return L.check_request_id(rid)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -165,9 +160,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse, kind: str) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     try:
-        body = await _read_body(request)
+        limits = state.request_limits()
+        body = await _read_body(request, limits)
         rid = _request_id(request, body)
-        parsed: ParsedRequest = parse(body, rid)
+        parsed: ParsedRequest = parse(body, rid, limits)
         client = state.client
         if client is None:
             return R.error_response(503, "the model is still loading; retry when /ready says 200",

@@ -16,7 +16,9 @@ from aiohttp import web
 from ..api.client import EngineClient
 from ..config import EngineArgs
 from ..errors import PocketLLMError
+from ..protocol.limits import RequestLimits
 from .app import ServerState, build_app
+from .http_errors import OpenAIAppRunner
 
 log = logging.getLogger("pocketllm.server")
 
@@ -72,10 +74,11 @@ def serve(args: EngineArgs, opts: ServeOptions) -> int:
 
 async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     name = opts.served_model_name or args.served_model_name or default_model_name(args)
-    state = ServerState(model_name=name,
+    state = ServerState(model_name=name, limits=RequestLimits.from_args(args),
                         api_key=opts.api_key, request_timeout=opts.request_timeout)
-    runner = web.AppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=args.shutdown_timeout)
+    # OpenAIAppRunner: aiohttp's own parser errors answer in the OpenAI shape too.
+    runner = OpenAIAppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
+                             access_log=None, shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
     try:  # bound before loading, so /ready can say 503; "listening" is logged once ready
         await web.TCPSite(runner, opts.host, opts.port).start()
