@@ -7,10 +7,12 @@ inbound socket to the sink registered for that request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Optional, Union
 
+import msgspec
 import zmq
 
 from ..config import EngineArgs
@@ -21,6 +23,8 @@ from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutpu
                               SchedulerStats)
 from ..protocol.limits import RequestLimits
 from ..supervisor import Supervisor
+
+log = logging.getLogger("pocketllm.client")
 
 # A sink receives RequestOutput deltas, then stops after a finished one or an exception
 # (a request that failed, at any stage, ends with the typed exception of its error kind).
@@ -122,6 +126,9 @@ class EngineClient:
                 msg = decoder.decode(self._inbox.recv())
             except zmq.ZMQError:
                 return
+            except msgspec.DecodeError:  # never expected; losing one message beats all of them
+                log.exception("the frontend received a message it cannot decode")
+                continue
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue

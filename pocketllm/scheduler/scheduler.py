@@ -44,7 +44,7 @@ from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, 
 from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, refusal
 
 if TYPE_CHECKING:
     from .grammar import Grammars
@@ -127,39 +127,16 @@ class Scheduler:
 
     def add_request(self, req: TokenizedRequest) -> Optional[RequestError]:
         """Queue it, or return why it can never be served (each refusal its own kind)."""
-        cfg = self.config
-        n = len(req.prompt_token_ids)
-
-        def refuse(kind: ErrorKind, param: str, why: str) -> RequestError:
-            return RequestError(req.request_id, why, kind=kind, param=param)
-
-        if req.request_id in self._requests:
-            return refuse(ErrorKind.conflict, "request_id",
-                          f"request id {req.request_id!r} is already in use")
-        if n == 0:
-            return refuse(ErrorKind.invalid_request, "prompt",
-                          "the prompt is empty: at least one token is needed")
-        if req.sampling.max_tokens < 1:
-            return refuse(ErrorKind.invalid_request, "max_tokens",
-                          f"max_tokens must be at least 1, got {req.sampling.max_tokens}")
-        if n >= cfg.max_model_len:
-            return refuse(ErrorKind.too_long, "prompt",
-                          f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
-                          "it leaves no room for a generated token")
-        limit = min(n + req.sampling.max_tokens, cfg.max_model_len)
-        need = blocks_for(limit, cfg.block_size)
-        if need > cfg.num_kv_blocks:
-            return refuse(ErrorKind.too_long, "max_tokens",
-                          f"the request may grow to {limit} tokens ({n} prompt + up to "
-                          f"{limit - n} generated), needing {need} KV blocks of {cfg.block_size} "
-                          f"tokens, but the KV cache has only {cfg.num_kv_blocks}; lower "
-                          "max_tokens or shorten the prompt")
+        error = refusal(req, self.config, req.request_id in self._requests)
+        if error is not None:
+            return error
         request = Request(req)
         request.queued_at = self.clock()
         if req.sampling.structured is not None:
             if self.grammars is None:
-                return refuse(ErrorKind.unsupported, req.sampling.structured.param,
-                              "structured output is not available in this engine")
+                return RequestError(req.request_id, "structured output is not available in "
+                                    "this engine", kind=ErrorKind.unsupported,
+                                    param=req.sampling.structured.param)
             from .grammar import RequestGrammar
 
             # Stop ids: what ends the request once the grammar is complete.
