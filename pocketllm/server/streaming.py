@@ -8,17 +8,20 @@ or a client that hung up — aborts every choice still running.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Optional
 
 from aiohttp import web
 
 from ..api.client import EngineClient
-from ..errors import RequestFailedError, RequestTimeoutError
+from ..errors import PocketLLMError, RequestFailedError, RequestTimeoutError
 from ..proto.messages import LogprobEntry, RequestOutput, ToolCallOut
 from ..protocol.openai_fields import ParsedRequest
 from . import responses as R
 from .metrics import RequestTimer
+
+log = logging.getLogger("pocketllm.server")
 
 
 class _Choice:
@@ -227,6 +230,8 @@ class ChoiceGroup:
         except ConnectionError:
             raise  # the client left
         except Exception as e:  # noqa: BLE001 - the stream ends with the error's own event
+            if not isinstance(e, PocketLLMError):
+                log.error("a stream failed in the server", exc_info=e)  # a bug: its traceback
             await resp.write(R.sse(R.exception_body(e)[1]))
         if self.parsed.include_usage and not self.timed_out:
             await resp.write(self._chunk([], self.usage()))
