@@ -8,6 +8,7 @@ rest of the project, so every stage can share it.
 
 from __future__ import annotations
 
+import enum
 from typing import Optional, Union
 
 import msgspec
@@ -17,6 +18,29 @@ PROTOCOL_VERSION = 1
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
     pass
+
+
+class ErrorKind(enum.StrEnum):
+    """Why a request failed: whichever stage found it says which, and the frontend maps
+    each kind to one exception class and one HTTP status (pocketllm/errors.py)."""
+
+    invalid_request = "invalid_request"  # the input is malformed or out of range
+    too_long = "too_long"  # the prompt (plus its budget) can never fit
+    unsupported = "unsupported"  # a feature this engine or checkpoint does not have
+    not_found = "not_found"  # no such active request (cancellation)
+    conflict = "conflict"  # the request id is already in use
+    rate_limited = "rate_limited"  # over an admission limit: retry later
+    timeout = "timeout"  # the request's deadline passed
+    internal = "internal"  # the engine failed (not the input's fault)
+    engine_dead = "engine_dead"  # a process of the engine died
+
+
+class ErrorDetail(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's failure, carried on its last TokenDelta and RequestOutput."""
+
+    kind: ErrorKind
+    message: str
+    param: Optional[str] = None
 
 
 # ---------------------------------------------------------------- requests
@@ -231,7 +255,7 @@ class TokenDelta(msgspec.Struct, array_like=True):
     logprobs: list[Optional[TokenLogprobs]] = []
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int = 0
-    error: Optional[str] = None
+    error: Optional[ErrorDetail] = None  # finish_reason "error": why
     # An EOS or stop token that ended the request: generated (counted in usage), never shown.
     num_hidden_tokens: int = 0
 
@@ -285,14 +309,15 @@ class RequestOutput(_Msg):
     tool_calls: list[ToolCallOut] = []
     # the reasoning block's tokens' entries (``logprobs`` covers the answer's tokens only)
     reasoning_logprobs: list[LogprobEntry] = []
+    error: Optional[ErrorDetail] = None  # finish_reason "error": why (the frontend raises it)
 
 
 class RequestError(_Msg):
-    """any stage -> frontend: the request was refused or failed."""
+    """any stage -> frontend: the request was refused or failed before its first output."""
 
     request_id: str
     message: str
-    kind: str = "invalid_request"  # "invalid_request" | "too_long" | "internal"
+    kind: ErrorKind = ErrorKind.invalid_request
     param: Optional[str] = None
 
 

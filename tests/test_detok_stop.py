@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pocketllm.detokenizer.detokenizer import Detokenizer
 from pocketllm.detokenizer.stop import StopMatcher
 from pocketllm.detokenizer.token_bytes import TokenSurface
-from pocketllm.proto.messages import (DetokRequest, SamplingSpec, TokenBatch, TokenDelta,
+from pocketllm.proto.messages import (DetokRequest, ErrorDetail, SamplingSpec, TokenBatch, TokenDelta,
                                       TokenLogprobs)
 from test_detok_incremental import byte_level_bpe
 
@@ -223,7 +223,7 @@ def test_every_finish_frees_state_and_flushes(detok, tok, reason):
                                        deltas=[TokenDelta("a", ids)]))
     assert outs[0].text == "halt " and detok.num_active() == 1
     outs, stopped = detok.process(TokenBatch(deltas=[TokenDelta("a", [], finish_reason=reason,
-                                                                error="boom" if reason == "error" else None)]))
+                                                                error=ErrorDetail("internal", "boom") if reason == "error" else None)]))
     assert (outs[0].text, outs[0].finished, outs[0].finish_reason) == ("ST", True, reason)
     assert stopped == [] and detok.num_active() == 0
 

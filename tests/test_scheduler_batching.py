@@ -114,12 +114,21 @@ def test_max_model_len_gives_length():
 
 def test_refused_up_front():
     s = Scheduler(config(num_kv_blocks=8, block_size=4, max_model_len=64))
-    assert "max_model_len" in s.add_request(make_request("long", range(64)))
-    assert "KV blocks" in s.add_request(make_request("big", range(20), max_tokens=13))
+    def refusal(req):
+        err = s.add_request(req)
+        return err.message, err.kind, err.param
+
+    assert refusal(make_request("long", range(64)))[1:] == ("too_long", "prompt")
+    assert "max_model_len" in refusal(make_request("long", range(64)))[0]
+    big = refusal(make_request("big", range(20), max_tokens=13))
+    assert "KV blocks" in big[0] and big[1:] == ("too_long", "max_tokens")
     assert s.add_request(make_request("fits", range(20), max_tokens=12)) is None  # 32 tokens
-    assert "already in use" in s.add_request(make_request("fits", range(3)))
-    assert "empty" in s.add_request(make_request("empty", []))
-    assert "max_tokens" in s.add_request(make_request("zero", [1], max_tokens=0))
+    used = refusal(make_request("fits", range(3)))
+    assert "already in use" in used[0] and used[1:] == ("conflict", "request_id")
+    empty = refusal(make_request("empty", []))
+    assert "empty" in empty[0] and empty[1:] == ("invalid_request", "prompt")
+    zero = refusal(make_request("zero", [1], max_tokens=0))
+    assert "max_tokens" in zero[0] and zero[1:] == ("invalid_request", "max_tokens")
     assert s.stats()["waiting"] == 1
     with pytest.raises(InvalidRequestError):
         config(max_num_seqs=0)

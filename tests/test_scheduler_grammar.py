@@ -197,7 +197,9 @@ def test_preemption_keeps_the_matcher():
 
 def test_structured_request_without_grammar_support_is_refused():
     sched = Scheduler(config())
-    assert "structured output" in sched.add_request(structured("g", "3"))
+    err = sched.add_request(structured("g", "3"))
+    assert "structured output" in err.message
+    assert (err.kind, err.param) == ("unsupported", "response_format")
 
 
 def test_abort_of_a_compiling_request():

@@ -118,6 +118,7 @@ class Outcome:
     hidden: int = 0
     cached: int = 0
     error: Optional[str] = None
+    error_kind: Optional[str] = None
     prompt_len: int = -1
 
 
@@ -144,7 +145,8 @@ class Driver:
             out.finish_reason = delta.finish_reason
             out.hidden += delta.num_hidden_tokens
             out.cached = delta.num_cached_tokens
-            out.error = delta.error
+            out.error = delta.error.message if delta.error is not None else None
+            out.error_kind = delta.error.kind if delta.error is not None else None
             if delta.logprobs:
                 assert len(delta.logprobs) == len(delta.token_ids)
 

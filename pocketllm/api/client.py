@@ -7,15 +7,16 @@ inbound socket to the sink registered for that request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Optional, Union
 
+import msgspec
 import zmq
 
 from ..config import EngineArgs
-from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, PromptTooLongError,
-                      RequestFailedError, UnsupportedFeatureError)
+from ..errors import EngineDeadError, InvalidRequestError, RequestIdInUseError, error_from_wire
 from ..model_info import ModelInfo, load_model_info
 from ..proto import codec, endpoints
 from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutput,
@@ -23,18 +24,13 @@ from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutpu
 from ..protocol.limits import RequestLimits
 from ..supervisor import Supervisor
 
-# A sink receives RequestOutput deltas, then stops after a finished one or an exception.
+log = logging.getLogger("pocketllm.client")
+
+# A sink receives RequestOutput deltas, then stops after a finished one or an exception
+# (a request that failed, at any stage, ends with the typed exception of its error kind).
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 
-
-def error_from_wire(err: RequestError) -> PocketLLMError:
-    if err.kind == "too_long":
-        return PromptTooLongError(err.message, err.param)
-    if err.kind == "invalid_request":
-        return InvalidRequestError(err.message, err.param)
-    if err.kind == "unsupported":
-        return UnsupportedFeatureError(err.message, err.param)
-    return RequestFailedError(err.message)
+__all__ = ["EngineClient", "Sink", "error_from_wire"]
 
 
 class EngineClient:
@@ -77,15 +73,27 @@ class EngineClient:
     # ---------------------------------------------------------------- requests
 
     def submit(self, req: GenerateRequest, sink: Sink) -> None:
+        """Send one request; the id is registered only once nothing can fail before the
+        tokenizer has it (every later failure reaches the sink and unregisters it)."""
+        req.arrival_time = time.time()
+        try:
+            data = codec.encode(req)
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"the request holds a value that cannot be sent to the "
+                                      f"engine ({e}): integers must fit 64 bits and text must "
+                                      "be valid Unicode") from None
         with self._lock:
             self._check_alive()
             if req.request_id in self._sinks:
-                raise InvalidRequestError(
+                raise RequestIdInUseError(
                     f"request_id {req.request_id!r} is already in use by an active request",
                     "request_id")
             self._sinks[req.request_id] = sink
-            req.arrival_time = time.time()
-            self._to_tokenizer.send(codec.encode(req))
+            try:
+                self._to_tokenizer.send(data)
+            except BaseException:
+                del self._sinks[req.request_id]
+                raise
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Cancel at the next step boundary; returns the ids that were active."""
@@ -118,6 +126,9 @@ class EngineClient:
                 msg = decoder.decode(self._inbox.recv())
             except zmq.ZMQError:
                 return
+            except msgspec.DecodeError:  # never expected; losing one message beats all of them
+                log.exception("the frontend received a message it cannot decode")
+                continue
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue
@@ -130,7 +141,11 @@ class EngineClient:
             with self._lock:
                 sink = self._sinks.pop(msg.request_id, None) if msg.finished \
                     else self._sinks.get(msg.request_id)
-            if sink is not None:
+            if sink is None:
+                continue
+            if msg.finished and msg.error is not None:  # it failed after it started
+                sink(error_from_wire(msg.error, msg.request_id))
+            else:
                 sink(msg)
 
     def _on_death(self, reason: str) -> None:

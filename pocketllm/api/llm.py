@@ -16,10 +16,11 @@ from .requests import Prompt, chat_request, prompt_request, sampling_list, split
 
 
 def event_or_raise(item: Union[RequestOutput, Exception]) -> TokenEvent:
+    """The event of one delta; a failed request raises its typed error (pocketllm/errors.py)."""
     if isinstance(item, Exception):
         raise item
     event = TokenEvent.from_wire(item)
-    if event.finish_reason == "error":
+    if event.finish_reason == "error":  # (the client raises the stage's own error first)
         raise RequestFailedError(f"request {event.request_id} failed in the engine")
     return event
 

@@ -58,8 +58,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import PocketLLMError
-from ..proto.messages import (DetokRequest, LogprobEntry, RequestOutput, SamplingSpec,
-                              TokenBatch, TokenDelta, TokenLogprobs, ToolCallOut, Usage)
+from ..proto.messages import (DetokRequest, ErrorDetail, ErrorKind, LogprobEntry, RequestOutput,
+                              SamplingSpec, TokenBatch, TokenDelta, TokenLogprobs, ToolCallOut,
+                              Usage)
 from .incremental import IncrementalDecoder
 from .stop import StopMatcher
 from .token_bytes import TokenSurface
@@ -193,23 +194,47 @@ class Detokenizer:
     def num_active(self) -> int:
         return len(self._requests)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's state (it failed outside ``process``)."""
+        self._requests.pop(request_id, None)
+
     def process(self, batch: TokenBatch) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs for the frontend and the ids whose stop string matched."""
-        for req in batch.new_requests:
-            self._requests[req.request_id] = _RequestState(req, self._tokenizer, self._surface)
+        """Returns the outputs for the frontend and the ids the scheduler must stop (a stop
+        string matched, or the request failed here). One request's failure ends that
+        request alone: it gets a final error output and its state is freed."""
         outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        finished_upstream = {d.request_id for d in batch.deltas if d.finish_reason is not None}
+        for req in batch.new_requests:
+            try:
+                self._requests[req.request_id] = _RequestState(req, self._tokenizer,
+                                                               self._surface)
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._failed(req.request_id, "set up", e))
+                if req.request_id not in finished_upstream:
+                    stopped.append(req.request_id)
         for delta in batch.deltas:
             state = self._requests.get(delta.request_id)
             if state is None:
                 continue
-            out = self._apply(state, delta)
+            try:
+                out = self._apply(state, delta)
+            except Exception as e:  # noqa: BLE001
+                out = self._failed(delta.request_id, "decode", e)
             outputs.append(out)
             if out.finished:
                 del self._requests[delta.request_id]
                 if delta.finish_reason is None:  # finished here: the scheduler must stop too
                     stopped.append(delta.request_id)
         return outputs, stopped
+
+    @staticmethod
+    def _failed(request_id: str, what: str, e: Exception) -> RequestOutput:
+        log.exception("request %s: the detokenizer could not %s it", request_id, what)
+        return RequestOutput(request_id=request_id, text="", token_ids=[], finished=True,
+                             finish_reason="error", error=ErrorDetail(
+                                 ErrorKind.internal, f"the detokenizer could not {what} this "
+                                 f"request's output: {type(e).__name__}: {e}"))
 
     def _apply(self, state: _RequestState, delta: TokenDelta) -> RequestOutput:
         state.num_generated += len(delta.token_ids) + getattr(delta, "num_hidden_tokens", 0)
@@ -272,7 +297,8 @@ class Detokenizer:
                         cached_tokens=state.num_cached) if finished else None,
             logprobs=entries, reasoning_text="" if drop else "".join(rpieces),
             tool_calls=state.tool_calls if finished else [],
-            reasoning_logprobs=[] if drop else rentries)
+            reasoning_logprobs=[] if drop else rentries,
+            error=delta.error if finish_reason == "error" else None)
 
     def _release_tokens(self, state: _RequestState, finished: bool
                         ) -> tuple[list[int], list[LogprobEntry], list[LogprobEntry]]:

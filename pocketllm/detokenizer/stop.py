@@ -13,8 +13,11 @@ The one stop matcher of the engine. Rules:
   bounded by the longest stop string minus one character. ``flush`` releases it
   when the request ends without a match.
 - A match can never start before the withheld text (any such start would have
-  been withheld), so each push only searches ``held + new`` text: cost per push
-  does not grow with the length of the answer.
+  been withheld), so each push only reads the new text: one Knuth-Morris-Pratt
+  automaton per stop string, whose state is exactly the length of that string's
+  prefix the output ends with. Memory and set-up are linear in the stop strings'
+  length, and the cost per push does not grow with the answer (a stop string of
+  a megabyte costs a megabyte, never its square).
 - Empty strings match nothing and are ignored.
 """
 
@@ -23,13 +26,47 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 
+class _Automaton:
+    """The KMP automaton of one stop string. Its failure table is built only as far as the
+    output has matched the string, so a long stop string costs nothing up front."""
+
+    def __init__(self, s: str) -> None:
+        self.s = s
+        self.fail: list[int] = [0]  # fail[i]: longest proper prefix of s[:i+1] that ends it
+        self._k = 0  # the table's own running match length
+        self.state = 0  # the length of the prefix of s the output ends with
+
+    def _grow(self) -> None:
+        s, fail, k, i = self.s, self.fail, self._k, len(self.fail)
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail.append(k)
+        self._k = k
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; returns the index in it where s completed, else -1."""
+        s, fail, k, n = self.s, self.fail, self.state, len(self.s)
+        for j, ch in enumerate(text):
+            while k and ch != s[k]:
+                k = fail[k - 1]
+            if ch == s[k]:
+                k += 1
+                if k == n:
+                    self.state = k
+                    return j
+                if k > len(fail):
+                    self._grow()
+        self.state = k
+        return -1
+
+
 class StopMatcher:
     def __init__(self, stop: Iterable[str], include_stop_str_in_output: bool = False) -> None:
         self.stop_strings = tuple(dict.fromkeys(s for s in stop if s))
         self._include = include_stop_str_in_output
-        # every proper, non-empty prefix of a stop string: what a suffix must be to be held
-        self._prefixes = frozenset(s[:i] for s in self.stop_strings for i in range(1, len(s)))
-        self._max_hold = max((len(s) - 1 for s in self.stop_strings), default=0)
+        self._automata = [_Automaton(s) for s in self.stop_strings]
         self.held = ""
         self.matched: Optional[str] = None
 
@@ -44,27 +81,26 @@ class StopMatcher:
         """
         if self.matched is not None:
             raise RuntimeError("push after a stop string matched")
-        buf = self.held + text
+        base = len(self.held)  # where ``text`` starts in held + text
         best: Optional[tuple[int, int, str]] = None  # (end, start, stop string)
-        for s in self.stop_strings:
-            start = buf.find(s)
-            if start >= 0:
-                candidate = (start + len(s), start, s)
+        for a in self._automata:
+            j = a.feed(text)
+            if j >= 0:
+                candidate = (base + j + 1, base + j + 1 - len(a.s), a.s)
                 if best is None or candidate < best:
                     best = candidate
+        buf = self.held + text
         if best is not None:
             end, start, self.matched = best
             self.held = ""
             return buf[:end] if self._include else buf[:start]
-        hold = 0
-        for k in range(min(self._max_hold, len(buf)), 0, -1):
-            if buf[-k:] in self._prefixes:
-                hold = k
-                break
+        hold = max((a.state for a in self._automata), default=0)
         self.held = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold]
 
     def flush(self) -> str:
         """The request ended without a match: the withheld text is part of the answer."""
         held, self.held = self.held, ""
+        for a in self._automata:
+            a.state = 0
         return held

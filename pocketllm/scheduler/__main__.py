@@ -15,9 +15,9 @@ import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, DetokRequest, Ping, RequestError, SchedulerStats, Shutdown,
-                              StepPlan, StepResult, TokenBatch, TokenDelta, TokenizedRequest,
-                              WorkerReady)
+from ..proto.messages import (Abort, DetokRequest, ErrorKind, Ping, RequestError, SchedulerStats,
+                              Shutdown, StepPlan, StepResult, TokenBatch, TokenDelta,
+                              TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
 from .scheduler import Scheduler, SchedulerConfig
@@ -96,10 +96,14 @@ class SchedulerLoop:
                                                msg.sampling, msg.split, msg.echo_text)],
                     deltas=[TokenDelta(msg.request_id, [], finish_reason="abort")]))
                 return
-            error = sched.add_request(msg)
+            try:
+                error = sched.add_request(msg)
+            except Exception as e:  # noqa: BLE001 - one request's data must not end the loop
+                log.exception("request %s could not be queued", msg.request_id)
+                error = RequestError(msg.request_id, f"the scheduler could not queue this "
+                                     f"request: {type(e).__name__}: {e}", kind=ErrorKind.internal)
             if error is not None:
-                self.to_frontend.send(codec.encode(
-                    RequestError(msg.request_id, error, kind="too_long", param="prompt")))
+                self.to_frontend.send(codec.encode(error))
         elif isinstance(msg, Abort):
             if msg.reason == "abort":  # it may still be in the tokenizer: remember it
                 for rid in msg.request_ids:
@@ -121,7 +125,7 @@ class SchedulerLoop:
         errors, self.scheduler.grammar_errors = self.scheduler.grammar_errors, []
         for rid, why, param in errors:
             self.to_frontend.send(codec.encode(
-                RequestError(rid, why, kind="invalid_request", param=param)))
+                RequestError(rid, why, kind=ErrorKind.invalid_request, param=param)))
 
     def publish_stats(self, force: bool = False) -> None:
         """Send the gauges when the batch's shape changed, or at most every STATS_INTERVAL_S."""
@@ -192,6 +196,7 @@ class SchedulerLoop:
                 plan = sched.schedule()
                 if sched.grammar_errors:
                     self.report_grammar_errors()
+                self.emit(sched.take_ended())  # requests whose grammar failed this step
                 if plan is None and promised:
                     plan = sched.empty_plan()  # the worker waits for a next plan: send one
                 stalled = plan is None

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.proto.messages import StructuredSpec
+from pocketllm.proto.messages import ErrorDetail, ErrorKind, StructuredSpec
 
 KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept (LRU); a compiled grammar holds per-token tables
@@ -143,16 +143,35 @@ class Grammars:
             threading.Thread(target=self._worker, name=f"grammar-{i}", daemon=True).start()
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
 
-    def bitmask_rows(self, requests: list) -> dict:
+    def bitmask_rows(self, requests: list) -> tuple[dict, list]:
         """The StepPlan fields for these requests' masks: one packed row each (numpy int32,
-        the layout xgrammar fills; the scheduler never needs torch for it)."""
+        the layout xgrammar fills; the scheduler never needs torch for it), and the requests
+        that must fail instead, each with why: its matcher raised, or its grammar allows no
+        token at all here (a grammar that can match nothing: the request's fault)."""
         import numpy as np
 
         bitmask = np.zeros((len(requests), self.words), dtype=np.int32)
+        keep, failures = [], []
         for i, req in enumerate(requests):
-            req.grammar.fill(bitmask, i)
-        return dict(structured_request_ids=[r.request_id for r in requests],
-                    structured_bitmask=bitmask.tobytes())
+            spec = req.grammar.spec
+            what = spec.kind.replace("_", " ")
+            try:
+                req.grammar.fill(bitmask, i)
+            except Exception as e:  # noqa: BLE001 - one request's grammar, never the loop
+                failures.append((req, ErrorDetail(
+                    ErrorKind.internal, f"the {what} could not be applied: {explain(e)}")))
+                continue
+            if not bitmask[i].any():
+                failures.append((req, ErrorDetail(
+                    ErrorKind.invalid_request,
+                    f"the {what} allows no token at this point: it can match no text "
+                    "(check it for contradictory or impossible constraints)", spec.param)))
+                continue
+            keep.append(i)
+        if not keep:
+            return {}, failures
+        return dict(structured_request_ids=[requests[i].request_id for i in keep],
+                    structured_bitmask=bitmask[keep].tobytes()), failures
 
     def submit(self, spec: StructuredSpec) -> Future:
         """The cached or newly started compile of ``spec`` (never blocks)."""
@@ -220,7 +239,9 @@ class RequestGrammar:
     def __init__(self, grammars: Grammars, spec: StructuredSpec, stop_ids: list[int]):
         self.grammars = grammars
         self.spec = spec
-        self.stop_ids = sorted(set(stop_ids))
+        # An id outside the vocabulary can never be sampled, so it cannot end the answer
+        # either (and xgrammar refuses it): the matcher gets the ones that can.
+        self.stop_ids = sorted({i for i in stop_ids if 0 <= i < grammars.vocab_size})
         self.future = grammars.submit(spec)
         self.submitted = time.monotonic()
         self.matcher = None
@@ -241,7 +262,11 @@ class RequestGrammar:
                 return explain(error) if isinstance(error, ValueError) else (
                     f"the {self.spec.kind.replace('_', ' ')} could not be compiled: "
                     f"{explain(error)}")
-            self.matcher = self._make_matcher(future.result())
+            try:
+                self.matcher = self._make_matcher(future.result())
+            except Exception as e:  # noqa: BLE001 - this request fails, the scheduler goes on
+                return (f"the {self.spec.kind.replace('_', ' ')} could not be set up for "
+                        f"this request: {explain(e)}")
             return None
         left = self.deadline(now)
         if left is not None and left <= 0:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from pocketllm.proto.messages import TokenizedRequest
+from pocketllm.proto.messages import ErrorKind, RequestError, TokenizedRequest
 
-from .block_manager import hash_block
+from .block_manager import blocks_for, hash_block
 
 
 class RequestStatus(enum.Enum):
@@ -75,3 +75,35 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+
+def refusal(req: TokenizedRequest, cfg, in_use: bool) -> Optional[RequestError]:
+    """Why the scheduler (``cfg``: its SchedulerConfig) can never serve ``req``, each
+    refusal with its own kind and field; None when it can."""
+    n = len(req.prompt_token_ids)
+
+    def refuse(kind: ErrorKind, param: str, why: str) -> RequestError:
+        return RequestError(req.request_id, why, kind=kind, param=param)
+
+    if in_use:
+        return refuse(ErrorKind.conflict, "request_id",
+                      f"request id {req.request_id!r} is already in use")
+    if n == 0:
+        return refuse(ErrorKind.invalid_request, "prompt",
+                      "the prompt is empty: at least one token is needed")
+    if req.sampling.max_tokens < 1:
+        return refuse(ErrorKind.invalid_request, "max_tokens",
+                      f"max_tokens must be at least 1, got {req.sampling.max_tokens}")
+    if n >= cfg.max_model_len:
+        return refuse(ErrorKind.too_long, "prompt",
+                      f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
+                      "it leaves no room for a generated token")
+    limit = min(n + req.sampling.max_tokens, cfg.max_model_len)
+    need = blocks_for(limit, cfg.block_size)
+    if need > cfg.num_kv_blocks:
+        return refuse(ErrorKind.too_long, "max_tokens",
+                      f"the request may grow to {limit} tokens ({n} prompt + up to "
+                      f"{limit - n} generated), needing {need} KV blocks of {cfg.block_size} "
+                      f"tokens, but the KV cache has only {cfg.num_kv_blocks}; lower "
+                      "max_tokens or shorten the prompt")
+    return None

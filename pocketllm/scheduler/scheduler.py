@@ -30,22 +30,26 @@ confirmed. Nothing is preempted while a step is in flight.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from pocketllm.errors import InvalidRequestError
-from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, NewRequestData,
-                                      StepPlan, StepResult, TokenBatch, TokenDelta,
-                                      TokenizedRequest, TokenLogprobs)
+from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, ErrorDetail,
+                                      ErrorKind, NewRequestData, RequestError, StepPlan,
+                                      StepResult, TokenBatch, TokenDelta, TokenizedRequest,
+                                      TokenLogprobs)
 from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, refusal
 
 if TYPE_CHECKING:
     from .grammar import Grammars
+
+log = logging.getLogger("pocketllm.scheduler")
 
 
 @dataclass
@@ -97,6 +101,9 @@ class Scheduler:
         self.grammars = grammars
         self._compiling: dict[Request, None] = {}  # waiting on their grammar, in arrival order
         self.grammar_errors: list[tuple[str, str, str]] = []  # (id, why, param): loop reports
+        # Final deltas of requests that failed inside schedule() (one request's grammar): the
+        # loop sends them on to the detokenizer (take_ended).
+        self.ended = TokenBatch(new_requests=[], deltas=[])
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -118,31 +125,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests in
 
-    def add_request(self, req: TokenizedRequest) -> Optional[str]:
-        """Queue it, or return why it can never be served."""
-        cfg = self.config
-        n = len(req.prompt_token_ids)
-        if req.request_id in self._requests:
-            return f"request id {req.request_id!r} is already in use"
-        if n == 0:
-            return "the prompt is empty: at least one token is needed"
-        if req.sampling.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {req.sampling.max_tokens}"
-        if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
-                    "it leaves no room for a generated token")
-        limit = min(n + req.sampling.max_tokens, cfg.max_model_len)
-        need = blocks_for(limit, cfg.block_size)
-        if need > cfg.num_kv_blocks:
-            return (f"the request may grow to {limit} tokens ({n} prompt + up to "
-                    f"{limit - n} generated), needing {need} KV blocks of {cfg.block_size} tokens, "
-                    f"but the KV cache has only {cfg.num_kv_blocks}; lower max_tokens or shorten "
-                    "the prompt")
+    def add_request(self, req: TokenizedRequest) -> Optional[RequestError]:
+        """Queue it, or return why it can never be served (each refusal its own kind)."""
+        error = refusal(req, self.config, req.request_id in self._requests)
+        if error is not None:
+            return error
         request = Request(req)
         request.queued_at = self.clock()
         if req.sampling.structured is not None:
             if self.grammars is None:
-                return "structured output is not available in this engine"
+                return RequestError(req.request_id, "structured output is not available in "
+                                    "this engine", kind=ErrorKind.unsupported,
+                                    param=req.sampling.structured.param)
             from .grammar import RequestGrammar
 
             # Stop ids: what ends the request once the grammar is complete.
@@ -169,6 +163,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def take_ended(self) -> TokenBatch:
+        ended, self.ended = self.ended, TokenBatch(new_requests=[], deltas=[])
+        return ended
+
+    def _fail(self, batch: TokenBatch, req: Request, detail: ErrorDetail) -> None:
+        """End one request with an error the caller sees; the others go on."""
+        if not req.is_finished:
+            self._finish(req, "error")
+        self._emit(batch, req, finish_reason="error", error=detail)
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -346,10 +350,19 @@ class Scheduler:
         waits = [w for w in (r.grammar.deadline(now) for r in self._compiling) if w is not None]
         return max(0.0, min(waits)) if waits else None
 
-    def _structured_rows(self, entries: list) -> dict:
-        """The plan's bitmask rows: one per structured request that samples in this step."""
-        rows = [req for req, _n, samples in entries if samples and req.grammar is not None]
-        return self.grammars.bitmask_rows(rows) if rows else {}
+    def _structured_rows(self, step: _Step) -> dict:
+        """The plan's bitmask rows: one per structured request that samples in this step.
+        A request whose grammar cannot fill its row, or allows no token at all, leaves the
+        step and fails alone (an empty row would make the worker sample an arbitrary token)."""
+        rows = [req for req, n in step.scheduled.items()
+                if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens]
+        if not rows:
+            return {}
+        fields, failures = self.grammars.bitmask_rows(rows)
+        for req, detail in failures:
+            step.budget += step.scheduled.pop(req)
+            self._fail(self.ended, req, detail)
+        return fields
 
     def _match_prefix(self, req: Request) -> list[int]:
         if not self.config.enable_prefix_caching:
@@ -363,6 +376,7 @@ class Scheduler:
         """The plan of a decided step. Its tokens count as computed from now on, and each
         request that samples gets a PENDING placeholder that update() replaces with the
         real token, so the next step can be planned before this one's result arrives."""
+        structured = self._structured_rows(step)
         new, cached, new_counts, cached_counts = [], [], [], []
         new_entries, cached_entries = [], []
         for req, n in step.scheduled.items():
@@ -380,7 +394,6 @@ class Scheduler:
                 cached_counts.append(n)
                 cached_entries.append((req, n, samples))
             req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids)
-        structured = self._structured_rows(new_entries + cached_entries)
         for req, n, samples in new_entries + cached_entries:
             req.num_computed_tokens += n
             if samples:
@@ -434,10 +447,10 @@ class Scheduler:
         self.step_device_ms.update(result.device_ms)  # Counter.update adds
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
+            detail = ErrorDetail(ErrorKind.internal, result.error)  # the worker's own why
             for req, _, _ in entries:
                 if not req.is_finished:
-                    self._finish(req, "error")
-                    self._emit(batch, req, finish_reason="error", error=result.error)
+                    self._fail(batch, req, detail)
             return batch
         index = {rid: i for i, rid in enumerate(result.request_ids)}
         for req, n, samples in entries:
@@ -449,25 +462,31 @@ class Scheduler:
                 continue
             i = index.get(req.request_id)
             if i is None:
-                msg = f"the worker returned no token for request {req.request_id!r}"
-                self._finish(req, "error")
-                self._emit(batch, req, finish_reason="error", error=msg)
+                self._fail(batch, req, ErrorDetail(
+                    ErrorKind.internal,
+                    f"the worker returned no token for request {req.request_id!r}"))
                 continue
             token = result.token_ids[i]
             logprob = result.logprobs[i] if i < len(result.logprobs) else None
             assert req.token_ids[req.num_verified_tokens] == PENDING, req
             req.token_ids[req.num_verified_tokens] = token
             self._cache_full_blocks(req)
-            self._after_token(batch, req, token, logprob)
+            try:  # the request's own work (its grammar): a failure ends only this request
+                self._after_token(batch, req, token, logprob)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed after token %d", req.request_id, token)
+                self._fail(batch, req, ErrorDetail(
+                    ErrorKind.internal, f"the scheduler failed on this request's token "
+                    f"{token}: {type(e).__name__}: {e}"))
         return batch
 
     def _after_token(self, batch: TokenBatch, req: Request, token: int,
                      logprob: Optional[TokenLogprobs]) -> None:
         if req.grammar is not None:
             if not req.grammar.accept(token):  # the worker applied the mask: never expected
-                msg = f"token {token} does not match the request's {req.grammar.spec.kind}"
-                self._finish(req, "error")
-                self._emit(batch, req, finish_reason="error", error=msg)
+                self._fail(batch, req, ErrorDetail(
+                    ErrorKind.internal,
+                    f"token {token} does not match the request's {req.grammar.spec.kind}"))
                 return
             if req.grammar.terminated:  # a stop token after a complete answer (even ignore_eos)
                 self._finish(req, "stop")
@@ -514,7 +533,7 @@ class Scheduler:
 
     def _emit(self, batch: TokenBatch, req: Request, token_ids: Optional[list[int]] = None,
               logprobs: Optional[list] = None, finish_reason: Optional[str] = None,
-              error: Optional[str] = None, num_hidden_tokens: int = 0) -> None:
+              error: Optional[ErrorDetail] = None, num_hidden_tokens: int = 0) -> None:
         if not req.announced:
             batch.new_requests.append(
                 DetokRequest(req.request_id, req.num_prompt_tokens, req.sampling, req.split,

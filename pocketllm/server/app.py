@@ -12,8 +12,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..api.client import EngineClient
-from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, PromptTooLongError,
-                      UnsupportedFeatureError)
+from ..errors import (InvalidRequestError, PocketLLMError, RequestIdInUseError,
+                      RequestNotFoundError)
 from ..proto.messages import SchedulerStats
 from ..protocol import limits as L
 from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
@@ -36,7 +36,8 @@ class ServerState:
     client: Optional[EngineClient] = None  # None until the engine is ready
     draining: bool = False  # SIGTERM received: finish what runs, accept nothing new
     metrics: Metrics = field(default_factory=Metrics)
-    groups: dict[str, ChoiceGroup] = field(default_factory=dict)  # active, by request id
+    # Active requests by (caller scope, request id): see _scope.
+    groups: dict[tuple[str, str], ChoiceGroup] = field(default_factory=dict)
     limits: RequestLimits = DEFAULT_LIMITS  # the engine's settings; client.limits once ready
 
     def request_limits(self) -> RequestLimits:
@@ -142,6 +143,26 @@ async def _read_body(request: web.Request, limits: RequestLimits) -> dict:
     return L.parse_body(raw, limits)  # UTF-8, strict JSON, depth, no lone surrogates
 
 
+def _scope(request: web.Request) -> str:
+    """Whose request ids these are: the caller's credential (its Authorization header as
+    sent). A client-chosen id is only a label within its caller's scope: another caller can
+    neither cancel it nor be refused for reusing it. The engine itself runs every request
+    under a server-generated id."""
+    return request.headers.get("Authorization", "")
+
+
+def error_answer(e: BaseException) -> web.Response:
+    """The one mapping from an error to its HTTP answer (pocketllm/errors.py ERRORS)."""
+    if not isinstance(e, PocketLLMError):
+        log.error("request failed in the server", exc_info=e)  # a bug: keep its traceback
+    status, body = R.exception_body(e)
+    resp = web.json_response(body, status=status)
+    retry_after = getattr(e, "retry_after", None)
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(max(1, round(retry_after)))
+    return resp
+
+
 def _request_id(request: web.Request, body: dict) -> str:
     rid = body.get("request_id", request.headers.get("X-Request-Id"))
     if rid is None:
@@ -163,7 +184,8 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
         limits = state.request_limits()
         body = await _read_body(request, limits)
         rid = _request_id(request, body)
-        parsed: ParsedRequest = parse(body, rid, limits)
+        # The engine's ids are the server's own (unique, unguessable); rid labels the answer.
+        parsed: ParsedRequest = parse(body, uuid.uuid4().hex, limits)
         client = state.client
         if client is None:
             return R.error_response(503, "the model is still loading; retry when /ready says 200",
@@ -171,34 +193,31 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
         if state.draining:
             return R.error_response(503, "the server is shutting down", "service_unavailable",
                                     code="shutting_down")
-        if rid in state.groups:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
+        key = (_scope(request), rid)
+        if key in state.groups:
+            raise RequestIdInUseError(f"request_id {rid!r} is already in use by an active "
+                                      "request of yours", "request_id")
         group = ChoiceGroup(state, client, parsed, kind, rid)
-        state.groups[rid] = group
+        state.groups[key] = group
         try:
             return await group.respond(request)
         finally:
-            state.groups.pop(rid, None)
+            state.groups.pop(key, None)
             group.close()
-    except PromptTooLongError as e:
-        return R.error_response(400, str(e), param=e.param, code="context_length_exceeded")
-    except InvalidRequestError as e:
-        return R.error_response(400, str(e), param=e.param)
-    except UnsupportedFeatureError as e:
-        return R.error_response(400, str(e), param=e.param, code="unsupported")
-    except EngineDeadError as e:
-        return R.error_response(503, str(e), "service_unavailable", code="engine_dead")
-    except PocketLLMError as e:
-        return R.error_response(500, str(e), "server_error")
+    except (ConnectionError, web.HTTPException):
+        raise  # the client left (nobody to answer), or aiohttp's own answer (the middleware)
+    except Exception as e:  # noqa: BLE001 - every failure gets its kind's status, OpenAI-shaped
+        return error_answer(e)
 
 
 async def cancel_request(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     rid = request.match_info["request_id"]
-    group = state.groups.get(rid)
+    group = state.groups.get((_scope(request), rid))  # only the caller's own requests
     if group is None or group.finished:
-        return R.error_response(404, f"no active request {rid!r} (unknown or already finished)",
-                                code="not_found")
+        return error_answer(RequestNotFoundError(
+            f"no active request {rid!r} of yours (unknown, already finished, or sent with "
+            "other credentials)"))
     group.cancel()
     return web.json_response({"id": rid, "object": "request.cancelled", "cancelled": True})
 

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from ..errors import error_spec
 from ..proto.messages import LogprobEntry, ToolCallOut
 
 
@@ -18,6 +19,13 @@ def error_body(message: str, type_: str = "invalid_request_error", param: Option
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None) -> web.Response:
     return web.json_response(error_body(message, type_, param, code), status=status)
+
+
+def exception_body(e: BaseException) -> tuple[int, dict]:
+    """An error's HTTP status and OpenAI body, by its kind (pocketllm/errors.py ERRORS)."""
+    spec = error_spec(e)
+    return spec.status, error_body(str(e) or spec.type, spec.type, getattr(e, "param", None),
+                                   spec.code)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

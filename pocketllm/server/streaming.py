@@ -8,17 +8,20 @@ or a client that hung up — aborts every choice still running.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Optional
 
 from aiohttp import web
 
 from ..api.client import EngineClient
-from ..errors import InvalidRequestError, PocketLLMError, UnsupportedFeatureError
+from ..errors import PocketLLMError, RequestFailedError, RequestTimeoutError
 from ..proto.messages import LogprobEntry, RequestOutput, ToolCallOut
 from ..protocol.openai_fields import ParsedRequest
 from . import responses as R
 from .metrics import RequestTimer
+
+log = logging.getLogger("pocketllm.server")
 
 
 class _Choice:
@@ -138,9 +141,8 @@ class ChoiceGroup:
                 if c.finish_reason is not None and c.finish_reason != "error"]
         if not done:
             if self.timed_out:
-                return R.error_response(504, "the request timed out before any choice finished",
-                                        "timeout", code="timeout")
-            return R.error_response(500, "no choice finished", "server_error")
+                raise RequestTimeoutError("the request timed out before any choice finished")
+            raise RequestFailedError("no choice finished")
         if self.parsed.best_of > self.parsed.n:
             done = self._best(done)
         lp = self.parsed.logprobs
@@ -225,8 +227,12 @@ class ChoiceGroup:
                     await resp.write(self._chunk([self._delta_choice(
                         i, "", self.choices[i].finish_reason)]))
                 item = await self._next()
-        except (InvalidRequestError, UnsupportedFeatureError, PocketLLMError) as e:
-            await resp.write(R.sse(R.error_body(str(e), "server_error")))
+        except ConnectionError:
+            raise  # the client left
+        except Exception as e:  # noqa: BLE001 - the stream ends with the error's own event
+            if not isinstance(e, PocketLLMError):
+                log.error("a stream failed in the server", exc_info=e)  # a bug: its traceback
+            await resp.write(R.sse(R.exception_body(e)[1]))
         if self.parsed.include_usage and not self.timed_out:
             await resp.write(self._chunk([], self.usage()))
         await resp.write(R.sse("[DONE]"))

@@ -2,7 +2,7 @@
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import RequestError, Shutdown
+from ..proto.messages import ErrorKind, RequestError, Shutdown
 from .stage import TokenizerStage
 
 
@@ -19,7 +19,14 @@ def main(ctx: StageContext) -> None:
         if isinstance(msg, Shutdown):
             return
         out = stage.handle(msg)
-        (to_frontend if isinstance(out, RequestError) else to_scheduler).send(codec.encode(out))
+        try:
+            data = codec.encode(out)
+        except Exception as e:  # noqa: BLE001 - e.g. a value that cannot travel: fail the request
+            why = f"{type(e).__name__}: {e}".encode("utf-8", "replace").decode("utf-8")
+            out = RequestError(msg.request_id, f"the tokenized request could not be sent on "
+                               f"({why})", kind=ErrorKind.invalid_request)
+            data = codec.encode(out)
+        (to_frontend if isinstance(out, RequestError) else to_scheduler).send(data)
 
 
 if __name__ == "__main__":

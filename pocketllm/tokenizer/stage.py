@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Union
 
 import msgspec
 
-from ..errors import (InvalidRequestError, PocketLLMError, PromptTooLongError,
-                      UnsupportedFeatureError)
+from ..errors import InvalidRequestError, PocketLLMError, PromptTooLongError
 from ..model_info import ModelInfo
-from ..proto.messages import GenerateRequest, RequestError, StructuredSpec, TokenizedRequest
+from ..proto.messages import (ErrorKind, GenerateRequest, RequestError, StructuredSpec,
+                              TokenizedRequest)
 from ..protocol.chat import ChatRenderer
 from ..protocol.tool_choice import take_tool_options, tool_split
 from ..protocol.tool_parsers import parser_for_template
 from ..sampling import check_token_ids_in_vocab
 from .reasoning import reasoning_split
 from .tokenizer import load_tokenizer
+
+log = logging.getLogger("pocketllm.tokenizer")
 
 
 class TokenizerStage:
@@ -31,15 +34,27 @@ class TokenizerStage:
         self.tool_parser = parser_for_template(info.chat_template, info.family)
 
     def handle(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
+        """The request's next message; nothing one request holds can raise out of here."""
         try:
             return self._tokenize(req)
-        except InvalidRequestError as e:
-            kind = "too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
-            return RequestError(req.request_id, str(e), kind=kind, param=e.param)
-        except UnsupportedFeatureError as e:
-            return RequestError(req.request_id, str(e), kind="unsupported", param=e.param)
         except PocketLLMError as e:
-            return RequestError(req.request_id, str(e), kind="internal")
+            return RequestError(req.request_id, str(e), kind=e.kind, param=e.param)
+        except Exception as e:  # noqa: BLE001 - a bug met by one request fails only that one
+            log.exception("request %s failed in the tokenizer", req.request_id)
+            return RequestError(req.request_id, f"the tokenizer failed on this request: "
+                                f"{type(e).__name__}: {e}", kind=ErrorKind.internal)
+
+    def _render(self, req: GenerateRequest, opts: dict, add_gen: bool) -> str:
+        """The chat template's text. The template runs over the caller's messages and
+        chat_template_kwargs, so whatever it raises is the input's fault (a 400)."""
+        try:
+            return self.chat.render(req.messages, add_generation_prompt=add_gen, **opts)
+        except PocketLLMError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a kwarg that overrides a template variable
+            param = "chat_template_kwargs" if isinstance(e, TypeError) and opts else "messages"
+            raise InvalidRequestError(f"the chat template could not render this request: "
+                                      f"{type(e).__name__}: {e}", param) from None
 
     def _check_structured(self, spec: StructuredSpec) -> None:
         """Refuse a grammar that cannot compile before it is scheduled (no vocabulary needed;
@@ -70,7 +85,7 @@ class TokenizerStage:
             add_gen = opts.pop("add_generation_prompt", True)
             drop_thinking = bool(opts.pop("drop_thinking", False))  # ours, not the template's
             tool_req = take_tool_options(opts)  # tool_choice etc. are ours too
-            text = self.chat.render(req.messages, add_generation_prompt=add_gen, **opts)
+            text = self._render(req, opts, add_gen)
             # The template already wrote any BOS it wants.
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
             split = reasoning_split(self.chat.template_source, self.loaded, ids, drop_thinking)
