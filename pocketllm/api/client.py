@@ -38,7 +38,8 @@ def error_from_wire(err: RequestError) -> PocketLLMError:
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, cancel: Optional[threading.Event] = None):
+        """``cancel``: another thread sets it to abandon the startup (EngineStartupError)."""
         self.args = args
         self.info: ModelInfo = load_model_info(args)  # a bad checkpoint fails here, fast
         # What a request may hold (protocol/limits.py): the engine's settings, the model's bounds.
@@ -60,7 +61,7 @@ class EngineClient:
         self._receiver = threading.Thread(target=self._receive, daemon=True,
                                           name="pocketllm-receiver")
         try:
-            self.supervisor.start()
+            self.supervisor.start(cancel=cancel)
         except BaseException:
             self._close_sockets()
             raise
