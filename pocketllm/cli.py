@@ -53,7 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a response_format grammar may take to compile")
     g.add_argument("--tensor-parallel-startup-timeout", type=float, default=300.0,
                    help="seconds for every process to load and report ready")
-    g.add_argument("--tensor-parallel-shutdown-timeout", type=float, default=10.0,
+    g.add_argument("--heartbeat-timeout", type=float, default=EngineArgs.heartbeat_timeout,
+                   help="seconds a process may leave a heartbeat unanswered before /health and "
+                   "/ready say 503 (raise it where one step can take longer)")
+    g.add_argument("--tensor-parallel-shutdown-timeout", "--shutdown-timeout", type=float,
+                   default=10.0,
                    help="seconds to drain and stop before SIGKILL")
     g.add_argument("--tensor-parallel-master-addr", default="127.0.0.1")
     g.add_argument("--tensor-parallel-master-port", type=int, default=0)
@@ -99,6 +103,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         structured_output_timeout_s=ns.structured_output_timeout,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
+        heartbeat_timeout=ns.heartbeat_timeout,
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
         rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
         node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,

@@ -18,10 +18,11 @@ from ..errors import (EngineDeadError, InvalidRequestError, PocketLLMError, Prom
                       RequestFailedError, UnsupportedFeatureError)
 from ..model_info import ModelInfo, load_model_info
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutput,
+from ..proto.messages import (Abort, GenerateRequest, Pong, RequestError, RequestOutput,
                               SchedulerStats)
 from ..protocol.limits import RequestLimits
 from ..supervisor import Supervisor
+from .heartbeat import Heartbeat
 
 # A sink receives RequestOutput deltas, then stops after a finished one or an exception.
 Sink = Callable[[Union[RequestOutput, Exception]], None]
@@ -67,6 +68,9 @@ class EngineClient:
             raise
         self.startup_seconds = time.monotonic() - t0
         self.capabilities = self.supervisor.capabilities
+        # Owned by the receiver thread, which sends the pings and takes the answers.
+        self.heartbeat = Heartbeat(self._zmq, _stage_endpoints(run_dir, self.supervisor.procs),
+                                   args.heartbeat_timeout)
         self._receiver.start()
 
     def _push(self, endpoint: str) -> zmq.Socket:
@@ -102,6 +106,10 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self._sinks)
 
+    def unresponsive(self) -> dict[str, float]:
+        """Stages that have not answered a heartbeat within the bound: name -> seconds."""
+        return self.heartbeat.unresponsive()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
@@ -114,11 +122,15 @@ class EngineClient:
         decoder = codec.decoder_for("frontend")
         while not self._closed:
             try:
+                self.heartbeat.tick()
                 if not self._inbox.poll(100):
                     continue
                 msg = decoder.decode(self._inbox.recv())
             except zmq.ZMQError:
                 return
+            if isinstance(msg, Pong):
+                self.heartbeat.on_pong(msg)
+                continue
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue
@@ -159,4 +171,17 @@ class EngineClient:
     def _close_sockets(self) -> None:
         for sock in (self._inbox, self._to_tokenizer, self._to_scheduler):
             sock.close(linger=0)
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.close()
         self._zmq.term()
+
+
+def _stage_endpoints(run_dir: str, procs) -> dict[str, str]:
+    """Each local stage's inbound socket (ranks on other hosts are the scheduler's to watch)."""
+    out = {}
+    for name in procs:
+        if name.startswith("worker"):
+            out[name] = endpoints.worker(run_dir, int(name.removeprefix("worker")))
+        else:
+            out[name] = getattr(endpoints, name)(run_dir)
+    return out

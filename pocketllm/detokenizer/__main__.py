@@ -2,7 +2,7 @@
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import Abort, Shutdown
+from ..proto.messages import Abort, Ping, Pong, Shutdown
 from ..tokenizer.tokenizer import load_tokenizer
 from .detokenizer import Detokenizer
 
@@ -18,6 +18,9 @@ def main(ctx: StageContext) -> None:
         msg = decoder.decode(inbox.recv())
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, Ping):  # the frontend's heartbeat: this loop is not stuck
+            to_frontend.send(codec.encode(Pong("detokenizer", msg.seq)))
+            continue
         outputs, stopped = detok.process(msg)
         if stopped:  # a stop string matched: the scheduler stops computing them
             to_scheduler.send(codec.encode(Abort(request_ids=stopped, reason="stop")))
