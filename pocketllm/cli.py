@@ -148,7 +148,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = ServeOptions(host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"),
-                        request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes)
+                        request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes,
+                        keepalive_timeout=ns.keepalive_timeout, header_timeout=ns.header_timeout,
+                        body_timeout=ns.body_timeout, max_connections=ns.max_connections)
     return serve(engine_args_from(ns), opts)
 
 
@@ -246,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="per-request deadline in seconds (504, or fewer choices, when hit)")
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--keepalive-timeout", type=float, default=15.0,
+                     help="seconds a connection may stay idle without a complete request head")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds from a request head's first byte to its end")
+    srv.add_argument("--body-timeout", type=float, default=60.0,
+                     help="seconds for a request's whole body to arrive (else 408)")
+    srv.add_argument("--max-connections", type=int, default=None,
+                     help="open connections at once (default and ceiling: the file descriptor "
+                     "limit, raised to its hard limit, less 256)")
     srv.add_argument("--log-level", default="info",
                      choices=["debug", "info", "warning", "error", "critical"])
     srv.set_defaults(func=cmd_serve)

@@ -16,9 +16,10 @@ from aiohttp import web
 
 from ..api.client import EngineClient
 from ..config import EngineArgs
-from ..errors import PocketLLMError
+from ..errors import InvalidRequestError, PocketLLMError
 from ..protocol.limits import RequestLimits
 from .app import ServerState, build_app
+from .connections import ConnectionGuard, GuardedTCPSite, connection_cap, raise_fd_limit
 from .http_errors import OpenAIAppRunner
 
 log = logging.getLogger("pocketllm.server")
@@ -35,6 +36,19 @@ class ServeOptions:
     api_key: Optional[str] = None
     request_timeout: Optional[float] = None
     max_body_bytes: int = 8 << 20
+    # Connection hygiene (see connections.py and docs/api.md).
+    keepalive_timeout: float = 15.0  # idle, before a request head is complete
+    header_timeout: float = 10.0  # from a head's first byte to its end
+    body_timeout: float = 60.0  # for a request's whole body
+    max_connections: Optional[int] = None  # None: the fd limit less FD_MARGIN
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"{name} must be positive", name)
+        if self.max_connections is not None and self.max_connections < 1:
+            raise InvalidRequestError("max_connections must be a positive integer",
+                                      "max_connections")
 
 
 def default_model_name(args: EngineArgs) -> str:
@@ -112,20 +126,25 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     name = opts.served_model_name or args.served_model_name or default_model_name(args)
     state = ServerState(model_name=name, limits=RequestLimits.from_args(args),
                         api_key=opts.api_key, request_timeout=opts.request_timeout)
+    guard = ConnectionGuard(connection_cap(opts.max_connections, raise_fd_limit()),
+                            opts.header_timeout, opts.body_timeout)
+    app = build_app(state, opts.max_body_bytes)
+    app.middlewares.append(guard.middleware)
     # OpenAIAppRunner: aiohttp's own parser errors answer in the OpenAI shape too. The drain
     # below waits for handlers itself; shutdown_timeout only bounds the stragglers after it.
-    runner = OpenAIAppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
-                             access_log=None, shutdown_timeout=STRAGGLER_S)
+    runner = OpenAIAppRunner(app, handler_cancellation=True, access_log=None,
+                             shutdown_timeout=STRAGGLER_S,
+                             keepalive_timeout=opts.keepalive_timeout)
     await runner.setup()
     try:  # bound before loading, so /ready can say 503; "listening" is logged once ready
-        await web.TCPSite(runner, opts.host, opts.port).start()
+        await GuardedTCPSite(runner, opts.host, opts.port, guard).start()
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", opts.host, opts.port, bind_failure(e))
         await runner.cleanup()
         return 1
     url = "http://%s:%d" % bound_address(runner, opts)
-    log.info("loading %s (%s/ready says 503 until it is ready)",
-             args.model or "the embedded Gemma 3 270M", url)
+    log.info("loading %s (%s/ready says 503 until it is ready); at most %d connections",
+             args.model or "the embedded Gemma 3 270M", url, guard.max_connections)
 
     loop = asyncio.get_running_loop()
     signals = _Signals(loop)
