@@ -53,7 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a response_format grammar may take to compile")
     g.add_argument("--tensor-parallel-startup-timeout", type=float, default=300.0,
                    help="seconds for every process to load and report ready")
-    g.add_argument("--tensor-parallel-shutdown-timeout", type=float, default=10.0,
+    g.add_argument("--heartbeat-timeout", type=float, default=EngineArgs.heartbeat_timeout,
+                   help="seconds a process may leave a heartbeat unanswered before /health and "
+                   "/ready say 503 (raise it where one step can take longer)")
+    g.add_argument("--tensor-parallel-shutdown-timeout", "--shutdown-timeout", type=float,
+                   default=10.0,
                    help="seconds to drain and stop before SIGKILL")
     g.add_argument("--tensor-parallel-master-addr", default="127.0.0.1")
     g.add_argument("--tensor-parallel-master-port", type=int, default=0)
@@ -99,6 +103,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         structured_output_timeout_s=ns.structured_output_timeout,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
+        heartbeat_timeout=ns.heartbeat_timeout,
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
         rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
         node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
@@ -143,7 +148,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = ServeOptions(host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"),
-                        request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes)
+                        request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes,
+                        keepalive_timeout=ns.keepalive_timeout, header_timeout=ns.header_timeout,
+                        body_timeout=ns.body_timeout, max_connections=ns.max_connections)
     return serve(engine_args_from(ns), opts)
 
 
@@ -241,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="per-request deadline in seconds (504, or fewer choices, when hit)")
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--keepalive-timeout", type=float, default=15.0,
+                     help="seconds a connection may stay idle without a complete request head")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds from a request head's first byte to its end")
+    srv.add_argument("--body-timeout", type=float, default=60.0,
+                     help="seconds for a request's whole body to arrive (else 408)")
+    srv.add_argument("--max-connections", type=int, default=None,
+                     help="open connections at once (default and ceiling: the file descriptor "
+                     "limit, raised to its hard limit, less 256)")
     srv.add_argument("--log-level", default="info",
                      choices=["debug", "info", "warning", "error", "critical"])
     srv.set_defaults(func=cmd_serve)

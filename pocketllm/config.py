@@ -57,6 +57,8 @@ class EngineArgs:
     structured_output_timeout_s: float = 10.0
     startup_timeout: float = 300.0  # seconds for every process to report ready
     shutdown_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL (and the HTTP drain)
+    # Seconds a process may leave a heartbeat unanswered before /health and /ready say 503.
+    heartbeat_timeout: float = 10.0
     rendezvous_dir: Optional[str] = None  # parent of the private run directory (never removed)
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous for tensor-parallel ranks
     master_port: int = 0  # 0: a free port chosen at startup
@@ -96,7 +98,8 @@ class EngineArgs:
                                       "cuda_graph_max_tokens")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
-        for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s"):
+        for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s",
+                     "heartbeat_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive", name)
         if not 0 <= self.master_port < 65535:

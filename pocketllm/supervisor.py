@@ -70,6 +70,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, StageReady] = {}
         self._stopping = threading.Event()
+        self._hurry = threading.Event()  # a second Ctrl-C: SIGKILL without waiting
         self._shutdown_lock = threading.Lock()
         self._zmq = zmq.Context()
         self._inbox = self._zmq.socket(zmq.PULL)
@@ -83,8 +84,10 @@ class Supervisor:
         self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
                                             env={**os.environ, **stage_env, **(env or {})})
 
-    def start(self, timeout: Optional[float] = None) -> None:
-        """Start every stage and wait for each to report ready; on failure reap all and raise."""
+    def start(self, timeout: Optional[float] = None,
+              cancel: Optional[threading.Event] = None) -> None:
+        """Start every stage and wait for each to report ready; on failure reap all and raise.
+        ``cancel``: set from another thread (a signal while loading) to stop waiting."""
         world = self.args.tensor_parallel_size
         # torch.distributed rendezvous of the ranks (only used when world > 1).
         dist_env = {"MASTER_ADDR": self.args.master_addr,
@@ -103,16 +106,18 @@ class Supervisor:
                             "WORLD_SIZE": str(world), "TP_RANK": str(rank),
                             "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
-            self._await_ready(timeout or self.args.startup_timeout)
+            self._await_ready(timeout or self.args.startup_timeout, cancel)
         except BaseException:
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, daemon=True, name="pocketllm-monitor").start()
 
-    def _await_ready(self, timeout: float) -> None:
+    def _await_ready(self, timeout: float, cancel: Optional[threading.Event] = None) -> None:
         deadline = time.monotonic() + timeout
         decoder = codec.decoder_for("supervisor")
         while len(self.ready) < len(self.procs):
+            if cancel is not None and cancel.is_set():
+                raise EngineStartupError("startup was interrupted (the server is stopping)")
             for name, proc in self.procs.items():
                 if proc.poll() is not None and name not in self.ready:
                     # It may have said why just before exiting.
@@ -166,6 +171,10 @@ class Supervisor:
 
     # ---------------------------------------------------------------- stop
 
+    def hurry(self) -> None:
+        """Make a shutdown in progress (or the next one) SIGKILL at once; any thread."""
+        self._hurry.set()
+
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop and reap every process (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
         with self._shutdown_lock:
@@ -181,9 +190,15 @@ class Supervisor:
                     pass
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while proc.poll() is None and not self._hurry.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    proc.wait(min(left, 0.05))
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         if not self._inbox.closed:

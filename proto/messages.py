@@ -364,12 +364,27 @@ class Shutdown(_Msg):
 
 
 class Ping(_Msg):
-    pass
+    """A heartbeat: remote ranks and the scheduler trade empty ones; the frontend numbers
+    its own (``seq`` > 0), and each local stage's main loop answers them with a Pong."""
+
+    seq: int = 0
 
 
-FrontendInbound = Union[RequestOutput, RequestError, SchedulerStats]
-TokenizerInbound = Union[GenerateRequest, Shutdown]
+class Pong(_Msg):
+    """stage -> frontend: the answer to Ping ``seq``, from the stage's main loop.
+
+    The scheduler adds its oldest step in flight: how long it has run and how long a step
+    of its size has taken lately, so a worker busy with one long step is not called hung."""
+
+    stage: str
+    seq: int
+    step_age_s: float = 0.0  # 0: no step in flight
+    step_expected_s: float = 0.0  # 0: no history yet
+
+
+FrontendInbound = Union[RequestOutput, RequestError, SchedulerStats, Pong]
+TokenizerInbound = Union[GenerateRequest, Shutdown, Ping]
 SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown, Ping]
 WorkerInbound = Union[StepPlan, Shutdown, Ping]
-DetokenizerInbound = Union[TokenBatch, Shutdown]
+DetokenizerInbound = Union[TokenBatch, Shutdown, Ping]
 SupervisorInbound = Union[StageReady, StageFailed]

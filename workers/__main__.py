@@ -6,7 +6,7 @@ import sys
 
 from pocketllm.process import StageContext, run_stage
 from pocketllm.proto import codec, endpoints
-from pocketllm.proto.messages import Shutdown, WorkerReady
+from pocketllm.proto.messages import Ping, Pong, Shutdown, WorkerReady
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -18,6 +18,8 @@ def main(ctx: StageContext) -> None:
     if rank < world // args.nnodes:  # on rank 0's host: local sockets
         inbox = ctx.pull(endpoints.worker(ctx.run_dir, rank))
         recv, send = inbox.recv, ctx.push(endpoints.scheduler(ctx.run_dir)).send
+        # The frontend's heartbeats arrive between plans; answered between steps.
+        to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
     else:  # another host: the authenticated TCP link to rank 0's scheduler
         from pocketllm.remote import SchedulerLink, plan_endpoint, read_secret
 
@@ -45,6 +47,9 @@ def main(ctx: StageContext) -> None:
             plan = decoder.decode(recv())
             if isinstance(plan, Shutdown):
                 return
+            if isinstance(plan, Ping):  # only local ranks get them (remote: no such socket)
+                to_frontend.send(codec.encode(Pong(f"worker{rank}", plan.seq)))
+                continue
             try:  # every rank runs the same plan (collectives inside)
                 step = runner.launch(plan)
                 if launched is not None:  # the previous step promised this one: overlap

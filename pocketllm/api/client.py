@@ -19,10 +19,11 @@ from ..config import EngineArgs
 from ..errors import EngineDeadError, InvalidRequestError, RequestIdInUseError, error_from_wire
 from ..model_info import ModelInfo, load_model_info
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, GenerateRequest, RequestError, RequestOutput,
+from ..proto.messages import (Abort, GenerateRequest, Pong, RequestError, RequestOutput,
                               SchedulerStats)
 from ..protocol.limits import RequestLimits
 from ..supervisor import Supervisor
+from .heartbeat import Heartbeat
 
 log = logging.getLogger("pocketllm.client")
 
@@ -34,7 +35,8 @@ __all__ = ["EngineClient", "Sink", "error_from_wire"]
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, cancel: Optional[threading.Event] = None):
+        """``cancel``: another thread sets it to abandon the startup (EngineStartupError)."""
         self.args = args
         self.info: ModelInfo = load_model_info(args)  # a bad checkpoint fails here, fast
         # What a request may hold (protocol/limits.py): the engine's settings, the model's bounds.
@@ -56,12 +58,15 @@ class EngineClient:
         self._receiver = threading.Thread(target=self._receive, daemon=True,
                                           name="pocketllm-receiver")
         try:
-            self.supervisor.start()
+            self.supervisor.start(cancel=cancel)
         except BaseException:
             self._close_sockets()
             raise
         self.startup_seconds = time.monotonic() - t0
         self.capabilities = self.supervisor.capabilities
+        # Owned by the receiver thread, which sends the pings and takes the answers.
+        self.heartbeat = Heartbeat(self._zmq, _stage_endpoints(run_dir, self.supervisor.procs),
+                                   args.heartbeat_timeout)
         self._receiver.start()
 
     def _push(self, endpoint: str) -> zmq.Socket:
@@ -109,6 +114,10 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self._sinks)
 
+    def unresponsive(self) -> dict[str, float]:
+        """Stages that have not answered a heartbeat within the bound: name -> seconds."""
+        return self.heartbeat.unresponsive()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
@@ -121,6 +130,7 @@ class EngineClient:
         decoder = codec.decoder_for("frontend")
         while not self._closed:
             try:
+                self.heartbeat.tick()
                 if not self._inbox.poll(100):
                     continue
                 msg = decoder.decode(self._inbox.recv())
@@ -128,6 +138,9 @@ class EngineClient:
                 return
             except msgspec.DecodeError:  # never expected; losing one message beats all of them
                 log.exception("the frontend received a message it cannot decode")
+                continue
+            if isinstance(msg, Pong):
+                self.heartbeat.on_pong(msg)
                 continue
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
@@ -173,4 +186,17 @@ class EngineClient:
     def _close_sockets(self) -> None:
         for sock in (self._inbox, self._to_tokenizer, self._to_scheduler):
             sock.close(linger=0)
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.close()
         self._zmq.term()
+
+
+def _stage_endpoints(run_dir: str, procs) -> dict[str, str]:
+    """Each local stage's inbound socket (ranks on other hosts are the scheduler's to watch)."""
+    out = {}
+    for name in procs:
+        if name.startswith("worker"):
+            out[name] = endpoints.worker(run_dir, int(name.removeprefix("worker")))
+        else:
+            out[name] = getattr(endpoints, name)(run_dir)
+    return out

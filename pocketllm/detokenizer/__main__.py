@@ -4,7 +4,8 @@ import logging
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import Abort, ErrorDetail, ErrorKind, RequestOutput, Shutdown
+from ..proto.messages import (Abort, ErrorDetail, ErrorKind, Ping, Pong, RequestOutput,
+                              Shutdown)
 from ..tokenizer.tokenizer import load_tokenizer
 from .detokenizer import Detokenizer
 
@@ -36,6 +37,9 @@ def main(ctx: StageContext) -> None:
         msg = decoder.decode(inbox.recv())
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, Ping):  # the frontend's heartbeat: this loop is not stuck
+            to_frontend.send(codec.encode(Pong("detokenizer", msg.seq)))
+            continue
         outputs, stopped = detok.process(msg)
         sent = []
         for out in outputs:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+import statistics
 from collections import OrderedDict, deque
 
 import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, DetokRequest, ErrorKind, Ping, RequestError, SchedulerStats,
-                              Shutdown, StepPlan, StepResult, TokenBatch, TokenDelta,
-                              TokenizedRequest, WorkerReady)
+from ..proto.messages import (Abort, DetokRequest, ErrorKind, Ping, Pong, RequestError,
+                              SchedulerStats, Shutdown, StepPlan, StepResult, TokenBatch,
+                              TokenDelta, TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
 from .scheduler import Scheduler, SchedulerConfig
@@ -26,6 +27,7 @@ log = logging.getLogger("pocketllm.scheduler")
 
 EARLY_ABORT_MEMORY = 4096
 STATS_INTERVAL_S = 0.1
+STEP_RATE_HISTORY = 64  # steps whose seconds per token estimate a step's expected length
 
 
 class SchedulerLoop:
@@ -56,6 +58,9 @@ class SchedulerLoop:
         # Aborts that overtook their request (the frontend sends them here directly).
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         # A finished grammar compile (pool thread) writes a byte here to wake a waiting loop.
+        # Steps sent and not yet answered: (sent at, tokens); and recent seconds per token.
+        self.in_flight: dict[int, tuple[float, int]] = {}
+        self.step_rates: deque[float] = deque(maxlen=STEP_RATE_HISTORY)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.poller.register(self.wake_r, zmq.POLLIN)
@@ -85,6 +90,9 @@ class SchedulerLoop:
         sched = self.scheduler
         if isinstance(msg, Shutdown):
             raise SystemExit(0)
+        if isinstance(msg, Ping):
+            self.pong(msg)
+            return
         if isinstance(msg, WorkerReady):
             self.ready_ranks[msg.rank] = msg
         elif sched is None:
@@ -114,6 +122,20 @@ class SchedulerLoop:
             self.emit(sched.abort(msg.request_ids, msg.reason))
         elif isinstance(msg, StepResult):
             self.results[msg.step_id] = msg
+            sent = self.in_flight.pop(msg.step_id, None)
+            if sent is not None and sent[1] > 0:
+                self.step_rates.append((time.monotonic() - sent[0]) / sent[1])
+
+    def pong(self, ping: Ping) -> None:
+        """Answer the frontend's heartbeat, with the oldest step in flight: the worker answers
+        only between steps, so the frontend allows it as long as such a step takes lately."""
+        age = expected = 0.0
+        if self.in_flight:
+            sent, tokens = min(self.in_flight.values())
+            age = time.monotonic() - sent
+            if self.step_rates:
+                expected = tokens * statistics.median(self.step_rates)
+        self.to_frontend.send(codec.encode(Pong("scheduler", ping.seq, age, expected)))
 
     def _load_tokenizer(self):
         from ..tokenizer.tokenizer import load_tokenizer
@@ -215,6 +237,7 @@ class SchedulerLoop:
             self.publish_stats(force=not sched.has_unfinished())
 
     def send_plan(self, plan: StepPlan) -> None:
+        self.in_flight[plan.step_id] = (time.monotonic(), sum(plan.num_scheduled_tokens))
         data = codec.encode(plan)
         for rank in self.ranks:
             rank.send(data)

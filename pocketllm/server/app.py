@@ -92,6 +92,13 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if not client.supervisor.alive():
         return web.json_response({"status": "dead"}, status=503)
+    hung = client.unresponsive()
+    if hung:  # alive but stuck: requests would wait, so a load balancer should look elsewhere
+        waits = ", ".join(f"{name} for {s:.1f} s" for name, s in sorted(hung.items()))
+        return web.json_response({
+            "status": "unresponsive", "stages": {k: round(v, 1) for k, v in hung.items()},
+            "message": f"no heartbeat answer from {waits} (bound: "
+                       f"{client.args.heartbeat_timeout:g} s)"}, status=503)
     return web.json_response({"status": "ready"})
 
 

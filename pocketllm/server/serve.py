@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,12 +16,16 @@ from aiohttp import web
 
 from ..api.client import EngineClient
 from ..config import EngineArgs
-from ..errors import PocketLLMError
+from ..errors import InvalidRequestError, PocketLLMError
 from ..protocol.limits import RequestLimits
 from .app import ServerState, build_app
+from .connections import ConnectionGuard, GuardedTCPSite, connection_cap, raise_fd_limit
 from .http_errors import OpenAIAppRunner
 
 log = logging.getLogger("pocketllm.server")
+
+ABORT_GRACE_S = 2.0  # after the drain: how long the engine's own abort deltas may take
+STRAGGLER_S = 1.0  # then: how long a handler may take to write its last chunk
 
 
 @dataclass
@@ -31,6 +36,19 @@ class ServeOptions:
     api_key: Optional[str] = None
     request_timeout: Optional[float] = None
     max_body_bytes: int = 8 << 20
+    # Connection hygiene (see connections.py and docs/api.md).
+    keepalive_timeout: float = 15.0  # idle, before a request head is complete
+    header_timeout: float = 10.0  # from a head's first byte to its end
+    body_timeout: float = 60.0  # for a request's whole body
+    max_connections: Optional[int] = None  # None: the fd limit less FD_MARGIN
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"{name} must be positive", name)
+        if self.max_connections is not None and self.max_connections < 1:
+            raise InvalidRequestError("max_connections must be a positive integer",
+                                      "max_connections")
 
 
 def default_model_name(args: EngineArgs) -> str:
@@ -72,50 +90,85 @@ def serve(args: EngineArgs, opts: ServeOptions) -> int:
     return asyncio.run(_serve(args, opts))
 
 
+class _Signals:
+    """SIGINT/SIGTERM: the first one drains, the second stops at once, a third exits now."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.count = 0
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+        self.cancel_load = threading.Event()  # read by the loading thread's supervisor
+        self.client: Optional[EngineClient] = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.count += 1
+        self.stop.set()
+        self.cancel_load.set()
+        if self.count == 2:
+            log.warning("%s again: stopping now, without waiting", sig.name)
+            self.hurry.set()
+            if self.client is not None:
+                self.client.supervisor.hurry()
+        elif self.count > 2:  # the stop itself is stuck: the stages die with us (PDEATHSIG)
+            os._exit(1)
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, waking early on a second signal."""
+        try:
+            await asyncio.wait_for(self.hurry.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     name = opts.served_model_name or args.served_model_name or default_model_name(args)
     state = ServerState(model_name=name, limits=RequestLimits.from_args(args),
                         api_key=opts.api_key, request_timeout=opts.request_timeout)
-    # OpenAIAppRunner: aiohttp's own parser errors answer in the OpenAI shape too.
-    runner = OpenAIAppRunner(build_app(state, opts.max_body_bytes), handler_cancellation=True,
-                             access_log=None, shutdown_timeout=args.shutdown_timeout)
+    guard = ConnectionGuard(connection_cap(opts.max_connections, raise_fd_limit()),
+                            opts.header_timeout, opts.body_timeout)
+    app = build_app(state, opts.max_body_bytes)
+    app.middlewares.append(guard.middleware)
+    # OpenAIAppRunner: aiohttp's own parser errors answer in the OpenAI shape too. The drain
+    # below waits for handlers itself; shutdown_timeout only bounds the stragglers after it.
+    runner = OpenAIAppRunner(app, handler_cancellation=True, access_log=None,
+                             shutdown_timeout=STRAGGLER_S,
+                             keepalive_timeout=opts.keepalive_timeout)
     await runner.setup()
     try:  # bound before loading, so /ready can say 503; "listening" is logged once ready
-        await web.TCPSite(runner, opts.host, opts.port).start()
+        await GuardedTCPSite(runner, opts.host, opts.port, guard).start()
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", opts.host, opts.port, bind_failure(e))
         await runner.cleanup()
         return 1
     url = "http://%s:%d" % bound_address(runner, opts)
-    log.info("loading %s (%s/ready says 503 until it is ready)",
-             args.model or "the embedded Gemma 3 270M", url)
+    log.info("loading %s (%s/ready says 503 until it is ready); at most %d connections",
+             args.model or "the embedded Gemma 3 270M", url, guard.max_connections)
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args))
-    stopper = asyncio.ensure_future(stop.wait())
+    signals = _Signals(loop)
+    load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args, signals.cancel_load))
+    stopper = asyncio.ensure_future(signals.stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    exit_code = 0
-    if not load.done():  # stopped while loading: let the load finish failing or succeeding
+    if not load.done():  # stopped while loading: the supervisor stops the load and reaps
         log.info("stopping before the model finished loading")
-        try:
-            (await load).close()
-        except Exception:
-            pass
-        await runner.cleanup()
-        return 0
     try:
-        state.client = load.result()
+        state.client = signals.client = await load
     except PocketLLMError as e:
-        log.error("the engine failed to start: %s", e)
         await runner.cleanup()
+        if signals.stop.is_set():
+            return 0
+        log.error("the engine failed to start: %s", e)
         return 1
+    if signals.stop.is_set():
+        await runner.cleanup()
+        await asyncio.to_thread(state.client.close)
+        return 0
     log.info("ready, listening on %s: %s on %s, loaded in %.1f s", url, state.model_name,
              state.client.capabilities.device, state.client.startup_seconds)
-    while not stop.is_set():  # a dead engine takes the server down, so a supervisor restarts it
+    exit_code = 0
+    while not signals.stop.is_set():  # a dead engine takes the server down, so a supervisor restarts it
         if not state.client.supervisor.alive():
             log.error("the engine died; shutting down")
             exit_code = 1
@@ -124,14 +177,34 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
             await asyncio.wait_for(asyncio.shield(stopper), 0.5)
         except asyncio.TimeoutError:
             pass
-    if exit_code == 0 and state.groups:  # drain: let in-flight requests finish
-        state.draining = True
-        log.info("draining %d in-flight request(s), up to %.0f s", len(state.groups),
-                 args.shutdown_timeout)
-        deadline = loop.time() + args.shutdown_timeout
-        while state.groups and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+    state.draining = True  # new requests get 503, /ready says "draining"
+    if exit_code == 0:
+        await _drain(state, signals, args.shutdown_timeout)
     log.info("shutting down")
     await runner.cleanup()
     await asyncio.to_thread(state.client.close)
     return exit_code
+
+
+async def _drain(state: ServerState, signals: _Signals, timeout: float) -> None:
+    """Let in-flight requests finish for up to ``timeout`` s; then abort the rest, so each
+    stream still ends with a closing chunk and [DONE] and each whole request gets an answer."""
+    loop = asyncio.get_running_loop()
+    if state.groups:
+        log.info("draining %d in-flight request(s), up to %.0f s", len(state.groups), timeout)
+    deadline = loop.time() + timeout
+    while state.groups and loop.time() < deadline and not signals.hurry.is_set():
+        await signals.sleep(0.05)
+    if not state.groups:
+        return
+    log.info("ending %d request(s) still running (finish_reason \"abort\")", len(state.groups))
+    for group in list(state.groups.values()):  # the engine's abort deltas carry the usage
+        group.end_for_shutdown(now=signals.hurry.is_set())
+    deadline = loop.time() + ABORT_GRACE_S
+    while state.groups and loop.time() < deadline and not signals.hurry.is_set():
+        await signals.sleep(0.05)
+    for group in list(state.groups.values()):  # the engine did not answer: end them here
+        group.end_for_shutdown(now=True)
+    deadline = loop.time() + STRAGGLER_S
+    while state.groups and loop.time() < deadline:  # their last chunks go out
+        await asyncio.sleep(0.02)

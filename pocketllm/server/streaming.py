@@ -24,6 +24,14 @@ from .metrics import RequestTimer
 log = logging.getLogger("pocketllm.server")
 
 
+_SHUTDOWN = object()  # queued by end_for_shutdown(now=True): end without the engine
+
+
+def _shutting_down() -> web.Response:
+    return R.error_response(503, "the server is shutting down; retry on another instance",
+                            "service_unavailable", code="shutting_down")
+
+
 class _Choice:
     def __init__(self, timer: RequestTimer):
         self.text = ""
@@ -35,6 +43,8 @@ class _Choice:
         self.finish_reason: Optional[str] = None
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.started = False
+        self.closed = False  # its closing chunk (the one with finish_reason) was streamed
+        self.tokens_seen = 0  # usage for a choice the server had to cut (it never got one)
         self.timer = timer
 
 
@@ -52,6 +62,7 @@ class ChoiceGroup:
         self.created = int(time.time())
         self.deadline = None if not state.request_timeout else start + state.request_timeout
         self.timed_out = False
+        self.shutting_down = False  # the server is stopping: end now, with what there is
         self.prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
 
     @property
@@ -63,6 +74,25 @@ class ChoiceGroup:
         live = [rid for rid, c in zip(self.ids, self.choices) if c.finish_reason is None]
         if live:
             self.client.abort(live)
+
+    def end_for_shutdown(self, now: bool = False) -> None:
+        """The drain is over: abort what still runs, so each choice ends with the engine's
+        own "abort" delta (and its usage); ``now``: do not wait for the engine either."""
+        self.shutting_down = True
+        self.cancel()
+        if now:
+            self.queue.put_nowait((-1, _SHUTDOWN))
+
+    def _cut_unfinished(self) -> None:
+        now = time.monotonic()
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                c.completion_tokens = c.completion_tokens or c.tokens_seen
+                c.timer.on_finish(now, "abort", c.prompt_tokens, c.completion_tokens)
+
+    def _produced_nothing(self) -> bool:
+        return all(c.tokens_seen == 0 and not c.text for c in self.choices)
 
     def close(self) -> None:
         """The exchange is over (done, timed out, or the client left): stop what still runs
@@ -92,6 +122,9 @@ class ChoiceGroup:
             except asyncio.TimeoutError:
                 self.timed_out = True
                 return None
+            if item is _SHUTDOWN:
+                self._cut_unfinished()
+                return None
             if isinstance(item, Exception):
                 self.choices[i].finish_reason = "error"
                 raise item
@@ -107,6 +140,7 @@ class ChoiceGroup:
         c.reasoning += out.reasoning_text
         c.reasoning_logprobs.extend(out.reasoning_logprobs)
         c.tool_calls.extend(out.tool_calls)
+        c.tokens_seen += len(out.token_ids)
         c.timer.on_delta(now, len(out.token_ids))
         if out.usage is not None:
             c.prompt_tokens = out.usage.prompt_tokens
@@ -137,6 +171,8 @@ class ChoiceGroup:
     async def _whole(self) -> web.Response:
         while await self._next() is not None:
             pass
+        if self.shutting_down and self._produced_nothing():
+            return _shutting_down()
         done = [(i, c) for i, c in enumerate(self.choices)
                 if c.finish_reason is not None and c.finish_reason != "error"]
         if not done:
@@ -211,6 +247,8 @@ class ChoiceGroup:
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         # Wait for the first delta before answering, so a refusal from the tokenizer is a 400.
         first = await self._next()
+        if self.shutting_down and self._produced_nothing():
+            return _shutting_down()  # nothing sent yet: a retryable answer, not an empty stream
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Request-Id": self.rid})
@@ -224,9 +262,13 @@ class ChoiceGroup:
                         or (not out.finished and not self.choices[i].started)):
                     await resp.write(self._chunk([self._delta_choice(i, out.text, None, out)]))
                 if out.finished:
+                    self.choices[i].closed = True
                     await resp.write(self._chunk([self._delta_choice(
                         i, "", self.choices[i].finish_reason)]))
                 item = await self._next()
+            for i, c in enumerate(self.choices):  # cut by the shutdown: close each one
+                if c.finish_reason == "abort" and not c.closed:
+                    await resp.write(self._chunk([self._delta_choice(i, "", "abort")]))
         except ConnectionError:
             raise  # the client left
         except Exception as e:  # noqa: BLE001 - the stream ends with the error's own event

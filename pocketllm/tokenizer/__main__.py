@@ -2,7 +2,7 @@
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import ErrorKind, RequestError, Shutdown
+from ..proto.messages import ErrorKind, Ping, Pong, RequestError, Shutdown
 from .stage import TokenizerStage
 
 
@@ -18,6 +18,9 @@ def main(ctx: StageContext) -> None:
         msg = decoder.decode(inbox.recv())
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, Ping):  # the frontend's heartbeat: this loop is not stuck
+            to_frontend.send(codec.encode(Pong("tokenizer", msg.seq)))
+            continue
         out = stage.handle(msg)
         try:
             data = codec.encode(out)
