@@ -1,0 +1,113 @@
+"""Run the fuzzer's examples without stopping, and print each failure class once with
+its smallest reproducer (top-level fields removed while it still fails the same way).
+
+    python tests/fuzz_survey.py [--examples 150] [--random] [--out findings.md]
+
+The pytest fuzzer (tests/test_fuzz_server.py) stops at the first failure and shrinks it;
+this lists them all, which is what one wants on a server with many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fuzz_checks import LiveServer  # noqa: E402
+from fuzz_run import run_body, run_raw  # noqa: E402
+from fuzz_strategies import (chat_bodies, completion_bodies, encode, headers,  # noqa: E402
+                             raw_requests)
+
+
+def class_key(kind: str, problems) -> str:
+    cls, msg = problems[0]
+    msg = re.sub(r"[0-9a-f]{32}|\d+", "#", msg)
+    msg = re.sub(r"answer: .*?(\"message\": \"[^\"]{0,60}|$)", r"\1", msg)
+    return f"{kind}/{cls.__name__}: {msg[:140]}"
+
+
+def minimize(live: LiveServer, kind: str, spec: dict, hdrs: dict, key: str):
+    """Drop top-level fields and headers one at a time while the failure class holds."""
+    def same(s, h) -> bool:
+        live.ensure()
+        got = run_body(live, kind, s, h)
+        return bool(got) and class_key(kind, got) == key
+
+    for name in list(spec):
+        trial = {k: v for k, v in spec.items() if k != name}
+        if trial and same(trial, hdrs):
+            spec = trial
+    for name in list(hdrs):
+        trial = {k: v for k, v in hdrs.items() if k != name}
+        if same(spec, trial):
+            hdrs = trial
+    return spec, hdrs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", type=int, default=150)
+    ap.add_argument("--random", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=["chat", "completion", "raw"], default=None)
+    ns = ap.parse_args()
+    live = LiveServer()
+    found: dict[str, tuple] = {}  # class -> (size, kind, spec, headers, problems)
+    cfg = settings(max_examples=ns.examples, derandomize=not ns.random, database=None,
+                   deadline=None, phases=(Phase.generate,),
+                   suppress_health_check=list(HealthCheck))
+
+    def record(kind, spec, hdrs, problems):
+        if not problems:
+            return
+        key = class_key(kind, problems)
+        size = len(spec) if isinstance(spec, bytes) else len(encode(spec)) + len(str(hdrs))
+        if key not in found or size < found[key][0]:
+            found[key] = (size, kind, spec, hdrs, problems)
+            print(f"[{len(found)} classes] {key}", flush=True)
+
+    def bodies(kind, strat):
+        @cfg
+        @given(spec=strat, hdrs=st.one_of(st.just({}), headers))
+        def run(spec, hdrs):
+            live.ensure()
+            record(kind, spec, hdrs, run_body(live, kind, spec, hdrs))
+        return run
+
+    for kind, strat in (("chat", chat_bodies), ("completion", completion_bodies)):
+        if ns.only in (None, kind):
+            bodies(kind, strat)()
+    if ns.only in (None, "raw"):
+        @cfg
+        @given(data=raw_requests())
+        def run_raws(data):
+            live.ensure()
+            record("raw", data, {}, run_raw(live, data))
+        run_raws()
+
+    lines = [f"{len(found)} failure classes, server restarts: {live.restarts}", ""]
+    for key, (_size, kind, spec, hdrs, problems) in sorted(found.items()):
+        if kind != "raw":
+            spec, hdrs = minimize(live, kind, spec, hdrs, key)
+        shown = repr(spec[:400]) if kind == "raw" else encode(spec)[:600]
+        lines += [f"## {key}", f"- endpoint: {kind}", f"- body: `{shown}`"]
+        if hdrs:
+            lines.append(f"- headers: `{hdrs}`")
+        lines += [f"- {cls.__name__}: {msg[:500]}" for cls, msg in problems] + [""]
+    live.stop()
+    text = "\n".join(lines)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
