@@ -7,8 +7,8 @@ reason that is not its own.
 
 from __future__ import annotations
 
-import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -20,7 +20,7 @@ import httpx
 from server_process import ServerProcess
 
 FINISH_REASONS = {"stop", "length", "tool_calls", "abort"}
-CANARY = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+CANARY = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
           "stream": True}
 
 
@@ -185,19 +185,48 @@ def send_json(url: str, path: str, payload: bytes, headers: dict, timeout: float
 
 
 def send_raw(port: int, data: bytes, timeout: float) -> Answer:
-    """Write raw bytes to the port and parse what comes back as HTTP."""
+    """Write raw bytes to the port and parse what comes back as HTTP (by hand: the server
+    may answer in the request's own odd version, which http.client refuses)."""
+    got = b""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
             try:
                 sock.sendall(data)
             except OSError:
                 pass  # the server may refuse before reading it all; its answer still counts
-            resp = http.client.HTTPResponse(sock)
-            resp.begin()
-            return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()},
-                          resp.read())
-    except (OSError, http.client.HTTPException) as e:
-        return Answer(0, note=f"{type(e).__name__}: {e}")
+            while chunk := sock.recv(1 << 16):  # the request says Connection: close,
+                got += chunk  # but an odd HTTP version may keep it open: stop at the length
+                head, sep, body = got.partition(b"\r\n\r\n")
+                length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.I)
+                if sep and length and len(body) >= int(length.group(1)):
+                    break
+    except OSError as e:
+        if not got:
+            return Answer(0, note=f"{type(e).__name__}: {e}")
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = lines[0].split(" ")
+    if len(status) < 2 or not status[0].startswith("HTTP/") or not status[1].isdigit():
+        return Answer(0, note=f"not an HTTP answer: {got[:100]!r}")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    if "chunked" in headers.get("transfer-encoding", ""):
+        body = _dechunk(body)
+    return Answer(int(status[1]), headers, body)
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        try:
+            n = int(size.split(b";")[0], 16)
+        except ValueError:
+            break
+        if n == 0:
+            break
+        out += rest[:n]
+        body = rest[n + 2:]
+    return out
 
 
 def canary(url: str, timeout: float = 120.0) -> str:
@@ -233,11 +262,14 @@ def beside(fn, *args):
 class LiveServer:
     """The embedded default model behind `pocketllm serve`, restarted after a death."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, use_canary: bool = True):
         self.args = args
+        self.use_canary = use_canary  # False: faster surveys, deaths still seen by /ready
         self.srv: Optional[ServerProcess] = None
         self.reference: Optional[str] = None
         self.restarts = 0
+        self.last = ""  # the last example sent, shortly (to blame a late death on it)
+        self.blamed = False  # whether the last example already failed for not being ready
         self.start()
 
     def start(self) -> None:
@@ -266,12 +298,18 @@ class LiveServer:
             return f"/ready did not answer: {e}"
         return None if r.status_code == 200 else f"/ready said {r.status_code} {r.text[:200]}"
 
-    def ensure(self) -> None:
-        """Before an example: a dead or unready server is replaced by a fresh one."""
-        if self.ready() is not None:
-            self.srv.stop()
-            self.restarts += 1
-            self.start()
+    def ensure(self) -> Optional[str]:
+        """Before an example: a dead or unready server is replaced by a fresh one. Returns
+        what was wrong when the last example had not already been blamed for it (it died
+        after that example's checks passed), else None."""
+        not_ready = self.ready()
+        if not_ready is None:
+            return None
+        self.srv.stop()
+        self.restarts += 1
+        self.start()
+        blamed, self.blamed = self.blamed, False
+        return None if blamed else f"{not_ready}, after the previous example: {self.last}"
 
     def stop(self) -> int:
         return self.srv.stop()

@@ -83,6 +83,7 @@ def classify(ans: Answer, problem: Optional[str]) -> Optional[type]:
 
 def run_body(live: LiveServer, kind: str, spec: dict, headers: dict) -> list[tuple[type, str]]:
     """Send one generated body (with headers) beside the canary; the problems found."""
+    live.last = f"{kind} {repr(spec)[:300]} headers {repr(headers)[:200]}"
     body = expand(spec)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     bounded = is_bounded(kind, body)
@@ -95,19 +96,21 @@ def run_body(live: LiveServer, kind: str, spec: dict, headers: dict) -> list[tup
 
 
 def run_raw(live: LiveServer, data: bytes) -> list[tuple[type, str]]:
+    live.last = f"raw {data[:300]!r}"
     join = beside(send_raw, live.port, data, 30.0)
     return _finish(live, join, lambda ans: answer_problem("raw", ans, False, None, False)
                    if not 200 <= ans.status < 300 else None)
 
 
 def _finish(live: LiveServer, join, check) -> list[tuple[type, str]]:
-    got = canary(live.url)
+    got = canary(live.url) if live.use_canary else live.reference
     ans: Answer = join()
     problems = []
     problem = check(ans)
     if problem is not None:
         problems.append((classify(ans, problem), f"{problem}; answer: {ans.show()}"))
     not_ready = live.ready()
+    live.blamed = not_ready is not None
     if not_ready is not None:
         problems.append((EngineNotReady, not_ready))
     if got != live.reference:

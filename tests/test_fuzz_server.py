@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from fuzz_checks import LiveServer
-from fuzz_run import run_body, run_raw
+from fuzz_run import EngineNotReady, run_body, run_raw
 from fuzz_strategies import chat_bodies, completion_bodies, headers, raw_requests
 
 RANDOM = os.environ.get("POCKETLLM_FUZZ_RANDOM") == "1"
@@ -59,6 +59,12 @@ def live():
     server.stop()
 
 
+def _ensure(live: LiveServer) -> None:
+    late = live.ensure()
+    if late is not None:
+        raise EngineNotReady(late)
+
+
 def _assert_none(problems) -> None:
     for kind, message in problems:
         note(f"{kind.__name__}: {message}")
@@ -71,7 +77,7 @@ def _assert_none(problems) -> None:
 @fuzz_settings(100)
 @given(spec=chat_bodies, hdrs=st.one_of(st.just({}), headers))
 def test_chat_bodies(live, spec, hdrs):
-    live.ensure()
+    _ensure(live)
     _assert_none(run_body(live, "chat", spec, hdrs))
 
 
@@ -79,7 +85,7 @@ def test_chat_bodies(live, spec, hdrs):
 @fuzz_settings(100)
 @given(spec=completion_bodies, hdrs=st.one_of(st.just({}), headers))
 def test_completion_bodies(live, spec, hdrs):
-    live.ensure()
+    _ensure(live)
     _assert_none(run_body(live, "completion", spec, hdrs))
 
 
@@ -87,6 +93,6 @@ def test_completion_bodies(live, spec, hdrs):
 @fuzz_settings(60)
 @given(data=raw_requests())
 def test_raw_requests(live, data):
-    live.ensure()
+    _ensure(live)
     note(f"raw request ({len(data)} bytes): {data[:300]!r}")
     _assert_none(run_raw(live, data))
