@@ -40,6 +40,10 @@ class EngineNotReady(FuzzFailure):
     """/ready is not 200 after the example (the engine died or hangs)."""
 
 
+class IdLeaked(FuzzFailure):
+    """After the example ended, its request id was still "in use"."""
+
+
 class CanaryChanged(FuzzFailure):
     """The well-formed request sent beside the example did not get its reference answer."""
 
@@ -91,8 +95,32 @@ def run_body(live: LiveServer, kind: str, spec: dict, headers: dict) -> list[tup
     join = beside(send_json, live.url, path, payload, headers, 120.0 if bounded else GIVE_UP_S,
                   None if bounded else GIVE_UP_S)
     stream = body.get("stream") is True
-    return _finish(live, join, lambda ans: answer_problem(
-        kind, ans, stream, expected_choices(kind, body), given_up_ok=not bounded))
+    answers: list[Answer] = []
+
+    def check(ans: Answer) -> Optional[str]:
+        answers.append(ans)
+        return answer_problem(kind, ans, stream, expected_choices(kind, body),
+                              given_up_ok=not bounded)
+
+    problems = _finish(live, join, check)
+    rid = body.get("request_id", headers.get("X-Request-Id"))
+    if (isinstance(rid, str) and 0 < len(rid) <= 200 and answers
+            and answers[0].note != "client gave up"):
+        leak = _id_still_in_use(live, rid)
+        if leak is not None:
+            problems.append((IdLeaked, leak))
+    return problems
+
+
+def _id_still_in_use(live: LiveServer, rid: str) -> Optional[str]:
+    """No failure path may leave a request id registered: reuse it in a tiny request."""
+    import json
+
+    again = send_json(live.url, "/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 1, "request_id": rid}).encode(), {}, 120.0, None)
+    if again.status == 400 and b"already in use" in again.body:
+        return f"request_id {rid[:60]!r} is still in use after its request ended"
+    return None
 
 
 def run_raw(live: LiveServer, data: bytes) -> list[tuple[type, str]]:

@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-canary", action="store_true",
                     help="skip the canary (several times faster on a busy CPU)")
+    ap.add_argument("--known", action="store_true",
+                    help="only the known reproducers (tests/fuzz_known.py), each reported")
     ap.add_argument("--only", choices=["chat", "completion", "raw"], default=None)
     ns = ap.parse_args()
     live = LiveServer(use_canary=not ns.no_canary)
@@ -129,6 +131,16 @@ def survey(ns, live: LiveServer) -> int:
             record(kind, spec, hdrs, run_body(live, kind, spec, hdrs))
         return run
 
+    if ns.known:
+        from fuzz_known import KNOWN
+        for kind, spec, hdrs in KNOWN:
+            late(live.ensure())
+            problems = run_body(live, kind, spec, hdrs)
+            print(f"{'FAIL' if problems else 'ok  '} {kind} {repr(spec)[:150]} {hdrs and list(hdrs)}",
+                  flush=True)
+            for cls, msg in problems:
+                print(f"     {cls.__name__}: {msg[:300]}", flush=True)
+        return 0
     if ns.only in (None, "raw"):
         @cfg
         @given(data=raw_requests())

@@ -8,7 +8,10 @@ text, deep nesting, unknown fields, odd headers) and raw HTTP bytes — the test
   ({"error": {"message", "type", "param", "code"}}); a 2xx answer is a well-formed
   completion, or an SSE stream where every choice finishes once, then [DONE];
 - /ready still says 200 afterwards;
-- a greedy streamed canary sent beside it gets exactly its reference text.
+- a greedy streamed canary sent beside it gets exactly its reference text;
+- its request id (body or X-Request-Id) can be used again once it has ended.
+
+The requests known to have broken the server (tests/fuzz_known.py) are tried first.
 
 A server killed by an example is restarted before the next one (tests/fuzz_checks.py),
 so the failure is reported with its reproducer instead of hanging the run.
@@ -29,10 +32,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, example, given, note, settings
 from hypothesis import strategies as st
 
 from fuzz_checks import LiveServer
+from fuzz_known import KNOWN
 from fuzz_run import EngineNotReady, run_body, run_raw
 from fuzz_strategies import chat_bodies, completion_bodies, headers, raw_requests
 
@@ -50,6 +54,16 @@ def fuzz_settings(ci_examples: int) -> settings:
         suppress_health_check=list(HealthCheck),  # big bodies and slow examples are the point
         print_blob=True,
     )
+
+
+def known(kind: str):
+    """Try the requests known to have broken the server first (tests/fuzz_known.py)."""
+    def decorate(test):
+        for k, spec, hdrs in reversed(KNOWN):
+            if k == kind:
+                test = example(spec=spec, hdrs=hdrs)(test)
+        return test
+    return decorate
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +90,7 @@ def _assert_none(problems) -> None:
 @pytest.mark.slow
 @fuzz_settings(100)
 @given(spec=chat_bodies, hdrs=st.one_of(st.just({}), headers))
+@known("chat")
 def test_chat_bodies(live, spec, hdrs):
     _ensure(live)
     _assert_none(run_body(live, "chat", spec, hdrs))
@@ -84,6 +99,7 @@ def test_chat_bodies(live, spec, hdrs):
 @pytest.mark.slow
 @fuzz_settings(100)
 @given(spec=completion_bodies, hdrs=st.one_of(st.just({}), headers))
+@known("completion")
 def test_completion_bodies(live, spec, hdrs):
     _ensure(live)
     _assert_none(run_body(live, "completion", spec, hdrs))
