@@ -143,8 +143,20 @@ def _soak(srv: ServerProcess) -> None:
     for t in threads:
         t.join(1800)
     elapsed = time.monotonic() - t0
-    assert not state["errors"], state["errors"]
     done = state["done"]
+    end = rss(procs)
+    warm = next((r for n, r in samples if n >= done // 5), end)  # the warm-up window's end
+    lines = [f"{done} of {REQUESTS} requests in {elapsed:.0f} s ({done / elapsed:.2f}/s) "
+             f"{state['kinds']}"]
+    grown = {}
+    for name in procs:
+        series = " ".join(f"{r[name] >> 20}" for _, r in samples)
+        lines.append(f"  {name}: warm {warm[name] >> 20} MiB, end {end[name] >> 20} MiB "
+                     f"(every 20 requests: {series})")
+        if end[name] - warm[name] > rss_tolerance(warm[name]):
+            grown[name] = (end[name] - warm[name]) >> 20
+    print("\n".join(lines))  # the figures, also when a check below fails
+    assert not state["errors"], state["errors"]
     assert done >= min(REQUESTS, MIN_REQUESTS), f"only {done} requests in {BUDGET_S:.0f} s"
 
     deadline = time.monotonic() + 30
@@ -152,17 +164,4 @@ def _soak(srv: ServerProcess) -> None:
         time.sleep(0.2)
     assert gauges(srv.url) == {g: 0.0 for g in GAUGES}
     assert canary(srv.url) == reference
-
-    warm = next(r for n, r in samples if n >= done // 5)  # the warm-up window's end
-    end = rss(procs)
-    lines = [f"{done} of {REQUESTS} requests in {elapsed:.0f} s ({done / elapsed:.1f}/s) "
-             f"{state['kinds']}"]
-    grown = {}
-    for name in procs:
-        series = " ".join(f"{r[name] >> 20}" for _, r in samples)
-        lines.append(f"  {name}: warm {warm[name] >> 20} MiB, end {end[name] >> 20} MiB "
-                     f"(samples: {series})")
-        if end[name] - warm[name] > rss_tolerance(warm[name]):
-            grown[name] = (end[name] - warm[name]) >> 20
-    print("\n".join(lines))
     assert not grown, f"resident memory grew (MiB): {grown}\n" + "\n".join(lines)
