@@ -24,7 +24,8 @@ WEATHER = {"type": "function", "function": {
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-BUDGET = {"temperature": 0, "max_tokens": 60}
+BUDGET = {"temperature": 0, "max_tokens": 8}  # plain text: a few tokens show the path
+CALL_BUDGET = {"temperature": 0, "max_tokens": 64}  # room for a call; it ends with the grammar
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_openai_completions_whole_and_streamed(client):
     {"type": "function", "function": {"name": "get_weather"}}, "required"])
 def test_openai_forced_tool_call_whole_and_streamed(client, choice):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
-              parallel_tool_calls=False, **BUDGET)
+              parallel_tool_calls=False, **CALL_BUDGET)
     whole = client.chat.completions.create(**kw)
     msg = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls" and msg.content is None
@@ -110,7 +111,7 @@ def test_openai_auto_tools_on_a_template_without_tool_syntax_is_a_clear_400(clie
 def chat_model(server):
     lc = pytest.importorskip("langchain_openai")
     return lc.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=MODEL,
-                         temperature=0, max_tokens=60, max_retries=0)
+                         temperature=0, max_tokens=64, max_retries=0)
 
 
 def _weather_model():
@@ -172,7 +173,7 @@ def test_litellm_forced_tool_call(litellm_kw):
     import litellm
 
     out = litellm.completion(messages=ASK, tools=[WEATHER], tool_choice={
-        "type": "function", "function": {"name": "get_weather"}}, **litellm_kw, **BUDGET)
+        "type": "function", "function": {"name": "get_weather"}}, **litellm_kw, **CALL_BUDGET)
     [call] = out.choices[0].message.tool_calls
     check_weather_call(call.function.name, call.function.arguments)
     assert out.choices[0].finish_reason == "tool_calls"

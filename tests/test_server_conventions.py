@@ -123,3 +123,37 @@ def test_serve_flags_reach_the_engine_and_the_server():
     assert ns.allowed_origins == ["http://a", "http://b"] and ns.no_access_log
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_access_log_of_a_real_server_has_tokens_and_ttft(tiny_llama, tmp_path):
+    import re
+
+    import httpx
+
+    from server_process import ServerProcess
+
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        srv = ServerProcess("--model", tiny_llama, "--served-model-name", "tiny",
+                            "--max-num-batched-tokens", "64", stderr=log_file)
+        try:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                    "temperature": 0, "ignore_eos": True}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120,
+                           headers={"X-Request-Id": "logged-1"})
+            assert r.status_code == 200
+            usage = r.json()["usage"]
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
+                    "prompt": "hi", "max_tokens": 3, "stream": True, "request_id": "logged-2"}
+                              ) as s:
+                assert s.status_code == 200 and list(s.iter_lines())
+        finally:
+            assert srv.stop() == 0
+    text = log_path.read_text()
+    line = re.search(r"pocketllm\.access: POST /v1/chat/completions 200 id=logged-1 .*", text)
+    assert line, text[-3000:]
+    assert (f"prompt_tokens={usage['prompt_tokens']} completion_tokens=5 ttft=" in line.group(0)
+            and re.search(r"ttft=\d+\.\d{3}s duration=\d+\.\d{3}s", line.group(0)))
+    assert re.search(r"POST /v1/completions 200 id=logged-2 prompt_tokens=\d+ "
+                     r"completion_tokens=\d+ ttft=", text)
+    assert "GET /ready" not in text  # probes are logged at DEBUG only
