@@ -4,8 +4,8 @@
         ttft=0.081s duration=1.204s client=127.0.0.1
 
 Generation routes add the token counts and the time to the first token (of the earliest
-choice; `-` when none came); a client that hung up is logged as 499; probes and /metrics are logged at DEBUG, so a load balancer's
-polling does not drown the requests.
+choice; `-` when none came). A client that hung up is logged as 499. Probes and /metrics
+are logged at DEBUG, so a load balancer's polling does not drown the requests.
 """
 
 from __future__ import annotations
