@@ -1,4 +1,4 @@
-"""`pocketllm serve | generate | bench latency` (also `python -m pocketllm`)."""
+"""`pocketllm serve | generate | chat | bench ...` (also `python -m pocketllm`)."""
 
 from __future__ import annotations
 
@@ -13,26 +13,53 @@ from .config import EngineArgs
 from .errors import PocketLLMError
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default, except where its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="seed of the sampling (default: unseeded)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="checkpoint directory or .gguf file (default: embedded Gemma 3 270M)")
-    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json, a directory holding one, or a .gguf whose vocabulary "
+                        "replaces the checkpoint's (default: the checkpoint's own)")
     g.add_argument("--backend", default="auto", help="auto | torch")
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model across this many worker processes (one per GPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output, in tokens (default: the checkpoint's context "
+                        "length, capped at 8192)")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most requests in the running batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="per-step token budget (the chunked-prefill size)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache size in blocks (default: sized from memory)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV-cache size in GiB (default: sized from memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="share of free GPU memory the KV cache may take")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step instead of in budget-sized chunks")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-batch", type=int, default=EngineArgs.cuda_graph_max_batch,
@@ -59,8 +86,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-shutdown-timeout", "--shutdown-timeout", type=float,
                    default=10.0,
                    help="seconds to drain and stop before SIGKILL")
-    g.add_argument("--tensor-parallel-master-addr", default="127.0.0.1")
-    g.add_argument("--tensor-parallel-master-port", type=int, default=0)
+    g.add_argument("--tensor-parallel-master-addr", default="127.0.0.1",
+                   help="torch.distributed rendezvous address for the ranks")
+    g.add_argument("--tensor-parallel-master-port", type=int, default=0,
+                   help="torch.distributed rendezvous port (0: a free port)")
     g.add_argument("--tensor-parallel-rendezvous-dir", default=None,
                    help="parent directory for the private run directory (never removed)")
     g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span")
@@ -73,8 +102,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment")
     g.add_argument("--backend-options", type=json.loads, default=None,
                    help="JSON object of backend-specific options")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the checkpoint's (or the built-in) one")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_xml"],
+                   help='the call syntax "tool_choice": "auto" parses on a template that '
+                        "teaches none (default: the template's own; none: auto is refused)")
     lim = p.add_argument_group("request limits (docs/api.md \"Limits\")")
-    lim.add_argument("--max-stop-strings", type=int, default=EngineArgs.max_stop_strings)
+    lim.add_argument("--max-stop-strings", type=int, default=EngineArgs.max_stop_strings,
+                     help="stop strings a request may hold")
     lim.add_argument("--max-stop-bytes", type=int, default=EngineArgs.max_stop_bytes,
                      help="all of a request's stop strings together, UTF-8")
     lim.add_argument("--max-prompt-chars", type=int, default=EngineArgs.max_prompt_chars,
@@ -109,7 +144,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
         backend_options=ns.backend_options or {}, max_stop_strings=ns.max_stop_strings,
         max_stop_bytes=ns.max_stop_bytes, max_prompt_chars=ns.max_prompt_chars,
-        max_json_depth=ns.max_json_depth)
+        max_json_depth=ns.max_json_depth, chat_template=ns.chat_template,
+        tool_call_parser=ns.tool_call_parser)
 
 
 def launched_rank(ns: argparse.Namespace) -> None:
@@ -150,7 +186,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         api_key=ns.api_key or os.environ.get("POCKETLLM_API_KEY"),
                         request_timeout=ns.request_timeout, max_body_bytes=ns.max_body_bytes,
                         keepalive_timeout=ns.keepalive_timeout, header_timeout=ns.header_timeout,
-                        body_timeout=ns.body_timeout, max_connections=ns.max_connections)
+                        body_timeout=ns.body_timeout, max_connections=ns.max_connections,
+                        allowed_origins=tuple(ns.allowed_origins or ()),
+                        access_log=not ns.no_access_log)
     return serve(engine_args_from(ns), opts)
 
 
@@ -169,6 +207,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 print(f"\n[finish_reason={event.finish_reason} usage={event.usage.as_dict()}]",
                       file=sys.stderr)
     return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from . import SamplingParams
+    from .chat_repl import run_chat
+
+    sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sample_seed)
+    return run_chat(engine_args_from(ns), sp, ns.system)
 
 
 def cmd_bench_latency(ns: argparse.Namespace) -> int:
@@ -238,16 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server",
+                         formatter_class=HelpWithDefaults)
     add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=port_number, default=8000, help="0: any free port")
-    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=port_number, default=8000,
+                     help="port to listen on (0: any free port)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients send and /v1/models shows (default: the "
+                          "checkpoint's file or directory name)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (or POCKETLLM_API_KEY)")
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="per-request deadline in seconds (504, or fewer choices, when hit)")
-    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                     help="larger request bodies get a 413")
     srv.add_argument("--keepalive-timeout", type=float, default=15.0,
                      help="seconds a connection may stay idle without a complete request head")
     srv.add_argument("--header-timeout", type=float, default=10.0,
@@ -257,18 +308,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-connections", type=int, default=None,
                      help="open connections at once (default and ceiling: the file descriptor "
                      "limit, raised to its hard limit, less 256)")
-    srv.add_argument("--log-level", default="info",
+    srv.add_argument("--log-level", default="info", help="log level of the server's logs",
                      choices=["debug", "info", "warning", "error", "critical"])
+    srv.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                     help="answer CORS (preflights included) for these browser origins, e.g. "
+                          "http://localhost:3000, or * for any (default: CORS off)")
+    srv.add_argument("--no-access-log", action="store_true",
+                     help="do not log one line per request (logger pocketllm.access)")
     srv.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout",
+                         formatter_class=HelpWithDefaults)
     add_engine_args(gen)
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sample-seed", type=int, default=None)
+    add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat interactively, streaming each answer (/exit or "
+                          "Ctrl-D quits)", formatter_class=HelpWithDefaults)
+    add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lat = bench.add_parser("latency", help="load time, TTFT and decode tokens/s at batch 1")

@@ -14,6 +14,7 @@ BACKENDS = ("auto", "torch")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml")
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -71,6 +72,9 @@ class EngineArgs:
     max_stop_bytes: int = 4096
     max_prompt_chars: int = 1_000_000
     max_json_depth: int = 64
+    chat_template: Optional[str] = None  # a Jinja file replacing the checkpoint's template
+    # The call syntax "tool_choice": "auto" parses on a template that teaches none.
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,6 +135,8 @@ class EngineArgs:
         from .protocol.limits import validate_settings
 
         validate_settings(self.__dict__)
+        if self.tool_call_parser is not None:
+            _choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         unknown = sorted(set(self.backend_options) - BACKEND_OPTIONS)
         if unknown:
             raise InvalidRequestError(

@@ -52,6 +52,8 @@ class ModelInfo:
     chat_template: Optional[str] = None  # the checkpoint's own, if any
     tokenizer_path: Optional[str] = None  # tokenizer.json, or the .gguf file
     tokenizer_config: dict = field(default_factory=dict)
+    # The checkpoint's own context length, before DEFAULT_MAX_MODEL_LEN_CAP or --max-model-len.
+    context_length: Optional[int] = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -95,9 +97,19 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
     if args.tokenizer is not None:
         _use_tokenizer(info, os.path.expanduser(args.tokenizer))
     info.eos_token_ids, info.eos_source = resolve_eos(args, info)
+    if args.chat_template is not None:
+        info.chat_template = _read_chat_template(os.path.expanduser(args.chat_template))
     if args.max_model_len is not None:
         info.max_model_len = args.max_model_len
     return info
+
+
+def _read_chat_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--chat-template {path!r} cannot be read: {e}") from None
 
 
 def _use_tokenizer(info: ModelInfo, path: str) -> None:
@@ -166,7 +178,7 @@ def _hf_dir_info(path: str, fmt: str) -> ModelInfo:
         vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
         eos_token_ids=[], eos_source="none", bos_token_id=cfg.get("bos_token_id"),
         chat_template=template, tokenizer_path=tok_json if os.path.isfile(tok_json) else None,
-        tokenizer_config=tok_cfg)
+        tokenizer_config=tok_cfg, context_length=ctx)
 
 
 # ------------------------------------------------------------------ GGUF
@@ -193,7 +205,8 @@ def _gguf_info(path: str) -> ModelInfo:
         chat_template=meta.get("tokenizer.chat_template"), tokenizer_path=path,
         tokenizer_config={k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")
                           and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                                        "tokenizer.ggml.token_type", "tokenizer.ggml.merges")})
+                                        "tokenizer.ggml.token_type", "tokenizer.ggml.merges")},
+        context_length=ctx)
 
 
 def gguf_to_hf_config(garch: str, meta: dict) -> dict:

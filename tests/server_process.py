@@ -33,11 +33,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, ready_timeout: float = 180.0):
+    def __init__(self, *args: str, ready_timeout: float = 180.0, stderr=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pocketllm", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     stderr=stderr)  # a file: the server's logs, to read
         self.first_ready_status = None
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:

@@ -38,7 +38,7 @@ MSG = [{"role": "user", "content": "Tell me about the sea."}]
 
 def metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics").text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     assert m, name
     return float(m.group(1))
 
@@ -316,22 +316,31 @@ def test_metrics_counters(server):
     deadline = time.monotonic() + 10  # the scheduler's idle stats follow its last step
     while True:
         text = httpx.get(server.url + "/metrics").text
-        if 'pocketllm_steps{path="eager"} 0.0' not in text or time.monotonic() > deadline:
+        if 'pocketllm_steps_total{model_name="tiny",path="eager"} 0.0' not in text or \
+                time.monotonic() > deadline:
             break
         time.sleep(0.05)
     for name in ("pocketllm_requests_total", "pocketllm_prompt_tokens_total",
                  "pocketllm_generation_tokens_total", "pocketllm_time_to_first_token_seconds",
                  "pocketllm_inter_token_latency_seconds", "pocketllm_e2e_request_latency_seconds",
-                 "pocketllm_kv_blocks_total", "pocketllm_prefix_cache_hits_tokens"):
+                 "pocketllm_kv_blocks_total", "pocketllm_prefix_cache_hits_tokens_total",
+                 "pocketllm_preemptions_total", "pocketllm_overlapped_steps_total"):
         assert name in text, name
+    # the scheduler's cumulative figures are counters, and every series names the model
+    for name in ("preemptions", "prefix_cache_hits_tokens", "steps", "step_launch_seconds"):
+        assert f"# TYPE pocketllm_{name}_total counter" in text, name
+    samples = [line for line in text.splitlines() if line.startswith("pocketllm_")]
+    assert samples and all('model_name="tiny"' in line for line in samples)
     # on the CPU every step is eager
-    assert 'pocketllm_steps{path="graph"} 0.0' in text
-    assert 'pocketllm_steps{path="piecewise"} 0.0' in text
-    eager = [line for line in text.splitlines() if line.startswith('pocketllm_steps{path="eager"}')]
+    assert 'pocketllm_steps_total{model_name="tiny",path="graph"} 0.0' in text
+    assert 'pocketllm_steps_total{model_name="tiny",path="piecewise"} 0.0' in text
+    eager = [line for line in samples
+             if line.startswith('pocketllm_steps_total{model_name="tiny",path="eager"}')]
     assert len(eager) == 1 and float(eager[0].split()[-1]) > 0
-    assert 'pocketllm_step_device_seconds{path="eager"} 0.0' in text  # no device span on a CPU
-    launch = [line for line in text.splitlines()
-              if line.startswith('pocketllm_step_launch_seconds{path="eager"}')]
+    # no device span on a CPU
+    assert 'pocketllm_step_device_seconds_total{model_name="tiny",path="eager"} 0.0' in text
+    launch = [line for line in samples
+              if line.startswith('pocketllm_step_launch_seconds_total{model_name="tiny",path="eager"}')]
     assert len(launch) == 1 and float(launch[0].split()[-1]) > 0
 
 

@@ -33,7 +33,7 @@ def readme_block(lang: str, needle: str) -> str:
 
 def metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics").text
-    return float(re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M).group(1))
+    return float(re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M).group(1))
 
 
 @pytest.mark.slow
@@ -83,4 +83,5 @@ def test_disconnect_frees_blocks_within_a_second(server):
     assert metric(server, "pocketllm_requests_running") == 0
     assert metric(server, "pocketllm_requests_waiting") == 0
     text = httpx.get(server.url + "/metrics").text
-    assert 'pocketllm_requests_total{finish_reason="abort"} 1.0' in text
+    assert re.search(r'^pocketllm_requests_total{finish_reason="abort",model_name="[^"]+"} 1.0$',
+                     text, re.M)

@@ -47,7 +47,8 @@ def rss_tolerance(warm: int) -> int:
 
 def gauges(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {g: float(re.search(rf"^{g} ([0-9.e+-]+)$", text, re.M).group(1)) for g in GAUGES}
+    return {g: float(re.search(rf"^{g}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M).group(1))
+            for g in GAUGES}  # series carry a model_name label
 
 
 def processes(srv: ServerProcess) -> dict[str, psutil.Process]:

@@ -140,10 +140,11 @@ def tool_split(req: ToolRequest, parser: Optional[ToolParser], split: Optional[O
         return split, sampling
     if parser is None:
         raise UnsupportedFeatureError(
-            "this checkpoint's chat template teaches no tool-call syntax PocketLLM parses "
-            "(Hermes-style <tool_call>{json}</tool_call> or Qwen3-Coder's <function=...> XML), "
-            "so calls would come back as text; send the request without tools, or with "
-            '"tool_choice": "none"', "tools")
+            "this checkpoint's chat template teaches no tool-call syntax PocketLLM parses, so "
+            'under "tool_choice": "auto" nothing says how the model marks a call. Send '
+            '"tool_choice": "required" or a named function (enforced by the grammar on any '
+            "model), or start the server with --tool-call-parser hermes|qwen3_xml to name the "
+            "syntax the model writes", "tools")
     if sampling.structured is not None:  # the frontends refuse this; a stage-level guard
         raise InvalidRequestError('"response_format" cannot be combined with "tools"',
                                   "response_format")

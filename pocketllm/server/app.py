@@ -20,7 +20,10 @@ from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.openai_fields import ParsedRequest, parse_chat, parse_completion
 from . import responses as R
 from .http_errors import openai_errors
+from .access_log import GROUP, access_log
+from .cors import cors_middleware
 from .metrics import Metrics
+from .model_cards import list_models, retrieve_model
 from .streaming import ChoiceGroup
 
 log = logging.getLogger("pocketllm.server")
@@ -35,10 +38,16 @@ class ServerState:
     request_timeout: Optional[float] = None
     client: Optional[EngineClient] = None  # None until the engine is ready
     draining: bool = False  # SIGTERM received: finish what runs, accept nothing new
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Optional[Metrics] = None  # None: one labelled with model_name
     # Active requests by (caller scope, request id): see _scope.
     groups: dict[tuple[str, str], ChoiceGroup] = field(default_factory=dict)
     limits: RequestLimits = DEFAULT_LIMITS  # the engine's settings; client.limits once ready
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
+    log_requests: bool = True  # the access log's line per request
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.model_name)
 
     def request_limits(self) -> RequestLimits:
         """With the model's bounds (vocabulary, context) once the engine is loaded."""
@@ -46,13 +55,17 @@ class ServerState:
 
 
 def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors, _auth])
+    edge = ([access_log] if state.log_requests else []) + (
+        [cors_middleware(state.allowed_origins)] if state.allowed_origins else [])
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[*edge, openai_errors, _auth])
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/alive", alive)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_delete("/v1/requests/{request_id}", cancel_request)
@@ -116,12 +129,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    client = state.client
-    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "pocketllm"}
-    if client is not None:
-        card["max_model_len"] = client.info.max_model_len
-    return web.json_response({"object": "list", "data": [card]})
+    return list_models(request.app[STATE])
+
+
+async def model(request: web.Request) -> web.Response:
+    return retrieve_model(request.app[STATE], request.match_info["model_id"])
 
 
 # ---------------------------------------------------------------- generation
@@ -206,6 +218,7 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
                                       "request of yours", "request_id")
         group = ChoiceGroup(state, client, parsed, kind, rid)
         state.groups[key] = group
+        request[GROUP] = group  # the access log reads its usage and TTFT
         try:
             return await group.respond(request)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..proto.messages import STEP_PATHS, SchedulerStats
 
@@ -11,62 +12,85 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """Every series carries `model_name`. Figures the scheduler counts up (preemptions, prefix
+    cache, steps) are Prometheus counters (`_total`), read from its latest stats at scrape."""
+
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         p = "pocketllm_"
+        m = ["model_name"]
+        self.model_name = model_name
         self.requests = Counter(p + "requests", "Finished requests (choices) by finish reason",
-                                ["finish_reason"], registry=r)
-        self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge(p + "requests_waiting", "Requests waiting to be scheduled",
-                             registry=r)
-        self.kv_used = Gauge(p + "kv_blocks_used", "KV-cache blocks in use", registry=r)
-        self.kv_total = Gauge(p + "kv_blocks_total", "KV-cache blocks in all", registry=r)
-        self.prefix_queries = Gauge(p + "prefix_cache_queries_tokens",
-                                    "Prompt tokens looked up in the prefix cache (cumulative)",
-                                    registry=r)
-        self.prefix_hits = Gauge(p + "prefix_cache_hits_tokens",
-                                 "Prompt tokens found in the prefix cache (cumulative)",
-                                 registry=r)
-        self.preemptions = Gauge(p + "preemptions", "Requests preempted (cumulative)", registry=r)
-        self.overlapped = Gauge(p + "overlapped_steps", "Steps planned while the previous one "
-                                "ran (cumulative)", registry=r)
-        self.steps = Gauge(p + "steps", "Computed steps by how the forward ran: graph (a "
-                           "decode CUDA graph), piecewise (graphs around eager attention), "
-                           "eager (cumulative)", ["path"], registry=r)
-        self.step_launch = Gauge(p + "step_launch_seconds", "Host time spent queueing the "
-                                 "steps of each path; on the CPU, computing them (cumulative)",
-                                 ["path"], registry=r)
-        self.step_device = Gauge(p + "step_device_seconds", "CUDA: the steps' span on the "
-                                 "device, first kernel to last (cumulative)", ["path"],
-                                 registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output deltas",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency, end to end",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                                m + ["finish_reason"], registry=r)
+
+        def gauge(name: str, doc: str):
+            return Gauge(p + name, doc, m, registry=r).labels(model_name)
+
+        self.running = gauge("requests_running", "Requests in the running batch")
+        self.waiting = gauge("requests_waiting", "Requests waiting to be scheduled")
+        self.kv_used = gauge("kv_blocks_used", "KV-cache blocks in use")
+        self.kv_total = gauge("kv_blocks_total", "KV-cache blocks in all")
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", m,
+                                         registry=r).labels(model_name)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", m,
+                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output deltas", m,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency, end to end", m,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.engine_counters = _EngineCounters(model_name)
+        r.register(self.engine_counters)
 
     def update_engine(self, stats: SchedulerStats) -> None:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
-        self.prefix_queries.set(stats.prefix_cache_queries)
-        self.prefix_hits.set(stats.prefix_cache_hits)
-        self.preemptions.set(stats.preemptions)
-        self.overlapped.set(stats.overlapped_steps)
-        for path in STEP_PATHS:
-            self.steps.labels(path=path).set(stats.steps_by_path.get(path, 0))
-            self.step_launch.labels(path=path).set(
-                stats.step_launch_ms_by_path.get(path, 0.0) / 1e3)
-            self.step_device.labels(path=path).set(
-                stats.step_device_ms_by_path.get(path, 0.0) / 1e3)
+        self.engine_counters.stats = stats
 
     def render(self, stats: SchedulerStats) -> bytes:
         self.update_engine(stats)
         return generate_latest(self.registry)
+
+    def count_finish(self, finish_reason: str) -> None:
+        self.requests.labels(model_name=self.model_name, finish_reason=finish_reason).inc()
+
+
+class _EngineCounters:
+    """The scheduler's cumulative figures as counters (it keeps the totals; we expose them)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats = SchedulerStats()
+
+    def collect(self):
+        s, p = self.stats, "pocketllm_"
+
+        def counter(name: str, doc: str, value: float, **labels: str):
+            c = CounterMetricFamily(p + name, doc, labels=["model_name", *labels])
+            c.add_metric([self.model_name, *labels.values()], value)
+            return c
+
+        yield counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix "
+                      "cache", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                      s.prefix_cache_hits)
+        yield counter("preemptions", "Requests preempted", s.preemptions)
+        yield counter("overlapped_steps", "Steps planned while the previous one ran",
+                      s.overlapped_steps)
+        for name, doc, values, scale in (
+                ("steps", "Computed steps by how the forward ran: graph (a decode CUDA graph), "
+                 "piecewise (graphs around eager attention), eager", s.steps_by_path, 1),
+                ("step_launch_seconds", "Host time spent queueing the steps of each path; on "
+                 "the CPU, computing them", s.step_launch_ms_by_path, 1e3),
+                ("step_device_seconds", "CUDA: the steps' span on the device, first kernel to "
+                 "last", s.step_device_ms_by_path, 1e3)):
+            c = CounterMetricFamily(p + name, doc, labels=["model_name", "path"])
+            for path in STEP_PATHS:
+                c.add_metric([self.model_name, path], values.get(path, 0) / scale)
+            yield c
 
 
 class RequestTimer:
@@ -75,12 +99,14 @@ class RequestTimer:
     def __init__(self, metrics: Metrics, start: float):
         self.m = metrics
         self.start = start
+        self.first: float | None = None  # when the first token arrived (the access log's TTFT)
         self.last: float | None = None
 
     def on_delta(self, now: float, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         if self.last is None:
+            self.first = now
             self.m.ttft.observe(now - self.start)
         else:
             self.m.itl.observe(now - self.last)
@@ -89,6 +115,6 @@ class RequestTimer:
     def on_finish(self, now: float, finish_reason: str, prompt_tokens: int,
                   completion_tokens: int) -> None:
         self.m.e2e.observe(now - self.start)
-        self.m.requests.labels(finish_reason=finish_reason).inc()
+        self.m.count_finish(finish_reason)
         self.m.prompt_tokens.inc(prompt_tokens)
         self.m.generation_tokens.inc(completion_tokens)

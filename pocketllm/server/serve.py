@@ -42,6 +42,9 @@ class ServeOptions:
     body_timeout: float = 60.0  # for a request's whole body
     max_connections: Optional[int] = None  # None: the fd limit less FD_MARGIN
 
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); empty: CORS off
+    access_log: bool = True  # one line per request (pocketllm/server/access_log.py)
+
     def __post_init__(self) -> None:
         for name in ("keepalive_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
@@ -125,7 +128,9 @@ class _Signals:
 async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     name = opts.served_model_name or args.served_model_name or default_model_name(args)
     state = ServerState(model_name=name, limits=RequestLimits.from_args(args),
-                        api_key=opts.api_key, request_timeout=opts.request_timeout)
+                        api_key=opts.api_key, request_timeout=opts.request_timeout,
+                        allowed_origins=tuple(opts.allowed_origins),
+                        log_requests=opts.access_log)
     guard = ConnectionGuard(connection_cap(opts.max_connections, raise_fd_limit()),
                             opts.header_timeout, opts.body_timeout)
     app = build_app(state, opts.max_body_bytes)

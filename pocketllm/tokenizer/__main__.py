@@ -10,7 +10,7 @@ def main(ctx: StageContext) -> None:
     inbox = ctx.pull(endpoints.tokenizer(ctx.run_dir))
     to_scheduler = ctx.push(endpoints.scheduler(ctx.run_dir))
     to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
-    stage = TokenizerStage(ctx.info)
+    stage = TokenizerStage(ctx.info, tool_call_parser=ctx.args.tool_call_parser)
     decoder = codec.decoder_for("tokenizer")
     ctx.ready(info={"vocab_size": stage.tokenizer.get_vocab_size(),
                     "chat_template": stage.chat.available})

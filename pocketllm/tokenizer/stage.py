@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Union
+from typing import Optional, Union
 
 import msgspec
 
@@ -13,7 +13,8 @@ from ..proto.messages import (ErrorKind, GenerateRequest, RequestError, Structur
                               TokenizedRequest)
 from ..protocol.chat import ChatRenderer
 from ..protocol.tool_choice import take_tool_options, tool_split
-from ..protocol.tool_parsers import parser_for_template
+from ..protocol.tool_parsers import get_tool_parser, parser_for_template
+from ..protocol.tool_prompt import FORCED_SYNTAX, template_shows_tools, with_tools_in_text
 from ..sampling import check_token_ids_in_vocab
 from .reasoning import reasoning_split
 from .tokenizer import load_tokenizer
@@ -22,7 +23,7 @@ log = logging.getLogger("pocketllm.tokenizer")
 
 
 class TokenizerStage:
-    def __init__(self, info: ModelInfo):
+    def __init__(self, info: ModelInfo, tool_call_parser: Optional[str] = None):
         self.info = info
         self.loaded = load_tokenizer(info)
         self.tokenizer = self.loaded.tokenizer
@@ -30,8 +31,13 @@ class TokenizerStage:
         # The built-in template's turn terminator ends a chat answer like an EOS would.
         self.chat_stop_ids = [i for i in [self.loaded.token_id(self.chat.stop_token)]
                               if i is not None]
-        # The call syntax the checkpoint's template teaches (None: tools are refused).
-        self.tool_parser = parser_for_template(info.chat_template, info.family)
+        # The call syntax the checkpoint's template teaches, or the one --tool-call-parser
+        # names (None: "auto" is refused; forced calls use FORCED_SYNTAX).
+        self.tool_parser = (get_tool_parser(tool_call_parser) if tool_call_parser else
+                            parser_for_template(info.chat_template, info.family))
+        # A template without a `tools` variable gets them in a system message (tool_prompt).
+        self.tools_in_text = self.chat.available and not template_shows_tools(
+            self.chat.template_source)
 
     def handle(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
         """The request's next message; nothing one request holds can raise out of here."""
@@ -44,11 +50,11 @@ class TokenizerStage:
             return RequestError(req.request_id, f"the tokenizer failed on this request: "
                                 f"{type(e).__name__}: {e}", kind=ErrorKind.internal)
 
-    def _render(self, req: GenerateRequest, opts: dict, add_gen: bool) -> str:
+    def _render(self, messages: list, opts: dict, add_gen: bool) -> str:
         """The chat template's text. The template runs over the caller's messages and
         chat_template_kwargs, so whatever it raises is the input's fault (a 400)."""
         try:
-            return self.chat.render(req.messages, add_generation_prompt=add_gen, **opts)
+            return self.chat.render(messages, add_generation_prompt=add_gen, **opts)
         except PocketLLMError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a kwarg that overrides a template variable
@@ -85,11 +91,20 @@ class TokenizerStage:
             add_gen = opts.pop("add_generation_prompt", True)
             drop_thinking = bool(opts.pop("drop_thinking", False))  # ours, not the template's
             tool_req = take_tool_options(opts)  # tool_choice etc. are ours too
-            text = self._render(req, opts, add_gen)
+            parser = self.tool_parser
+            if parser is None and tool_req.tools and tool_req.choice != "auto":
+                parser = get_tool_parser(FORCED_SYNTAX)  # the grammar makes the model write it
+            messages = req.messages
+            if self.tools_in_text:
+                opts.pop("tools", None)
+                messages = with_tools_in_text(
+                    messages, parser.name if parser else FORCED_SYNTAX, tool_req.tools,
+                    tool_req.choice, tool_req.parallel)
+            text = self._render(messages, opts, add_gen)
             # The template already wrote any BOS it wants.
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
             split = reasoning_split(self.chat.template_source, self.loaded, ids, drop_thinking)
-            split, sampling = tool_split(tool_req, self.tool_parser, split, sampling)
+            split, sampling = tool_split(tool_req, parser, split, sampling)
             if self.chat_stop_ids:
                 sampling = msgspec.structs.replace(
                     sampling, stop_token_ids=sorted(set(sampling.stop_token_ids)
