@@ -281,6 +281,8 @@ def test_a_flooding_client_does_not_starve_a_small_one(tiny_llama):
             before = sum(1 for f in finishes if f < done)
             total, flood_s = len(finishes), max(finishes) - t0
         assert total == 32
+        print(f"\nsmall request: {done - t0:.2f} s, after {before} of the flood's 32 choices "
+              f"(the flood took {flood_s:.2f} s)")
         # Served after about one seat freed, not after the flood's queue.
         assert before <= 6, f"{before} flood choices finished before the small request"
         assert done - t0 < flood_s / 3, (done - t0, flood_s)
