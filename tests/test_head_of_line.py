@@ -121,3 +121,33 @@ def test_a_huge_prompt_does_not_delay_a_small_request(server, chars):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert small < bound(base), (small, base)
+
+
+def test_grammar_checks_time_out_share_builds_and_cache_answers():
+    from pocketllm.proto.messages import StructuredSpec
+    from pocketllm.tokenizer.grammar_checks import GrammarChecks
+
+    release, calls = threading.Event(), []
+
+    def check(spec):
+        calls.append(spec.value)
+        if spec.value == "slow":
+            release.wait(30)
+        return None if spec.value != "bad" else ("invalid_request", "bad grammar")
+
+    checks = GrammarChecks(0.3, check=check)
+    slow, fast = StructuredSpec("regex", "slow"), StructuredSpec("regex", "bad")
+    t0 = time.monotonic()
+    kind, why = checks.answer(slow)
+    assert kind == "invalid_request" and "took longer than 0.3 s" in why
+    assert time.monotonic() - t0 < 5
+    assert checks.answer(fast) == ("invalid_request", "bad grammar")  # the other thread
+    t0 = time.monotonic()
+    assert "took longer" in checks.answer(slow)[1]  # still building: refused at once
+    assert time.monotonic() - t0 < 0.2
+    release.set()
+    deadline = time.monotonic() + 5
+    while checks.answer(slow) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checks.answer(slow) is None and checks.answer(fast)[1] == "bad grammar"
+    assert calls.count("slow") == 1 and calls.count("bad") == 1  # answers are cached

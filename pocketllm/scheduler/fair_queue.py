@@ -29,7 +29,9 @@ class FairQueue(deque):
         self._last_tag[req.client] = tag
         req.fair_tag = tag
         i = len(self)
-        while i > 0 and self[i - 1].fair_tag > tag:  # new tags are mostly the highest
+        for other in reversed(self):  # new tags are mostly the highest: a short walk
+            if other.fair_tag <= tag:
+                break
             i -= 1
         self.insert(i, req)
         if len(self._last_tag) > MAX_IDLE_CLIENTS:  # a tag the line has passed means nothing

@@ -14,6 +14,7 @@ which brings torch, is the stage's own one-time cost).
 from __future__ import annotations
 
 import collections
+import hashlib
 import queue
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 from ..proto.messages import StructuredSpec
 
 THREADS = 2
-CACHE_SIZE = 256  # answers kept, by (kind, value)
+CACHE_SIZE = 256  # answers kept, by (kind, digest of the value): a schema may be megabytes
 
 # A check's answer: None (it compiles) or (error kind, message), kind as RequestError's.
 Answer = Optional[tuple[str, str]]
@@ -46,7 +47,7 @@ class GrammarChecks:
 
     def submit(self, spec: StructuredSpec) -> Future:
         """A future of the spec's answer (already done when it is known)."""
-        key = (spec.kind, spec.value)
+        key = _key(spec)
         with self._lock:
             if key in self._answers:
                 self._answers.move_to_end(key)
@@ -68,7 +69,7 @@ class GrammarChecks:
 
     def expire(self, spec: StructuredSpec) -> str:
         """A request gave up on this spec: later requests for it fail at once while it builds."""
-        key = (spec.kind, spec.value)
+        key = _key(spec)
         with self._lock:
             if key in self._running:
                 self._overdue.add(key)
@@ -114,6 +115,10 @@ class GrammarChecks:
                 self.on_done()
 
 
+def _key(spec: StructuredSpec) -> tuple[str, bytes]:
+    return spec.kind, hashlib.sha256(spec.value.encode("utf-8", "surrogatepass")).digest()
+
+
 def _done(answer: Answer) -> Future:
     future: Future = Future()
     future.set_result(answer)
@@ -121,13 +126,13 @@ def _done(answer: Answer) -> Future:
 
 
 def _check_with_xgrammar(spec: StructuredSpec) -> Answer:
-    from ..errors import UnsupportedFeatureError
-    from ..scheduler.grammar import check_spec
+    from ..scheduler.grammar import to_grammar
 
     try:
-        check_spec(spec)
-    except UnsupportedFeatureError as e:
-        return ("unsupported", str(e))
+        to_grammar(spec)
+    except ImportError as e:
+        return ("unsupported", f"structured output needs the xgrammar package ({e}); pip "
+                "install xgrammar, or leave response_format out")
     except ValueError as e:
         return ("invalid_request", str(e))
     return None
