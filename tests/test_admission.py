@@ -206,7 +206,9 @@ def _assert_429(r: httpx.Response, code: str):
     assert r.headers["Retry-After"] == "1"
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == "rate_limit_exceeded" and err["code"] == code, err
+    assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded", err
+    assert {"server_busy": "the server is at its limit",
+            "client_busy": "this client already has"}[code] in err["message"], err
 
 
 def test_429_per_client_then_per_server_with_retry_after(limited_server):

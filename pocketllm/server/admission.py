@@ -27,8 +27,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from ..errors import InvalidRequestError
-from . import responses as R
+from ..errors import InvalidRequestError, RateLimitedError
 
 
 @dataclass
@@ -49,11 +48,12 @@ class AdmissionLimits:
                 raise InvalidRequestError(f"{name} must be a non-negative integer", name)
 
 
-class RateLimited(Exception):
-    """Refused for now: the answer is a 429 with Retry-After (see rate_limited_response)."""
+class RateLimited(RateLimitedError):
+    """Refused for now: the error table answers a 429 with Retry-After. ``code`` says which
+    limit ("server_busy" or "client_busy"; the message says it too)."""
 
     def __init__(self, message: str, code: str, retry_after_s: int):
-        super().__init__(message)
+        super().__init__(message, retry_after=retry_after_s)
         self.code = code
         self.retry_after_s = retry_after_s
 
@@ -125,10 +125,3 @@ def client_of(request: web.Request, checks_keys: bool) -> str:
     peer = request.remote or "unknown"
     key = request.headers.get("Authorization", "") if checks_keys else ""
     return hashlib.sha256(f"{peer}\0{key}".encode()).hexdigest()[:16]
-
-
-def rate_limited_response(e: RateLimited) -> web.Response:
-    """The one place a 429 is shaped (to move onto the error-kind table when it lands)."""
-    resp = R.error_response(429, str(e), "rate_limit_exceeded", code=e.code)
-    resp.headers["Retry-After"] = str(e.retry_after_s)
-    return resp

@@ -20,7 +20,7 @@ from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.openai_fields import ParsedRequest, parse_chat, parse_completion
 from . import responses as R
 from .http_errors import openai_errors
-from .admission import Admission, RateLimited, client_of, rate_limited_response
+from .admission import Admission, client_of
 from .metrics import Metrics
 from .streaming import ChoiceGroup
 
@@ -218,8 +218,6 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
             state.groups.pop(key, None)
             group.close()
             state.admission.release(ticket)
-    except RateLimited as e:
-        return rate_limited_response(e)
     except (ConnectionError, web.HTTPException):
         raise  # the client left (nobody to answer), or aiohttp's own answer (the middleware)
     except Exception as e:  # noqa: BLE001 - every failure gets its kind's status, OpenAI-shaped
