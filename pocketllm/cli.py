@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admission-delay", type=float, default=0.05,
                    help="seconds a new request may wait, while CUDA-graph decodes run, for "
                         "others to share its prefill step (0: admit at once)")
+    g.add_argument("--max-output-tokens", type=int, default=None,
+                   help="largest max_tokens a request may ask (400 above it; default: "
+                        "max_model_len)")
     g.add_argument("--structured-output-timeout", type=float, default=10.0,
                    help="seconds a response_format grammar may take to compile")
     g.add_argument("--tensor-parallel-startup-timeout", type=float, default=300.0,
@@ -136,6 +139,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         overlap_scheduling={"auto": None, "on": True, "off": False}[ns.overlap_scheduling],
         batch_invariant=ns.batch_invariant,
         structured_output_timeout_s=ns.structured_output_timeout,
+        max_output_tokens=ns.max_output_tokens,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
         heartbeat_timeout=ns.heartbeat_timeout,
@@ -188,8 +192,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         keepalive_timeout=ns.keepalive_timeout, header_timeout=ns.header_timeout,
                         body_timeout=ns.body_timeout, max_connections=ns.max_connections,
                         allowed_origins=tuple(ns.allowed_origins or ()),
-                        access_log=not ns.no_access_log)
+                        access_log=not ns.no_access_log,
+                        admission=admission_limits_from(ns))
     return serve(engine_args_from(ns), opts)
+
+
+def admission_limits_from(ns: argparse.Namespace):
+    from .server.admission import AdmissionLimits
+
+    if ns.request_timeout < 0:
+        raise SystemExit("--request-timeout must be >= 0 (0: no deadline)")
+    return AdmissionLimits(max_requests=ns.max_requests, max_choices=ns.max_choices,
+                           max_client_requests=ns.max_requests_per_client,
+                           max_client_choices=ns.max_choices_per_client)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -281,6 +296,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .server.admission import AdmissionLimits as AdmissionDefaults
+
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -295,8 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoint's file or directory name)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (or POCKETLLM_API_KEY)")
-    srv.add_argument("--request-timeout", type=float, default=None,
-                     help="per-request deadline in seconds (504, or fewer choices, when hit)")
+    srv.add_argument("--request-timeout", type=float, default=600.0,
+                     help="per-request deadline in seconds (504, or fewer choices, when hit); "
+                          "0: none")
+    lim = AdmissionDefaults()
+    srv.add_argument("--max-requests", type=int, default=lim.max_requests,
+                     help="requests the server holds at once (queued or running); beyond: 429")
+    srv.add_argument("--max-choices", type=int, default=lim.max_choices,
+                     help="choices (n x prompts x best_of) the server holds at once; beyond: 429")
+    srv.add_argument("--max-requests-per-client", type=int, default=lim.max_client_requests,
+                     help="requests one client (address, plus API key) holds at once")
+    srv.add_argument("--max-choices-per-client", type=int, default=lim.max_client_choices,
+                     help="choices one client holds at once")
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20,
                      help="larger request bodies get a 413")
     srv.add_argument("--keepalive-timeout", type=float, default=15.0,

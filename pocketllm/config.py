@@ -56,6 +56,8 @@ class EngineArgs:
     seed: int = 0
     # Constrained decoding: a grammar that takes longer to compile fails its request (400).
     structured_output_timeout_s: float = 10.0
+    # The largest max_tokens a request may ask (a 400 above it); None: max_model_len.
+    max_output_tokens: Optional[int] = None
     startup_timeout: float = 300.0  # seconds for every process to report ready
     shutdown_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL (and the HTTP drain)
     # Seconds a process may leave a heartbeat unanswered before /health and /ready say 503.
@@ -100,6 +102,10 @@ class EngineArgs:
                 not isinstance(self.cuda_graph_max_tokens, int) or self.cuda_graph_max_tokens < 0):
             raise InvalidRequestError("cuda_graph_max_tokens must be a non-negative integer",
                                       "cuda_graph_max_tokens")
+        if self.max_output_tokens is not None and (
+                not isinstance(self.max_output_tokens, int) or self.max_output_tokens < 1):
+            raise InvalidRequestError("max_output_tokens must be a positive integer",
+                                      "max_output_tokens")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
         for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s",

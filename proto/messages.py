@@ -105,6 +105,7 @@ class GenerateRequest(_Msg):
     chat_options: dict = {}  # add_generation_prompt, tools, reasoning_effort, ...
     arrival_time: float = 0.0
     echo: bool = False  # completions `echo`: the answer's text starts with the prompt's
+    client: str = ""  # who sent it (the server's tag); the scheduler is fair across clients
 
 
 class TokenizedRequest(_Msg):
@@ -117,6 +118,7 @@ class TokenizedRequest(_Msg):
     arrival_time: float = 0.0
     split: Optional[OutputSplit] = None
     echo_text: str = ""  # `echo`: the prompt as text, prepended to the first output
+    client: str = ""  # GenerateRequest.client
 
 
 class Abort(_Msg):

@@ -45,6 +45,8 @@ class Request:
         self.grammar = None  # a RequestGrammar (grammar.py) when the output is constrained
         self.split = req.split  # passed through to the detokenizer (reasoning / tool calls)
         self.echo_text = req.echo_text
+        self.client = req.client  # fair_queue.py orders the waiting queue across clients
+        self.fair_tag = 0
 
     @property
     def num_tokens(self) -> int:

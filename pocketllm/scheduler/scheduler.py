@@ -6,8 +6,9 @@ result)`` -> next ``schedule()``. Policy of one step, under a token budget of
 
 1. decodes (running requests with one token left to compute), oldest first;
 2. the next chunk of running requests still in prefill;
-3. waiting requests, first come first served, while seats, budget and blocks
-   allow (none when this step preempted something: memory is short).
+3. waiting requests, first come first served (taking turns across clients:
+   fair_queue.py), while seats, budget and blocks allow (none when this step
+   preempted something: memory is short).
 
 Without chunked prefill a prompt is scheduled whole; one longer than the whole
 budget is scheduled alone as the only prefill of its step (it could never fit
@@ -44,6 +45,7 @@ from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, 
 from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
+from .fair_queue import FairQueue
 from .request import Request, RequestStatus, refusal
 
 if TYPE_CHECKING:
@@ -106,7 +108,7 @@ class Scheduler:
         self.ended = TokenBatch(new_requests=[], deltas=[])
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.waiting: FairQueue = FairQueue()  # a deque kept in fair order
         self.running: list[Request] = []  # admission order: the last is the newest
         self._requests: dict[str, Request] = {}  # every waiting or running request
         self._finished_ids: list[str] = []  # for the next plan's finished_request_ids
@@ -144,7 +146,7 @@ class Scheduler:
                                              list(req.eos_token_ids) + list(req.sampling.stop_token_ids))
             self._compiling[request] = None
         self._requests[req.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         return None
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> TokenBatch:
@@ -310,6 +312,7 @@ class Scheduler:
             if need > bm.num_free_blocks - bm.num_unreferenced(matched):
                 break  # FCFS: later requests wait behind it
             self.waiting.remove(req)
+            self.waiting.admitted(req)
             bm.acquire(matched)
             req.block_ids = matched + bm.allocate(need)
             req.num_computed_tokens = req.num_verified_tokens = num_computed

@@ -22,6 +22,7 @@ from . import responses as R
 from .http_errors import openai_errors
 from .access_log import GROUP, access_log
 from .cors import cors_middleware
+from .admission import Admission, client_of
 from .metrics import Metrics
 from .model_cards import list_models, retrieve_model
 from .streaming import ChoiceGroup
@@ -52,6 +53,7 @@ class ServerState:
     def request_limits(self) -> RequestLimits:
         """With the model's bounds (vocabulary, context) once the engine is loaded."""
         return self.client.limits if self.client is not None else self.limits
+    admission: Admission = field(default_factory=Admission)  # limits per server and client
 
 
 def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Application:
@@ -216,6 +218,10 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
         if key in state.groups:
             raise RequestIdInUseError(f"request_id {rid!r} is already in use by an active "
                                       "request of yours", "request_id")
+        who = client_of(request, bool(state.api_key))
+        ticket = state.admission.admit(who, len(parsed.choices))
+        for choice in parsed.choices:
+            choice.client = who
         group = ChoiceGroup(state, client, parsed, kind, rid)
         state.groups[key] = group
         request[GROUP] = group  # the access log reads its usage and TTFT
@@ -224,6 +230,7 @@ async def _generate(request: web.Request, parse, kind: str) -> web.StreamRespons
         finally:
             state.groups.pop(key, None)
             group.close()
+            state.admission.release(ticket)
     except (ConnectionError, web.HTTPException):
         raise  # the client left (nobody to answer), or aiohttp's own answer (the middleware)
     except Exception as e:  # noqa: BLE001 - every failure gets its kind's status, OpenAI-shaped

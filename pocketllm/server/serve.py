@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from aiohttp import web
@@ -18,6 +18,7 @@ from ..api.client import EngineClient
 from ..config import EngineArgs
 from ..errors import InvalidRequestError, PocketLLMError
 from ..protocol.limits import RequestLimits
+from .admission import Admission, AdmissionLimits
 from .app import ServerState, build_app
 from .connections import ConnectionGuard, GuardedTCPSite, connection_cap, raise_fd_limit
 from .http_errors import OpenAIAppRunner
@@ -34,13 +35,14 @@ class ServeOptions:
     port: int = 8000
     served_model_name: Optional[str] = None
     api_key: Optional[str] = None
-    request_timeout: Optional[float] = None
+    request_timeout: Optional[float] = 600.0  # seconds per request; 0 or None: no deadline
     max_body_bytes: int = 8 << 20
     # Connection hygiene (see connections.py and docs/api.md).
     keepalive_timeout: float = 15.0  # idle, before a request head is complete
     header_timeout: float = 10.0  # from a head's first byte to its end
     body_timeout: float = 60.0  # for a request's whole body
     max_connections: Optional[int] = None  # None: the fd limit less FD_MARGIN
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # 429 limits
 
     allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); empty: CORS off
     access_log: bool = True  # one line per request (pocketllm/server/access_log.py)
@@ -130,7 +132,8 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     state = ServerState(model_name=name, limits=RequestLimits.from_args(args),
                         api_key=opts.api_key, request_timeout=opts.request_timeout,
                         allowed_origins=tuple(opts.allowed_origins),
-                        log_requests=opts.access_log)
+                        log_requests=opts.access_log,
+                        admission=Admission(opts.admission))
     guard = ConnectionGuard(connection_cap(opts.max_connections, raise_fd_limit()),
                             opts.header_timeout, opts.body_timeout)
     app = build_app(state, opts.max_body_bytes)

@@ -1,4 +1,9 @@
-"""The tokenizer stage: chat rendering, tokenization and prompt checks, one request at a time."""
+"""The tokenizer stage: chat rendering, tokenization and prompt checks.
+
+``prepare`` is safe to run on several threads at once (loop.py runs a small pool);
+the grammar check of a structured request is separate (grammar_checks.py), so the
+loop can wait for it without holding a thread.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from ..protocol.tool_choice import take_tool_options, tool_split
 from ..protocol.tool_parsers import get_tool_parser, parser_for_template
 from ..protocol.tool_prompt import FORCED_SYNTAX, template_shows_tools, with_tools_in_text
 from ..sampling import check_token_ids_in_vocab
+from .grammar_checks import GrammarChecks
 from .reasoning import reasoning_split
 from .tokenizer import load_tokenizer
 
@@ -23,10 +29,18 @@ log = logging.getLogger("pocketllm.tokenizer")
 
 
 class TokenizerStage:
-    def __init__(self, info: ModelInfo, tool_call_parser: Optional[str] = None):
+    def __init__(self, info: ModelInfo, tool_call_parser: Optional[str] = None,
+                 max_output_tokens: Optional[int] = None,
+                 structured_output_timeout_s: float = 10.0):
         self.info = info
         self.loaded = load_tokenizer(info)
         self.tokenizer = self.loaded.tokenizer
+        # The largest max_tokens a request may ask (EngineArgs.max_output_tokens).
+        self.max_output_tokens = max_output_tokens or info.max_model_len
+        # A text longer than this cannot fit max_model_len whatever it tokenizes to, so it
+        # is refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = info.max_model_len * max_chars_per_token(self.tokenizer)
+        self.grammar_checks = GrammarChecks(structured_output_timeout_s)
         self.chat = ChatRenderer(info.chat_template, info.family, self.loaded.special_tokens)
         # The built-in template's turn terminator ends a chat answer like an EOS would.
         self.chat_stop_ids = [i for i in [self.loaded.token_id(self.chat.stop_token)]
@@ -40,7 +54,18 @@ class TokenizerStage:
             self.chat.template_source)
 
     def handle(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
-        """The request's next message; nothing one request holds can raise out of here."""
+        """``prepare`` and the grammar check, on the caller's thread (waits for the check
+        up to its time limit)."""
+        out = self.prepare(req)
+        if isinstance(out, TokenizedRequest) and out.sampling.structured is not None:
+            answer = self.grammar_checks.answer(out.sampling.structured)
+            if answer is not None:
+                return RequestError(req.request_id, answer[1], kind=ErrorKind(answer[0]),
+                                    param=out.sampling.structured.param)
+        return out
+
+    def prepare(self, req: GenerateRequest) -> Union[TokenizedRequest, RequestError]:
+        """Everything but the grammar's compilability (the caller checks that)."""
         try:
             return self._tokenize(req)
         except PocketLLMError as e:
@@ -63,18 +88,21 @@ class TokenizerStage:
                                       f"{type(e).__name__}: {e}", param) from None
 
     def _check_structured(self, spec: StructuredSpec) -> None:
-        """Refuse a grammar that cannot compile before it is scheduled (no vocabulary needed;
-        imports xgrammar on the first structured request)."""
         if self.loaded.placeholder:
             raise InvalidRequestError(
                 "structured output needs the checkpoint's vocabulary, and this one has none "
                 "(dummy weights from a bare config.json); pass a tokenizer", spec.param)
-        from ..scheduler.grammar import check_spec
 
-        try:
-            check_spec(spec)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), spec.param) from None
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"the prompt is {len(text)} characters, and no token of this vocabulary "
+                f"stands for more than {self.max_prompt_chars // self.info.max_model_len}: it "
+                f"is longer than this engine's max_model_len of {self.info.max_model_len} "
+                "tokens whatever it tokenizes to", "prompt")
+        # encode_batch releases the GIL (encode does not): other requests keep moving
+        # while a long prompt is tokenized on another thread.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         sampling = req.sampling
@@ -102,7 +130,7 @@ class TokenizerStage:
                     tool_req.choice, tool_req.parallel)
             text = self._render(messages, opts, add_gen)
             # The template already wrote any BOS it wants.
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self._encode(text, add_special_tokens=False)
             split = reasoning_split(self.chat.template_source, self.loaded, ids, drop_thinking)
             split, sampling = tool_split(tool_req, parser, split, sampling)
             if self.chat_stop_ids:
@@ -119,7 +147,7 @@ class TokenizerStage:
         else:
             if not req.prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True).ids
+            ids = self._encode(req.prompt, add_special_tokens=True)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         limit = self.info.max_model_len
@@ -127,7 +155,11 @@ class TokenizerStage:
             raise PromptTooLongError(
                 f"the prompt is {len(ids)} tokens; this engine's max_model_len is {limit}, which "
                 "must also leave room for at least one generated token", "prompt")
-        room = limit - len(ids)
+        if sampling.max_tokens > self.max_output_tokens:  # OpenAI's rule: refused, not cut
+            raise InvalidRequestError(
+                f"max_tokens is too large: {sampling.max_tokens}; this server generates at most "
+                f"{self.max_output_tokens} tokens per choice", "max_tokens")
+        room = min(limit - len(ids), self.max_output_tokens)
         max_tokens = room if sampling.max_tokens == 0 else sampling.max_tokens
         if max_tokens > room:
             max_tokens = room  # ends with finish_reason "length" at max_model_len
@@ -141,4 +173,16 @@ class TokenizerStage:
                 ids, skip_special_tokens=sampling.skip_special_tokens)
         return TokenizedRequest(req.request_id, ids, sampling,
                                 eos_token_ids=list(self.info.eos_token_ids),
-                                arrival_time=req.arrival_time, split=split, echo_text=echo_text)
+                                arrival_time=req.arrival_time, split=split, echo_text=echo_text,
+                                client=req.client)
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters of text one token can stand for: its longest vocabulary entry,
+    times 4 when a normalizer may compose characters first (NFC/NFKC can fold up to three
+    into one); replacing spaces with a marker, as SentencePiece vocabularies do, keeps the
+    count."""
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    norm = repr(tokenizer.normalizer)
+    composes = any(form in norm for form in ("NFC", "NFKC", "Precompiled"))
+    return max(1, longest) * (4 if composes else 1)
