@@ -13,6 +13,9 @@ here follows transformers' GGUF conversion, which tests use as the reference:
 * Control tokens (type 3) become special added tokens: matched whole in text,
   skipped by ``decode(skip_special_tokens=True)``. User-defined tokens (type 4)
   become plain added tokens, also matched whole.
+* A byte-level file is cut into words first by the pre-tokenizer its
+  ``tokenizer.ggml.pre`` names, from the table in ``gguf_pretokenizers.py``
+  (a SentencePiece file's name is ignored, as llama.cpp does).
 * BOS (and EOS) is added by the post-processor as ``tokenizer.ggml.add_bos_token``
   (``add_eos_token``) says.
 """
