@@ -197,17 +197,18 @@ def byte_level_vocab():
     return tokens, types, [f"{a} {b}" for a, b in merges]
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default"])
+# every other name, and a file naming none, is in test_pretokenizers.py
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
 def test_byte_level_matches_transformers(byte_level_vocab, pre, tmp_path):
     tokens, types, merges = byte_level_vocab
     path = _write_vocab_gguf(str(tmp_path / f"{pre}.gguf"), tokens, types, model="gpt2", pre=pre,
-                             merges=merges, bos=0, eos=2, add_bos=(pre != "qwen2"))
+                             merges=merges, bos=0, eos=2, add_bos=(pre == "llama-bpe"))
     ours = tokenizer_from_gguf(path)
     texts = TEXTS + ["<|begin_of_text|>x<|eot_id|>", "<think>hmm</think> ok", "it's 12345 they'll"]
     _compare(ours, _hf_tokenizer(path), texts)
     ids = ours.encode("<|eot_id|><think>").ids
     assert ids[-2:] == [2, len(tokens) - 1]
-    assert (ids[0] == 0) == (pre != "qwen2")  # BOS only where add_bos_token says so
+    assert (ids[0] == 0) == (pre == "llama-bpe")  # BOS only where add_bos_token says so
 
 
 @pytest.fixture(scope="module")

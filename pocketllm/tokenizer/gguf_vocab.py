@@ -13,6 +13,9 @@ here follows transformers' GGUF conversion, which tests use as the reference:
 * Control tokens (type 3) become special added tokens: matched whole in text,
   skipped by ``decode(skip_special_tokens=True)``. User-defined tokens (type 4)
   become plain added tokens, also matched whole.
+* A byte-level file is cut into words first by the pre-tokenizer its
+  ``tokenizer.ggml.pre`` names, from the table in ``gguf_pretokenizers.py``
+  (a SentencePiece file's name is ignored, as llama.cpp does).
 * BOS (and EOS) is added by the post-processor as ``tokenizer.ggml.add_bos_token``
   (``add_eos_token``) says.
 """
@@ -25,24 +28,13 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 
 from ..errors import CheckpointError, UnsupportedFeatureError
 from ..gguf_meta import read_gguf_header
+from .gguf_pretokenizers import PRE_TOKENIZERS, REFUSED, PreTokenizer
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _POSITION_RANKED_ARCHS = {"gemma", "gemma2", "gemma3"}
-
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-# tokenizer.ggml.pre -> the regex that splits text before byte-level BPE; None = GPT-2's own.
-_BYTE_LEVEL_SPLITS = {
-    None: None, "default": None, "gpt2": None,
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
     meta = read_gguf_header(path).metadata
@@ -55,14 +47,28 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
         raise CheckpointError(f"{path!r}: {len(types)} token types for {len(tokens)} tokens")
     if kind == "llama":
         tok, tokens = _sentencepiece_bpe(meta, tokens)
+        default_add_bos = True
     elif kind == "gpt2":
-        tok, tokens = _byte_level_bpe(meta, tokens, path)
+        pre = pre_tokenizer(meta, path)
+        tok, tokens = _byte_level_bpe(meta, tokens, path, pre)
+        default_add_bos = pre.add_bos
     else:
         raise UnsupportedFeatureError(
             f"{path!r}: GGUF tokenizer model {kind!r} is not supported (PocketLLM reads 'llama' and 'gpt2')")
     _add_special_tokens(tok, meta, tokens, types, byte_level=kind == "gpt2")
-    _set_post_processor(tok, meta, tokens, default_add_bos=kind == "llama")
+    _set_post_processor(tok, meta, tokens, default_add_bos=default_add_bos)
     return tok
+
+
+def pre_tokenizer(meta: dict, path: str) -> PreTokenizer:
+    """The table entry for the file's ``tokenizer.ggml.pre`` (llama.cpp's 'default' when absent)."""
+    name = meta.get("tokenizer.ggml.pre") or "default"
+    if name in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[name]
+    why = REFUSED.get(name, "llama.cpp does not know it either")
+    raise UnsupportedFeatureError(
+        f"{path!r}: GGUF pre-tokenizer {name!r} is not supported: {why} "
+        f"(PocketLLM knows {len(PRE_TOKENIZERS)}, listed in docs/architecture.md)")
 
 
 # ------------------------------------------------------------------ SentencePiece-style
@@ -188,12 +194,8 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_level_bpe(meta: dict, tokens: list[str], path: str) -> tuple[Tokenizer, list[str]]:
-    pre = meta.get("tokenizer.ggml.pre")
-    if pre not in _BYTE_LEVEL_SPLITS:
-        raise UnsupportedFeatureError(
-            f"{path!r}: GGUF pre-tokenizer {pre!r} is not supported; PocketLLM knows "
-            f"{', '.join(sorted(k for k in _BYTE_LEVEL_SPLITS if k))}")
+def _byte_level_bpe(meta: dict, tokens: list[str], path: str,
+                    pre: PreTokenizer) -> tuple[Tokenizer, list[str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise CheckpointError(f"{path!r}: a 'gpt2' GGUF tokenizer needs tokenizer.ggml.merges")
@@ -203,15 +205,13 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str) -> tuple[Tokenizer
     tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
               for t in tokens]
     bpe = models.BPE(vocab=_vocab(tokens), merges=[tuple(m.split(" ", 1)) for m in merges],
-                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                     ignore_merges=pre.ignore_merges)
     tok = Tokenizer(bpe)
-    split = _BYTE_LEVEL_SPLITS[pre]
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    # llama.cpp's regexes run in turn, each cutting every piece so far: Split, isolated.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in pre.splits),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok, tokens
 
