@@ -104,7 +104,13 @@ class ModelRunner:
         self.pad_slot = self.num_kv_blocks * self.block_size
         self.kv = torch.empty(cfg.num_layers, 2, slots, kv_heads, cfg.head_dim,
                               device=self.device, dtype=self.dtype)
-        self.kv[:, :, self.pad_slot:].zero_()
+        if self.device.type == "cpu":
+            # The OS backs a CPU tensor's pages only when they are first written, so an
+            # untouched cache would grow the worker's memory request by request until full
+            # (and fail mid-serving where RAM is short). Touched now: it fails at start.
+            self.kv.zero_()
+        else:
+            self.kv[:, :, self.pad_slot:].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self._warm_up_attention()
