@@ -326,9 +326,12 @@ completion_bodies = body(COMPLETION, ("prompt",))
 
 # ------------------------------------------------------------------ headers
 
-ascii_value = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=60)
+# A header value as a client can send it: HTTP strips the whitespace around a value, and
+# httpx (h11) refuses to send a value that has any (raw_requests sends such bytes).
+ascii_value = st.text(st.characters(min_codepoint=32, max_codepoint=126),
+                      max_size=60).map(str.strip)
 headers = st.fixed_dictionaries({}, optional={
-    "X-Request-Id": st.one_of(ascii_value, st.sampled_from(["a" * 10_000, "a" * 201, " ", "%00"])),
+    "X-Request-Id": st.one_of(ascii_value, st.sampled_from(["a" * 10_000, "a" * 201, "", "%00"])),
     "Content-Type": st.sampled_from(["application/json", "text/plain", "application/json; "
                                      "charset=latin-1", "multipart/form-data; boundary=x",
                                      "application/x-www-form-urlencoded", "*/*", "", ";;;",

@@ -59,6 +59,11 @@ def test_an_unforeseen_tokenizer_failure_fails_that_request_only(tokenizer_stage
                 raise RuntimeError("the vocabulary met something odd")
             return real.encode(text, **kw)
 
+        def encode_batch(self, texts, **kw):  # what the stage calls (it releases the GIL)
+            if any("poison" in t for t in texts):
+                raise RuntimeError("the vocabulary met something odd")
+            return real.encode_batch(texts, **kw)
+
     tokenizer_stage.tokenizer = Poisoned()
     try:
         bad = tokenizer_stage.handle(GenerateRequest("p", SamplingSpec(), prompt="poison"))

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .kernels import kernels_usable
 
 _building_batch_invariant = False
 
@@ -78,7 +77,8 @@ class KernelPolicy:
 
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
-    return KernelPolicy(triton=kernels_usable(device), batch_invariant=_building_batch_invariant)
+    return KernelPolicy(triton=kernels.kernels_usable(device),
+                        batch_invariant=_building_batch_invariant)
 
 
 @contextlib.contextmanager
@@ -96,7 +96,7 @@ def check_batch_invariant(device: torch.device, world_size: int) -> None:
     """Refuse, before any weight is read, a batch-invariant engine this code cannot keep."""
     from pocketllm.errors import UnsupportedFeatureError
 
-    if not kernels_usable(device):
+    if not kernels.kernels_usable(device):
         raise UnsupportedFeatureError(
             f"batch_invariant needs the CUDA path with Triton; this worker runs on {device} "
             "(the torch path's library products choose their kernels by shape)",

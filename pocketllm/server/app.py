@@ -19,7 +19,7 @@ from ..protocol import limits as L
 from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.openai_fields import ParsedRequest, parse_chat, parse_completion
 from . import responses as R
-from .http_errors import openai_errors
+from .http_errors import expect_handler, openai_errors
 from .access_log import GROUP, access_log
 from .cors import cors_middleware
 from .admission import Admission, client_of
@@ -62,15 +62,15 @@ def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Applicat
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[*edge, openai_errors, _auth])
     app[STATE] = state
-    app.router.add_get("/health", health)
-    app.router.add_get("/alive", alive)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_delete("/v1/requests/{request_id}", cancel_request)
+    for method, path, handler in (
+            ("GET", "/health", health), ("GET", "/alive", alive), ("GET", "/ready", ready),
+            ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
+            ("GET", "/v1/models/{model_id:.+}", model),
+            ("POST", "/v1/chat/completions", chat_completions),
+            ("POST", "/v1/completions", completions),
+            ("DELETE", "/v1/requests/{request_id}", cancel_request)):
+        # An Expect header is answered before any middleware runs: by expect_handler.
+        app.router.add_route(method, path, handler, expect_handler=expect_handler)
     return app
 
 

@@ -19,6 +19,7 @@ import resource
 from typing import Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from . import responses as R
 
@@ -89,6 +90,8 @@ class ConnectionGuard:
             if request.body_exists:  # read it here, bounded; the handler's read() reuses it
                 try:
                     await asyncio.wait_for(request.read(), self.body_timeout)
+                except (HttpProcessingError, web.RequestPayloadError):
+                    pass  # unreadable (bad gzip, bad chunks): the handler's read says so, a 400
                 except asyncio.TimeoutError:
                     self.timed_out += 1
                     resp = R.error_response(

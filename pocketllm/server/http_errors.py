@@ -1,13 +1,14 @@
 """Every HTTP error in the OpenAI shape, aiohttp's own included.
 
-Two places answer errors in aiohttp. What the router and the handlers raise
+Three places answer errors in aiohttp. What the router and the handlers raise
 (404, 405, 413, ...) passes through the `openai_errors` middleware. What the
 HTTP parser refuses (a malformed request line, a header over the line limit,
 too many headers, a bad chunk) never reaches the application: the connection's
 RequestHandler answers it in `handle_error`, in plain text. `OpenAIAppRunner`
 serves the application with a RequestHandler whose `handle_error` answers in
 the OpenAI shape too (and also the last-resort 500 of an exception a handler
-let escape).
+let escape). And an `Expect` header is answered before any middleware, by the
+route's expect handler: every route gets `expect_handler` below.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import logging
 from typing import Optional
 
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion11, hdrs, web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, LineTooLong
 
 from ..protocol.limits import MAX_HTTP_HEADERS, MAX_HTTP_LINE_BYTES
@@ -30,6 +31,20 @@ _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_f
           417: "expectation_failed", 422: "unprocessable_entity", 429: "rate_limit_exceeded",
           431: "request_header_fields_too_large", 500: "internal_error",
           501: "not_implemented", 503: "service_unavailable", 504: "timeout"}
+
+
+async def expect_handler(request: web.Request) -> Optional[web.Response]:
+    """``Expect: 100-continue`` on HTTP/1.1 is answered as aiohttp does; any other
+    expectation gets an OpenAI-shaped 417 (aiohttp's own is plain text)."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+        return None
+    return error_for_status(417, f"this server meets no expectation but 100-continue, not "
+                                 f"Expect: {expect[:100]!r}")
 
 
 def error_for_status(status: int, message: str, code: Optional[str] = None) -> web.Response:
