@@ -10,6 +10,8 @@
 | ``gated_act``              | ``layers.activation.act_and_mul``                 |
 | ``gemv``                   | ``F.linear`` of one row (+ the norm / activation  |
 |                            | before it, the rotary after q/k/v)                |
+| ``bi_matmul``              | ``F.linear``, each row as in any other batch      |
+|                            | (the batch-invariant mode)                        |
 
 ``attention_backend.TritonAttention`` puts the first three behind the
 ``AttentionBackend`` interface; ``bench`` checks and times them all on a GPU
