@@ -19,6 +19,7 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.errors import CheckpointError
 from pocketllm.model_info import load_model_info
+from pocketllm.workers.loader.block_tensor import BlockTensor
 from pocketllm.workers.loader.gguf import (
     hf_name,
     load_gguf_weights,
@@ -132,8 +133,14 @@ def tiny(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(family) / f"tiny-{family}.gguf")
     tolerances = write_tiny_gguf(path, family, model)
     info = load_model_info(EngineArgs(model=path))
-    ours = dict(load_gguf_weights(path, info))
+    ours = dequantized(load_gguf_weights(path, info))
     return family, model, path, tolerances, info, ours
+
+
+def dequantized(tensors) -> dict:
+    """name -> float32 tensor: block tensors (kept as the file's bytes) decoded."""
+    return {name: value.read() if isinstance(value, BlockTensor) else value
+            for name, value in tensors}
 
 
 def test_round_trip_matches_hf_weights(tiny):
@@ -230,7 +237,7 @@ def test_truncated_file(llama_file, tmp_path):
 def embedded(default_model_path):
     info = load_model_info(EngineArgs(model=default_model_path))
     start = time.perf_counter()
-    ours = dict(load_gguf_weights(info.path, info))
+    ours = dequantized(load_gguf_weights(info.path, info))
     return info, ours, time.perf_counter() - start
 
 

@@ -6,7 +6,11 @@ Default mode, tuned for speed:
   rows of two or more take cuBLAS (``F.linear``), as does the CPU;
 - attention is ``TritonAttention`` on CUDA: decode splits chosen from the batch,
   SDPA for a lone long fresh prompt; the torch reference on CPU;
-- the sampler cuts top-k/top-p at the widest row's width, probing the nucleus.
+- the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
+- on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
+  kernel for every block type of the layer (``keeps_blocks``), and every product of it,
+  one row or many, runs that integer kernel; otherwise it is dequantized at load (a
+  type with no kernel is named in a one-line warning) and takes torch's product.
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -29,21 +33,44 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
 
+logger = logging.getLogger("pocketllm.worker")
+
 _building_batch_invariant = False
+_warned_types: set[str] = set()
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
     batch_invariant: bool = False
+    cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
+
+    def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
+        """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;
+        None: a float type) keeps them as blocks: some part is block-typed and every
+        block type has a kernel here."""
+        blocks = [t for t in types if t is not None]
+        if not blocks or not self.cpu_blocks:
+            return False
+        from .kernels import cpu_quant
+        from .loader.gguf_quants import type_name
+
+        missing = sorted(type_name(t) for t in set(blocks) - set(cpu_quant.QUANT_KERNEL_TYPES))
+        for name in missing:
+            if name not in _warned_types:
+                _warned_types.add(name)
+                logger.warning("GGUF type %s has no CPU kernel here: its tensors are "
+                               "dequantized to float32", name)
+        return not missing
 
     def kernel(self, module: str, name: str):
         """A Triton function the layer runs in place of its torch ops, None on the torch path."""
@@ -78,7 +105,22 @@ class KernelPolicy:
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
     return KernelPolicy(triton=kernels.kernels_usable(device),
-                        batch_invariant=_building_batch_invariant)
+                        batch_invariant=_building_batch_invariant,
+                        cpu_blocks=device.type == "cpu" and _cpu_blocks_available())
+
+
+def _cpu_blocks_available() -> bool:
+    try:
+        from .kernels import cpu_quant
+    except ImportError:
+        return False
+    if not cpu_quant.available():
+        if "build" not in _warned_types:
+            _warned_types.add("build")
+            logger.warning("the CPU block kernels are not available (%s): GGUF weights are "
+                           "dequantized to float32", cpu_quant.unavailable_reason())
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -29,7 +29,8 @@ from .distributed import RankFailure, current_group, ranks_on_this_host, share_c
 from .layers.attention import ScheduledSeq, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
                              uses_output_counts)
-from .loader import load_model_weights
+from .layers.block_weight import BlockWeight
+from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 
@@ -85,7 +86,8 @@ class ModelRunner:
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
-            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp)
+            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp,
+                                     stored_weight_types(info, args))
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
         cfg = self.model.cfg
@@ -207,7 +209,8 @@ class ModelRunner:
             attention_backend=type(self.backend).__name__,
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],
             batch_invariant=self.policy.batch_invariant,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters())
+            + sum(m.nbytes() for m in self.model.modules() if isinstance(m, BlockWeight)))
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel

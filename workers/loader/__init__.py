@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pocketllm.config import EngineArgs
 from pocketllm.errors import CheckpointError
 from pocketllm.model_info import ModelInfo
 
-from ..models.base import CausalLM
+if TYPE_CHECKING:
+    from ..models.base import CausalLM
 
 
-def load_model_weights(model: CausalLM, info: ModelInfo, args: EngineArgs,
+def stored_weight_types(info: ModelInfo, args: EngineArgs) -> dict[str, int]:
+    """HF name -> GGML block type of each tensor the checkpoint stores in blocks (read from
+    the GGUF header, before any weight), which lets layers keep those weights as stored."""
+    if args.load_format != "dummy" and info.format == "gguf":
+        from .gguf import gguf_block_types
+
+        return gguf_block_types(info.path, info)
+    return {}
+
+
+def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
                        show_progress: bool = False) -> None:
     fmt = "dummy" if args.load_format == "dummy" else info.format
 

@@ -1,4 +1,5 @@
-"""Weights from a GGUF file, as HuggingFace-named float32 tensors in HF shapes.
+"""Weights from a GGUF file, HuggingFace-named in HF shapes: float tensors as float32,
+block-quantized ones as ``BlockTensor``s (the file's bytes, mapped, not decoded).
 
 llama.cpp's converter renames every tensor and changes two things on the way;
 this undoes both so the values equal the HF checkpoint's:
@@ -9,8 +10,8 @@ this undoes both so the values equal the HF checkpoint's:
 * ``gemma3``: Gemma's RMSNorm multiplies by ``1 + w``; the converter stores
   ``w + 1`` so llama.cpp can multiply by the stored value. We subtract 1.
 
-Tensor data is memory-mapped and dequantized per tensor with numpy (gguf_quants
-says why not torch), so only one tensor's float copy is being built at a time.
+Tensor data is memory-mapped. A layer that keeps a block tensor dense dequantizes it
+when it copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from pocketllm.errors import CheckpointError
 from pocketllm.gguf_meta import GGUFTensorInfo, read_gguf_header
 
+from .block_tensor import BlockTensor, block_tensor
 from .gguf_quants import GGML_TYPES, SUPPORTED_TYPES, dequantize, type_name
 
 if TYPE_CHECKING:
@@ -96,32 +98,54 @@ def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> torch.Tensor:
+FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as float32 tensors
+
+
+def _check_type(t: GGUFTensorInfo, path: str) -> None:
     if t.ggml_type not in SUPPORTED_TYPES:
         raise CheckpointError(
             f"{path!r}: tensor {t.name!r} has GGML type {type_name(t.ggml_type)}, which PocketLLM "
             f"cannot dequantize (supported: {', '.join(sorted(type_name(x) for x in SUPPORTED_TYPES))})")
-    _, block_elems, block_bytes = GGML_TYPES[t.ggml_type]
-    n_elements = int(np.prod(t.shape))
-    if not t.shape or t.shape[0] % block_elems:
-        raise CheckpointError(f"{path!r}: tensor {t.name!r} of shape {t.shape} does not split into "
-                              f"{type_name(t.ggml_type)} blocks of {block_elems}")
-    n_bytes = n_elements // block_elems * block_bytes
+
+
+def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> "torch.Tensor | BlockTensor":
+    _check_type(t, path)
+    shape = tuple(reversed(t.shape))  # GGUF lists the fastest-varying dimension first
+    if not t.shape:
+        raise CheckpointError(f"{path!r}: tensor {t.name!r} has no dimensions")
+    if t.ggml_type not in FLOAT_TYPES:
+        return block_tensor(data, t.ggml_type, shape, t.offset, t.name, path)
+    _, _, elem_bytes = GGML_TYPES[t.ggml_type]
+    n_bytes = int(np.prod(t.shape)) * elem_bytes
     if t.offset + n_bytes > data.size:
         raise CheckpointError(f"{path!r} is truncated: tensor {t.name!r} ends past the end of the file")
-    values = dequantize(data[t.offset:t.offset + n_bytes], t.ggml_type)
-    # GGUF lists the fastest-varying dimension first; HF shapes list it last
-    return torch.from_numpy(values).view(tuple(reversed(t.shape)))
+    return torch.from_numpy(dequantize(data[t.offset:t.offset + n_bytes], t.ggml_type)).view(shape)
 
 
-def load_gguf_weights(path: str, info: "ModelInfo") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, float32 CPU tensor in HF shape) for every tensor of the file."""
+def _unpermuted(w: "torch.Tensor | BlockTensor", n_heads: int) -> "torch.Tensor | BlockTensor":
+    if isinstance(w, BlockTensor):  # whole rows move: the blocks stay as they are
+        return w.with_rows(unpermute_rope_rows(torch.arange(w.shape[0]), n_heads).numpy())
+    return unpermute_rope_rows(w, n_heads)
+
+
+def gguf_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
+    """HF name -> GGML type of every block-quantized tensor of the file (before any read)."""
+    header = read_gguf_header(path)
+    return {hf_name(name, info.family): t.ggml_type for name, t in header.tensors.items()
+            if name not in _DERIVED and t.ggml_type not in FLOAT_TYPES}
+
+
+def load_gguf_weights(path: str, info: "ModelInfo"
+                      ) -> Iterator[tuple[str, "torch.Tensor | BlockTensor"]]:
+    """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
+    CPU tensors for float types, ``BlockTensor``s (mapped, not decoded) for block types."""
     header = read_gguf_header(path)
     family = info.family
     cfg = info.hf_config
     n_heads = int(cfg["num_attention_heads"])
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    # copy-on-write: the views are writable for torch, and nothing ever writes them
+    data = np.memmap(path, dtype=np.uint8, mode="c")
     for gguf_name, t in header.tensors.items():
         if gguf_name in _DERIVED:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
@@ -130,9 +154,9 @@ def load_gguf_weights(path: str, info: "ModelInfo") -> Iterator[tuple[str, torch
         name = hf_name(gguf_name, family)
         w = _read_tensor(data, t, path)
         if family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope_rows(w, n_heads)
+            w = _unpermuted(w, n_heads)
         elif family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope_rows(w, n_kv_heads)
+            w = _unpermuted(w, n_kv_heads)
         elif family == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0
+            w = (w.read() if isinstance(w, BlockTensor) else w) - 1.0
         yield name, w

@@ -19,6 +19,7 @@ from ..distributed import SINGLE, TPGroup
 from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.block_weight import BlockWeight
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
@@ -56,6 +57,11 @@ def check_tensor_parallel(cfg: ArchConfig, world: int) -> None:
             + "; ".join(problems) + ". Choose a tensor_parallel_size that divides the head counts.")
 
 
+def stored(cfg: ArchConfig, prefix: str, *names: str) -> list[Optional[int]]:
+    """The GGML block types the checkpoint stores ``prefix + name + .weight`` in (None: float)."""
+    return [cfg.weight_types.get(f"{prefix}{name}.weight") for name in names]
+
+
 def kv_head_range(cfg: ArchConfig, tp: TPGroup) -> tuple[int, int]:
     """The KV heads this rank holds: its share, or (fewer KV heads than ranks) the one
     KV head its query heads read, replicated on the ranks that share it."""
@@ -76,10 +82,13 @@ class Attention(nn.Module):
         q_shard = even_shard(cfg.num_heads * d, tp)
         kv_shard = Shard(0, kv_first * d, (kv_first + self.num_kv_heads) * d, cfg.num_kv_heads * d)
         self.split = [q_shard.size, kv_shard.size, kv_shard.size]
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard],
-                                             cfg.qkv_bias, device, dtype)
+        prefix = f"model.layers.{layer}.self_attn."
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.qkv_bias, device, dtype,
+            stored(cfg, prefix, "q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(even_shard(cfg.num_heads * d, tp, dim=1), cfg.hidden_size,
-                                        cfg.o_bias, device, dtype, tp)
+                                        cfg.o_bias, device, dtype, tp,
+                                        *stored(cfg, prefix, "o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
@@ -128,14 +137,17 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """Intermediate columns split across ranks (column-parallel gate/up, row-parallel down)."""
 
-    def __init__(self, cfg: ArchConfig, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ArchConfig, layer: int, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup = SINGLE):
         super().__init__()
         inter = even_shard(cfg.intermediate_size, tp)
+        prefix = f"model.layers.{layer}.mlp."
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 device, dtype)
+                                                 device, dtype,
+                                                 stored(cfg, prefix, "gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(even_shard(cfg.intermediate_size, tp, dim=1),
-                                           cfg.hidden_size, cfg.mlp_bias, device, dtype, tp)
+                                           cfg.hidden_size, cfg.mlp_bias, device, dtype, tp,
+                                           *stored(cfg, prefix, "down_proj"))
         self.act = get_activation(cfg.hidden_act)
         self.hidden_act = cfg.hidden_act
         kernel = fused_kernel(device, "gated_act", "act_and_mul")
@@ -154,7 +166,8 @@ class GatedMLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.act_kernel is not None:
-            if self.down_proj.policy.one_row(gate_up):  # one launch: activation inside the product
+            if self.down_proj.blocks is None and self.down_proj.policy.one_row(gate_up):
+                # one launch: the activation inside the product
                 return self.down_proj(gate_up, hidden_act=self.hidden_act)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
         return self.down_proj(act_and_mul(self.act, gate_up))
@@ -196,16 +209,21 @@ class Segment:
 @dataclass
 class WeightTarget:
     """Where one checkpoint tensor goes: its part ``shard`` (None: all of it) fills rows
-    ``rows`` of ``param`` (None: all of it), after ``transform``."""
+    ``rows`` of ``param`` (None: all of it), after ``transform``; or, for a weight kept
+    as stored (``blocks``), becomes part ``part`` of those blocks."""
 
-    param: torch.Tensor
+    param: Optional[torch.Tensor]
     rows: Optional[slice] = None
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     shard: Optional[Shard] = None
+    blocks: Optional[BlockWeight] = None
+    part: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the destination (this rank's part)."""
+        if self.blocks is not None:
+            return (self.blocks.part_rows[self.part], self.blocks.in_features)
         return tuple(self.param[self.rows].shape if self.rows is not None else self.param.shape)
 
     @property
@@ -221,7 +239,10 @@ class WeightTarget:
         return self.param if self.rows is None else self.param[self.rows]
 
 
-def _vocab_target(param: torch.Tensor, shard: Shard) -> WeightTarget:
+def _vocab_target(param: Optional[torch.Tensor], shard: Shard,
+                  blocks: Optional[BlockWeight] = None) -> WeightTarget:
+    if blocks is not None:  # the real rows only
+        return WeightTarget(None, shard=None if shard.whole else shard, blocks=blocks)
     # The vocabulary is padded per rank: only the first shard.size rows are real.
     if shard.whole and shard.size == param.shape[0]:
         return WeightTarget(param)
@@ -238,7 +259,8 @@ class CausalLM(nn.Module):
         check_tensor_parallel(cfg, tp.world)
         self.cfg, self.device, self.dtype, self.tp = cfg, device, dtype, tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype,
-                                                   cfg.embed_scale, tp)
+                                                   cfg.embed_scale, tp,
+                                                   *stored(cfg, "model.", "embed_tokens"))
         self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, device, dtype, tp)
                                     for i in range(cfg.num_layers))
         # Indexed twice per layer and step: a tuple skips ModuleList's slow __getitem__.
@@ -246,7 +268,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied,
-                              cfg.final_softcap, tp)
+                              cfg.final_softcap, tp, *stored(cfg, "", "lm_head"))
         self.num_local_kv_heads = kv_head_range(cfg, tp)[1]  # what this rank's KV cache holds
         self.rotary = {kind: RotaryTable(cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings,
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
@@ -296,10 +318,12 @@ class CausalLM(nn.Module):
         """HF parameter name -> where it is stored here (override to add family params)."""
         t: dict[str, WeightTarget] = {
             "model.embed_tokens.weight": _vocab_target(self.embed_tokens.weight,
-                                                       self.embed_tokens.shard),
+                                                       self.embed_tokens.shard,
+                                                       self.embed_tokens.blocks),
             "model.norm.weight": WeightTarget(self.norm.weight)}
-        if self.lm_head.weight is not None:
-            t["lm_head.weight"] = _vocab_target(self.lm_head.weight, self.lm_head.shard)
+        if self.lm_head.tied_to is None:
+            t["lm_head.weight"] = _vocab_target(self.lm_head.weight, self.lm_head.shard,
+                                                self.lm_head.own_blocks)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -343,6 +367,10 @@ class CausalLM(nn.Module):
                 if tuple(tensor.shape) != target.checkpoint_shape:
                     raise CheckpointError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {target.checkpoint_shape}")
+                if target.blocks is not None:
+                    target.blocks.load_part(target.part, tensor, target.shard)
+                    loaded.add(name)
+                    continue
                 if isinstance(tensor, torch.Tensor):
                     part = tensor if target.shard is None else target.shard.take(tensor)
                 else:
@@ -362,8 +390,10 @@ def _stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, 
                      layer: ColumnParallelLinear) -> None:
     """q/k/v or gate/up: each checkpoint matrix fills its rows of the fused parameter."""
     for j, name in enumerate(names):
-        t[f"{prefix}{name}.weight"] = WeightTarget(layer.weight, layer.out_rows(j),
-                                                   shard=layer.part_shard(j))
+        t[f"{prefix}{name}.weight"] = (
+            WeightTarget(layer.weight, layer.out_rows(j), shard=layer.part_shard(j))
+            if layer.blocks is None else
+            WeightTarget(None, shard=layer.part_shard(j), blocks=layer.blocks, part=j))
         if layer.bias is not None:
             t[f"{prefix}{name}.bias"] = WeightTarget(layer.bias, layer.out_rows(j),
                                                      shard=layer.part_shard(j))
@@ -371,6 +401,7 @@ def _stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, 
 
 def _row_parallel_targets(t: dict[str, WeightTarget], prefix: str,
                           layer: RowParallelLinear) -> None:
-    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard())
+    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard(),
+                                        blocks=layer.blocks)
     if layer.bias is not None:
         t[f"{prefix}bias"] = WeightTarget(layer.bias)  # replicated: added after the sum

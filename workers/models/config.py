@@ -39,6 +39,9 @@ class ArchConfig:
     embed_scale: Optional[float] = None
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
+    # HF name -> the GGML block type the checkpoint stores that tensor in (GGUF files, the
+    # dummy quantizations); absent: a float type. Layers choose their storage from it.
+    weight_types: dict[str, int] = field(default_factory=dict)
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -71,7 +71,7 @@ class Gemma3DecoderLayer(DecoderLayer):
                  device: torch.device, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.mlp = GatedMLP(cfg, device, dtype, tp)
+        self.mlp = GatedMLP(cfg, index, device, dtype, tp)
         for name in self.norm_names:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
 

@@ -80,7 +80,7 @@ class LlamaDecoderLayer(DecoderLayer):
                  device: torch.device, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.mlp = GatedMLP(cfg, device, dtype, tp)
+        self.mlp = GatedMLP(cfg, index, device, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -40,9 +40,12 @@ def arch_config(info: ModelInfo) -> ArchConfig:
 
 
 def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
-                dtype: torch.dtype, tp: TPGroup = SINGLE) -> CausalLM:
+                dtype: torch.dtype, tp: TPGroup = SINGLE,
+                weight_types: Optional[dict[str, int]] = None) -> CausalLM:
     """An uninitialised model of the checkpoint's architecture (weights come from a loader),
-    holding this rank's share of every split layer."""
+    holding this rank's share of every split layer; ``weight_types``: the block types the
+    checkpoint stores tensors in (``ArchConfig.weight_types``)."""
     cfg = arch_config(info)
+    cfg.weight_types = dict(weight_types or {})
     cls, _parse = MODELS[info.architecture]
     return cls(cfg, backend, device, dtype, tp)
