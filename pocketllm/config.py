@@ -15,6 +15,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 TOOL_CALL_PARSERS = ("hermes", "qwen3_xml")
+# Dummy weights in GGUF block types (workers/loader/dummy_blocks.py): one type, or a mix
+QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                 "iq4_nl", "iq4_xs", "q4_k_m", "q5_k_m")
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -27,6 +30,8 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     backend: str = "auto"
     load_format: str = "auto"
+    # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS)
+    quantization: Optional[str] = None
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -88,6 +93,13 @@ class EngineArgs:
                 "(the native C++ engine is archived). Use backend='torch' or 'auto'.")
         _choice("backend", self.backend, BACKENDS, UnsupportedFeatureError)
         _choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
+            if self.load_format != "dummy":
+                raise UnsupportedFeatureError(
+                    "quantization applies to dummy weights (load_format='dummy'): a GGUF file "
+                    "is served in the types it stores, and quantizing a safetensors checkpoint "
+                    "at load is not supported", "quantization")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         # Whether the model's heads split across this many ranks is the worker's check.

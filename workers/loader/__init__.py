@@ -15,7 +15,15 @@ if TYPE_CHECKING:
 def stored_weight_types(info: ModelInfo, args: EngineArgs) -> dict[str, int]:
     """HF name -> GGML block type of each tensor the checkpoint stores in blocks (read from
     the GGUF header, before any weight), which lets layers keep those weights as stored."""
-    if args.load_format != "dummy" and info.format == "gguf":
+    if args.load_format == "dummy":
+        if args.quantization is None:
+            return {}
+        from .dummy_blocks import dummy_block_types
+        from ..models.registry import checkpoint_shapes
+
+        return dummy_block_types(args.quantization, checkpoint_shapes(info),
+                                 int(info.hf_config["num_hidden_layers"]))
+    if info.format == "gguf":
         from .gguf import gguf_block_types
 
         return gguf_block_types(info.path, info)

@@ -49,3 +49,12 @@ def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device
     cfg.weight_types = dict(weight_types or {})
     cls, _parse = MODELS[info.architecture]
     return cls(cfg, backend, device, dtype, tp)
+
+
+def checkpoint_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the checkpoint must hold (a model built on the meta
+    device: no memory, no kernels)."""
+    from ..layers.attention import TorchAttention
+
+    model = build_model(info, TorchAttention(), torch.device("meta"), torch.float32)
+    return {name: target.checkpoint_shape for name, target in model.weight_targets().items()}
