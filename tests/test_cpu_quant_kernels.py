@@ -1,0 +1,192 @@
+"""The CPU quantized kernels (workers/kernels/cpu_quant): every GGUF block type with a
+decoder, on every SIMD variant this CPU runs, against the loader's numpy dequantization.
+
+Weights are random blocks with sane fp16 scale fields. Products are checked twice: tightly
+against float64 ``x8 @ W^T`` where x8 = q * d are the activations the kernel really
+multiplies (only float32 rounding of the accumulation separates them), and loosely against
+the float activations, within the bound 8-bit quantization allows (|x - x8| <= d/2 per
+element, so the error is at most (d/2) @ |W|^T).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.workers.kernels import cpu_quant as cq
+from pocketllm.workers.loader.gguf_quants import GGML_TYPES, dequantize
+
+pytestmark = pytest.mark.skipif(not cq.available(), reason=f"CPU kernels: {cq.unavailable_reason()}")
+
+# byte offsets of the fp16 scale fields of each block type (ggml-common.h): (d fields, dmin fields)
+_F16_FIELDS = {
+    2: ((0,), ()), 3: ((0,), (2,)), 6: ((0,), ()), 7: ((0,), (2,)), 8: ((0,), ()),
+    10: ((80,), (82,)), 11: ((108,), ()), 12: ((0,), (2,)), 13: ((0,), (2,)), 14: ((208,), ()),
+    20: ((0,), ()), 23: ((0,), ()),
+}
+TYPES = sorted(_F16_FIELDS)
+WITH_KERNEL = sorted(cq.QUANT_KERNEL_TYPES)
+
+
+def random_blocks(ggml_type: int, rows: int, k: int, seed: int) -> torch.Tensor:
+    """uint8 [rows, row bytes]: random bytes, fp16 scales d in [1e-3, 1e-2] (dmin too, sign random)."""
+    _, elems, nbytes = GGML_TYPES[ggml_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
+    d_fields, dmin_fields = _F16_FIELDS[ggml_type]
+    for at in d_fields + dmin_fields:
+        v = rng.uniform(1e-3, 1e-2, size=(rows, k // elems)) * rng.choice([-1, 1], size=(rows, k // elems))
+        raw[:, :, at:at + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, k // elems, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference(ggml_type: int, w: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(w.contiguous().numpy().reshape(-1), ggml_type).reshape(-1, k))
+
+
+def valid_ks(ggml_type: int) -> list[int]:
+    elems = GGML_TYPES[ggml_type][1]
+    return [k for k in (256, 640, 2048) if k % elems == 0]
+
+
+CASES = [(t, k) for t in WITH_KERNEL for k in valid_ks(t)]
+
+
+def test_default_model_types_have_kernels():
+    assert {6, 8, 12, 14} <= cq.QUANT_KERNEL_TYPES  # Q5_0, Q8_0, Q4_K, Q6_K: Gemma 3 270M Q4_K_M
+    assert cq.isa() in cq.supported_isas() and cq.supported_isas()[-1] == "scalar"
+
+
+@pytest.mark.parametrize("ggml_type,k", CASES)
+def test_dequantize_rows_bit_exact(ggml_type, k):
+    w = random_blocks(ggml_type, 29, k, seed=ggml_type * 7 + k)
+    ref = reference(ggml_type, w, k)
+    ids = torch.tensor([28, 0, 5, 5, 17], dtype=torch.int64)
+    wide = torch.full((5, k + 9), float("nan"))
+    out = cq.dequantize_rows(ggml_type, w, k, ids, wide[:, 4:4 + k])
+    assert torch.equal(out, ref[ids])
+    assert wide[:, :4].isnan().all() and wide[:, 4 + k:].isnan().all()
+
+
+@pytest.mark.parametrize("ggml_type,k", CASES)
+def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
+    n = 37  # odd, and not a multiple of the 16-row thread chunks
+    w = random_blocks(ggml_type, n, k, seed=ggml_type * 13 + k)
+    wf = reference(ggml_type, w, k).double()
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 3, 17, 64):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+        act = cq.quantize_activations(x)
+        x8 = act.q.double() * act.d.double().repeat_interleave(32, dim=1)
+        exact = x8 @ wf.T
+        tight = 1e-5 * (x8.abs() @ wf.abs().T) + 1e-30
+        quant_bound = (act.d.double().repeat_interleave(32, dim=1) / 2) @ wf.abs().T
+        results = {}
+        for isa in cq.supported_isas():
+            with cq.forcing_isa(isa):
+                wide = torch.full((m, n + 7), float("nan"))
+                out = cq.mul_mat(ggml_type, w, k, act, wide[:, 3:3 + n])
+            assert wide[:, :3].isnan().all() and wide[:, 3 + n:].isnan().all(), isa
+            err = (out.double() - exact).abs()
+            assert (err <= tight).all(), (isa, m, float((err / tight).max()))
+            assert ((out.double() - x.double() @ wf.T).abs() <= quant_bound * 1.001 + tight).all(), (isa, m)
+            results[isa] = out.clone()
+        base = results["scalar"].double()
+        for isa, out in results.items():  # the variants agree with the portable one
+            assert ((out.double() - base).abs() <= 2 * tight).all(), isa
+
+
+def test_row_strided_weights_and_thread_counts():
+    k, n = 640, 50
+    w_wide = random_blocks(8, n, 2 * k, seed=3)  # rows twice as long: a row-strided view of the first half
+    w = w_wide[:, : k // 32 * 34]
+    act = cq.quantize_activations(torch.randn(2, k))
+    ref = cq.mul_mat(8, w.contiguous(), k, act, torch.empty(2, n), threads=1)
+    for threads in (1, 2, 3):
+        assert torch.allclose(cq.mul_mat(8, w, k, act, torch.empty(2, n), threads=threads), ref,
+                              rtol=0, atol=0)
+
+
+def test_quantize_activations_scheme():
+    x = torch.randn(5, 96) * 3
+    x[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
+    wide = torch.zeros(5, 100)
+    wide[:, 2:98] = x
+    act = cq.quantize_activations(wide[:, 2:98])
+    blocks = x.view(5, 3, 32)
+    assert torch.allclose(act.d, blocks.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    assert act.q.abs().max() <= 127 and act.q[2, 32:64].eq(0).all() and act.d[2, 1] == 0
+    assert torch.equal(act.s16, act.q.view(5, 6, 16).sum(-1, dtype=torch.int16))
+    err = (act.dequantized() - x).abs()
+    assert (err <= act.d.repeat_interleave(32, dim=1) / 2 * 1.0001 + 1e-12).all()
+
+
+@pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in cq.QUANT_KERNEL_TYPES] or [1])
+def test_types_without_kernel_are_refused(ggml_type):
+    k = 256
+    w = random_blocks(ggml_type, 2, k, 0) if ggml_type in _F16_FIELDS else torch.zeros(2, 2 * k, dtype=torch.uint8)
+    act = cq.quantize_activations(torch.randn(1, k))
+    name = GGML_TYPES[ggml_type][0]
+    with pytest.raises(NotImplementedError, match=name):
+        cq.mul_mat(ggml_type, w, k, act, torch.empty(1, 2))
+    with pytest.raises(NotImplementedError, match=name):
+        cq.dequantize_rows(ggml_type, w, k, torch.tensor([0]), torch.empty(1, k))
+
+
+def test_bad_arguments_are_value_errors():
+    k = 640
+    w = random_blocks(8, 4, k, 1)
+    act = cq.quantize_activations(torch.randn(2, k))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cq.quantize_activations(torch.randn(2, 48))
+    with pytest.raises(ValueError, match="float32"):
+        cq.quantize_activations(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bytes"):
+        cq.mul_mat(8, w[:, :-1], k, act, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="K=512"):
+        cq.mul_mat(8, w, 512, act, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="out must be"):
+        cq.mul_mat(8, w, k, act, torch.empty(2, 5))
+    with pytest.raises(ValueError, match="column stride"):
+        cq.mul_mat(8, w, k, act, torch.empty(4, 2).T)
+    with pytest.raises(ValueError, match="row ids"):
+        cq.dequantize_rows(8, w, k, torch.tensor([4]), torch.empty(1, k))
+    with pytest.raises(ValueError, match="multiple of Q4_K"):
+        cq.mul_mat(12, random_blocks(12, 1, 256, 0), 640, act, torch.empty(2, 1))
+
+
+def test_forcing_a_variant_the_cpu_lacks_is_refused():
+    before = cq.isa()
+    with pytest.raises(UnsupportedFeatureError, match="not-an-isa"):
+        cq.set_isa("not-an-isa")
+    for name in set(cq.all_isas()) - set(cq.supported_isas()):
+        with pytest.raises(UnsupportedFeatureError, match=name):
+            cq.set_isa(name)
+    assert cq.isa() == before
+    with cq.forcing_isa("scalar"):
+        assert cq.isa() == "scalar"
+    assert cq.isa() == before
+
+
+def _in_subprocess(code: str, **env: str) -> str:
+    full = {**os.environ, **env}
+    run = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_environment_forces_a_variant_and_one_openmp_runtime_is_loaded():
+    code = ("import torch; from pocketllm.workers.kernels import cpu_quant as cq; "
+            "maps = open('/proc/self/maps').read().splitlines(); "
+            "gomp = {l.split()[-1] for l in maps if 'libgomp' in l}; "
+            "print(cq.available(), cq.available() and cq.isa(), len(gomp), cq.unavailable_reason())")
+    assert _in_subprocess(code, POCKETLLM_CPU_ISA="scalar").split()[:3] == ["True", "scalar", "1"]
+    out = _in_subprocess(code, POCKETLLM_CPU_ISA="bogus")
+    assert out.startswith("False False") and "POCKETLLM_CPU_ISA='bogus'" in out

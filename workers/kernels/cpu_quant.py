@@ -1,0 +1,270 @@
+"""ctypes binding of the CPU quantized kernels (the C library in ``cpu_quant/``).
+
+Weights stay in their GGUF block format (uint8 tensors, one row of blocks per
+output feature); activations are quantized to int8 per block of 32
+(``quantize_activations``) and multiplied with integer dot products
+(``mul_mat``); ``dequantize_rows`` reads single rows back as float32 (the
+embedding lookup). docs/cpu_kernels.md describes the design.
+
+The library is an optional build product (``setup.py``): ``available()`` says
+whether it loaded and ``unavailable_reason()`` why not; nothing here raises at
+import. Every shape, dtype and stride is checked here (``ValueError``) so the C
+side never sees a bad pointer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.machinery
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ...errors import UnsupportedFeatureError
+from ..loader.gguf_quants import GGML_TYPES, type_name
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIB_STEM = "_cpu_quant"
+
+# ggml type ids the C library knows (decode.h); QUANT_KERNEL_TYPES is the subset built in.
+KNOWN_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)
+
+_OK, _ERR_TYPE, _ERR_ARG, _ERR_ISA, _ERR_NOMEM = 0, -1, -2, -3, -4
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_int = ctypes.c_int
+_SIGNATURES = {
+    "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
+    "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
+    "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
+    "pq_has_kernel": (_int, [_int]),
+    "pq_isa": (ctypes.c_char_p, []),
+    "pq_set_isa": (_int, [ctypes.c_char_p]),
+    "pq_supported_isas": (ctypes.c_char_p, []),
+    "pq_all_isas": (ctypes.c_char_p, []),
+}
+
+
+def _find_library() -> Optional[str]:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(_HERE, _LIB_STEM + suffix)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _load() -> tuple[Optional[ctypes.CDLL], str]:
+    path = _find_library()
+    if path is None:
+        return None, (f"the C library {_LIB_STEM}*.so is not built in {_HERE} (no C compiler "
+                      "at install time? reinstall with one: pip install -e .)")
+    try:
+        lib = ctypes.CDLL(path)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as exc:
+        return None, f"the C library {path} failed to load: {exc}"
+    if not lib.pq_isa():
+        forced = os.environ.get("POCKETLLM_CPU_ISA", "")
+        return None, (f"POCKETLLM_CPU_ISA={forced!r} names no variant this CPU can run "
+                      f"(it can run: {lib.pq_supported_isas().decode()})")
+    return lib, ""
+
+
+# torch first: its libgomp.so.1 is then the one the library's NEEDED entry binds to
+# (one OpenMP pool, sized by torch.set_num_threads).
+_LIB, _REASON = _load()
+
+QUANT_KERNEL_TYPES: frozenset[int] = frozenset(
+    t for t in KNOWN_TYPES if _LIB is not None and _LIB.pq_has_kernel(t))
+
+
+def available() -> bool:
+    """The library is built and loaded."""
+    return _LIB is not None
+
+
+def unavailable_reason() -> str:
+    """Why ``available()`` is False ('' when it is True)."""
+    return _REASON
+
+
+def _lib() -> ctypes.CDLL:
+    if _LIB is None:
+        raise UnsupportedFeatureError(f"CPU quantized kernels unavailable: {_REASON}")
+    return _LIB
+
+
+def isa() -> str:
+    """The SIMD variant in use: 'avx512vnni', 'avxvnni', 'avx2' or 'scalar'."""
+    return _lib().pq_isa().decode()
+
+
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, best first (always ends with 'scalar')."""
+    return _lib().pq_supported_isas().decode().split(",")
+
+
+def all_isas() -> list[str]:
+    """Every variant compiled into the library, best first."""
+    return _lib().pq_all_isas().decode().split(",")
+
+
+def set_isa(name: Optional[str]) -> None:
+    """Force a variant by name (None or 'auto': the best one); refused when the CPU lacks it."""
+    lib = _lib()
+    if lib.pq_set_isa((name or "auto").encode()) != _OK:
+        raise UnsupportedFeatureError(
+            f"CPU kernel variant {name!r} is unknown or not supported by this CPU "
+            f"(supported: {', '.join(supported_isas())}; compiled: {', '.join(all_isas())})")
+
+
+@contextlib.contextmanager
+def forcing_isa(name: str) -> Iterator[None]:
+    """Run a block with one variant forced (tests); the previous one is restored after."""
+    before = isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(before)
+
+
+@dataclass(frozen=True)
+class Q8Activations:
+    """Activations quantized per block of 32: q int8 [M, K], d float32 [M, K/32]
+    (value = d * q), s16 int16 [M, K/16] (sum of q per 16, for the weights' offsets)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s16: torch.Tensor
+
+    @property
+    def m(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [M, K] of the values the kernels actually multiply (tests)."""
+        return (self.q.float().view(self.m, -1, 32) * self.d.unsqueeze(-1)).view(self.m, self.k)
+
+
+def _check_threads(threads: int) -> int:
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an int >= 0 (0: torch's thread count), got {threads!r}")
+    return threads
+
+
+def _raise_for(rc: int, ggml_type: Optional[int], what: str) -> None:
+    if rc == _OK:
+        return
+    if rc == _ERR_TYPE:
+        raise NotImplementedError(f"no CPU quantized kernel for GGUF type {type_name(ggml_type)}")
+    if rc == _ERR_ISA:
+        raise UnsupportedFeatureError(f"{what}: {_REASON or 'the forced CPU kernel variant cannot run'}")
+    if rc == _ERR_NOMEM:
+        raise MemoryError(f"{what}: scratch allocation failed")
+    raise ValueError(f"{what}: the library refused the arguments (code {rc})")
+
+
+def quantize_activations(x: torch.Tensor, threads: int = 0) -> Q8Activations:
+    """float32 [M, K] (rows may be strided, unit column stride) -> Q8Activations; K % 32 == 0."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"x must be a 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    m, k = x.shape
+    if k == 0 or k % 32 != 0:
+        raise ValueError(f"K must be a positive multiple of 32, got {k}")
+    if m > 0 and x.stride(1) != 1:
+        raise ValueError("x must have unit column stride")
+    ldx = x.stride(0) if m > 1 else k
+    q = torch.empty((m, k), dtype=torch.int8)
+    d = torch.empty((m, k // 32), dtype=torch.float32)
+    s16 = torch.empty((m, k // 16), dtype=torch.int16)
+    if m:
+        rc = _lib().pq_quantize_act(x.data_ptr(), m, k, ldx, q.data_ptr(), d.data_ptr(),
+                                    s16.data_ptr(), _check_threads(threads))
+        _raise_for(rc, None, "quantize_activations")
+    return Q8Activations(q, d, s16)
+
+
+def _check_weights(ggml_type: int, w: torch.Tensor, k: int) -> tuple[int, int]:
+    """-> (rows, row_bytes) of a weight tensor of GGUF blocks."""
+    if ggml_type not in GGML_TYPES or ggml_type not in KNOWN_TYPES:
+        raise NotImplementedError(f"no CPU quantized kernel for GGUF type {type_name(ggml_type)}")
+    name, block_elems, block_bytes = GGML_TYPES[ggml_type]
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"w must be a 2-D uint8 CPU tensor of {name} blocks, got {w.dtype} {tuple(w.shape)}")
+    if not isinstance(k, int) or k <= 0 or k % block_elems != 0:
+        raise ValueError(f"K={k!r} is not a positive multiple of {name}'s block of {block_elems}")
+    need = k // block_elems * block_bytes
+    if w.shape[1] != need:
+        raise ValueError(f"w rows hold {w.shape[1]} bytes; {name} rows of K={k} take {need}")
+    if w.shape[0] > 0 and w.stride(1) != 1:
+        raise ValueError("w rows must be contiguous bytes (unit column stride)")
+    row_bytes = w.stride(0) if w.shape[0] > 1 else need
+    if row_bytes < need:
+        raise ValueError(f"w row stride {row_bytes} is smaller than a row ({need} bytes)")
+    if ggml_type not in QUANT_KERNEL_TYPES:
+        _lib()
+        raise NotImplementedError(f"no CPU quantized kernel for GGUF type {name} in this build")
+    return w.shape[0], row_bytes
+
+
+def _check_out(out: torch.Tensor, rows: int, cols: int, what: str) -> int:
+    """-> row stride of a float32 [rows, cols] output view with unit column stride."""
+    if out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != (rows, cols):
+        raise ValueError(f"{what} must be float32 [{rows}, {cols}] on CPU, got {out.dtype} {tuple(out.shape)}")
+    if rows and cols and out.stride(1) != 1 and cols > 1:
+        raise ValueError(f"{what} must have unit column stride")
+    ld = out.stride(0) if rows > 1 else cols
+    if rows > 1 and ld < cols:
+        raise ValueError(f"{what} row stride {ld} is smaller than its {cols} columns")
+    return ld
+
+
+def mul_mat(ggml_type: int, w: torch.Tensor, k: int, act: Q8Activations, out: torch.Tensor,
+            threads: int = 0) -> torch.Tensor:
+    """out[M, N] = x @ W^T, x the activations ``act`` (M rows of K), W the N rows of ``w``
+    (uint8 [N, row bytes] of GGUF type ``ggml_type``). ``out`` may be a column slice of a
+    wider tensor. Returns ``out``."""
+    n, row_bytes = _check_weights(ggml_type, w, k)
+    if not isinstance(act, Q8Activations) or act.k != k:
+        raise ValueError(f"act must be Q8Activations of K={k}, got {type(act).__name__}"
+                         f" of K={getattr(act, 'k', '?')}")
+    m = act.m
+    ld = _check_out(out, m, n, "out")
+    if m == 0 or n == 0:
+        return out
+    rc = _lib().pq_mul_mat(ggml_type, w.data_ptr(), n, k, row_bytes, act.q.data_ptr(),
+                           act.d.data_ptr(), act.s16.data_ptr(), m, out.data_ptr(), ld,
+                           _check_threads(threads))
+    _raise_for(rc, ggml_type, "mul_mat")
+    return out
+
+
+def dequantize_rows(ggml_type: int, w: torch.Tensor, k: int, ids: torch.Tensor,
+                    out: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    """out[i] = float32 values of row ids[i] of ``w`` (GGUF type ``ggml_type``, K elements
+    a row), bit-exact with the loader's dequantization. Returns ``out``."""
+    rows, row_bytes = _check_weights(ggml_type, w, k)
+    if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or ids.device.type != "cpu":
+        raise ValueError(f"ids must be a contiguous 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)}")
+    n = ids.shape[0]
+    ld = _check_out(out, n, k, "out")
+    if n == 0:
+        return out
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"row ids must lie in [0, {rows}), got [{lo}, {hi}]")
+    rc = _lib().pq_dequantize_rows(ggml_type, w.data_ptr(), k, row_bytes, ids.data_ptr(), n,
+                                   out.data_ptr(), ld, _check_threads(threads))
+    _raise_for(rc, ggml_type, "dequantize_rows")
+    return out

@@ -1,0 +1,69 @@
+/* PocketLLM CPU quantized kernels: the exported C API (called through ctypes
+ * by workers/kernels/cpu_quant.py, which checks every shape and pointer first).
+ *
+ * Weights stay in their GGUF block format; activations are quantized to int8
+ * per block of 32 (llama.cpp's Q8 scheme, with a float32 scale); products are
+ * integer dot products per block, with the SIMD variant chosen at run time.
+ * Every call returns PQ_OK or a negative PQ_ERR_* code; none prints or aborts.
+ * nthreads <= 0 means omp_get_max_threads() (torch.set_num_threads governs it
+ * when torch's libgomp is the one loaded).
+ */
+#ifndef PQ_CPU_QUANT_H
+#define PQ_CPU_QUANT_H
+
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define PQ_API __attribute__((visibility("default")))
+#else
+#define PQ_API
+#endif
+
+enum {
+    PQ_OK = 0,
+    PQ_ERR_TYPE = -1,  /* the type has no decoder/kernel in this build */
+    PQ_ERR_ARG = -2,   /* a size or stride is out of range (K not a multiple of the block...) */
+    PQ_ERR_ISA = -3,   /* the ISA asked for (API or POCKETLLM_CPU_ISA) is unknown or absent */
+    PQ_ERR_NOMEM = -4, /* a scratch buffer could not be allocated */
+};
+
+/* Quantize activations. x: float32 [M, K], row stride ldx (elements). Per row m:
+ *   q[m*K + i]      int8, per block of 32: d = amax/127, q = round(x/d) (0 if amax == 0)
+ *   d[m*K/32 + b]   float32 block scale
+ *   s16[m*K/16 + g] int16 sum of q over each group of 16
+ * K must be a positive multiple of 32. */
+PQ_API int pq_quantize_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *q, float *d,
+                           int16_t *s16, int nthreads);
+
+/* y[m*ldy + n] = sum_k x[m, k] * W[n, k] for m < M, n < N, with x given as
+ * pq_quantize_act's (q, d, s16) of M rows of K, and W as N rows of GGUF blocks
+ * of ggml type `type`, row n starting at w + n * row_bytes (row_bytes >= the
+ * K / block_elems blocks of a row). K must be a multiple of the type's block. */
+PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes,
+                      const int8_t *q, const float *d, const int16_t *s16, int64_t M, float *y,
+                      int64_t ldy, int nthreads);
+
+/* out[i*ldo + k] = W[ids[i], k] in float32 for i < n, k < K (bit-exact with
+ * ggml's dequantization). The caller checks 0 <= ids[i] < rows. */
+PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,
+                              const int64_t *ids, int64_t n, float *out, int64_t ldo,
+                              int nthreads);
+
+/* 1 if `type` has a decoder in this build, 0 if not (unknown type included). */
+PQ_API int pq_has_kernel(int type);
+
+/* The active ISA variant's name ("avx512vnni", "avxvnni", "avx2", "scalar"), or
+ * "" when POCKETLLM_CPU_ISA asked for one that is unknown or absent. */
+PQ_API const char *pq_isa(void);
+
+/* Force a variant by name; NULL or "" or "auto" = the best this CPU supports.
+ * PQ_ERR_ISA (and nothing changes) for an unknown name or one the CPU lacks. */
+PQ_API int pq_set_isa(const char *name);
+
+/* Comma-separated names of the variants this CPU can run, best first. */
+PQ_API const char *pq_supported_isas(void);
+
+/* Comma-separated names of all variants compiled in, best first. */
+PQ_API const char *pq_all_isas(void);
+
+#endif

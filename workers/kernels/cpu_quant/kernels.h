@@ -1,0 +1,50 @@
+/* What each ISA variant (kernels_<isa>.c) provides to api.c. */
+#ifndef PQ_KERNELS_H
+#define PQ_KERNELS_H
+
+#include <stdint.h>
+
+#include "decode.h"
+
+/* One product call, as the variants see it (api.c checked the arguments). */
+typedef struct {
+    const pq_type_info *t;
+    const uint8_t *w;
+    int64_t K, row_bytes;
+    const int8_t *q;
+    const float *d;
+    const int16_t *s16;
+    int64_t M;
+    float *y;
+    int64_t ldy;
+} pq_mm_args;
+
+/* Per-thread scratch for decoding one weight row into the canonical form. */
+typedef struct {
+    int8_t *v;
+    float *scale, *offset;
+} pq_scratch;
+
+typedef struct {
+    const char *name;
+    int (*cpu_has)(void);
+    /* rows n0..n1-1 of the output, all M activation rows */
+    void (*mul_rows)(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s);
+} pq_isa_impl;
+
+extern const pq_isa_impl pq_isa_scalar;
+#if defined(__x86_64__)
+extern const pq_isa_impl pq_isa_avx2, pq_isa_avxvnni, pq_isa_avx512vnni;
+#endif
+
+/* The generic dot of one decoded row (canonical form) with one activation row:
+ * sum over groups g of xd[g/2] * (scale[g] * sum(v*q) + offset[g] * s16[g]).
+ * The offset part is plain C, shared by all variants. */
+static inline float pq_offset_term(const float *offset, const int16_t *s16, const float *xd,
+                                   int64_t n16) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < n16; g++) acc += offset[g] * (float)s16[g] * xd[g >> 1];
+    return acc;
+}
+
+#endif

@@ -1,0 +1,33 @@
+/* The portable variant: plain C over the canonical decoded form (decode.h).
+ * It is also the reference the SIMD variants are tested against. */
+#include "kernels.h"
+
+static float dot_decoded(const int8_t *v, const float *scale, const int8_t *q, const float *xd,
+                         int64_t n32) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n32; b++) {
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 16; i++) s0 += (int32_t)v[32 * b + i] * q[32 * b + i];
+        for (int i = 16; i < 32; i++) s1 += (int32_t)v[32 * b + i] * q[32 * b + i];
+        acc += xd[b] * (scale[2 * b] * (float)s0 + scale[2 * b + 1] * (float)s1);
+    }
+    return acc;
+}
+
+static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s) {
+    const pq_type_info *t = a->t;
+    int64_t K = a->K, n32 = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        t->decode(a->w + n * a->row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
+        for (int64_t m = 0; m < a->M; m++) {
+            const float *xd = a->d + m * n32;
+            float r = dot_decoded(s->v, s->scale, a->q + m * K, xd, n32);
+            if (t->has_offset) r += pq_offset_term(s->offset, a->s16 + m * (K / 16), xd, K / 16);
+            a->y[m * a->ldy + n] = r;
+        }
+    }
+}
+
+static int always(void) { return 1; }
+
+const pq_isa_impl pq_isa_scalar = {"scalar", always, mul_rows};
