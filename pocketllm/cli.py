@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None,
                    help="with --load-format dummy: random weights in GGUF block types, one "
                         "type (q8_0, q4_k, ...) or a mix (q4_k_m, q5_k_m)")
+    g.add_argument("--dequantize-weights", action="store_true",
+                   help="expand GGUF block weights to float at load (reference numerics, ~4x "
+                        "the memory) instead of running the CPU block kernels on them")
     g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -129,7 +132,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         launched_rank(ns)
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, backend=ns.backend, load_format=ns.load_format,
-        quantization=ns.quantization,
+        quantization=ns.quantization, dequantize_weights=ns.dequantize_weights,
         dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,

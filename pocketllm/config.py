@@ -32,6 +32,10 @@ class EngineArgs:
     load_format: str = "auto"
     # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS)
     quantization: Optional[str] = None
+    # Expand every GGUF block weight to the float dtype at load (the reference numerics of
+    # float products; ~4x the memory) instead of keeping it in its block type for the CPU
+    # block kernels. See docs/cpu_kernels.md.
+    dequantize_weights: bool = False
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -100,6 +104,10 @@ class EngineArgs:
                     "quantization applies to dummy weights (load_format='dummy'): a GGUF file "
                     "is served in the types it stores, and quantizing a safetensors checkpoint "
                     "at load is not supported", "quantization")
+            if self.dequantize_weights:
+                raise UnsupportedFeatureError(
+                    "quantization with dequantize_weights: random block weights expanded at "
+                    "load are plain float weights; drop one of the two", "quantization")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         # Whether the model's heads split across this many ranks is the worker's check.

@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
 def stored_weight_types(info: ModelInfo, args: EngineArgs) -> dict[str, int]:
     """HF name -> GGML block type of each tensor the checkpoint stores in blocks (read from
-    the GGUF header, before any weight), which lets layers keep those weights as stored."""
+    the GGUF header, before any weight), which lets layers keep those weights as stored.
+    Empty with ``dequantize_weights``: every layer then builds float parameters."""
+    if args.dequantize_weights:
+        return {}
     if args.load_format == "dummy":
         if args.quantization is None:
             return {}
