@@ -74,6 +74,30 @@ def test_dequantize_rows_bit_exact(ggml_type, k):
     assert wide[:, :4].isnan().all() and wide[:, 4 + k:].isnan().all()
 
 
+_SPECIAL_F16 = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, np.inf, -np.inf, np.nan,
+                         1e-3, -2.5], dtype=np.float16)
+
+
+@pytest.mark.parametrize("ggml_type", WITH_KERNEL)
+def test_dequantize_rows_special_scales(ggml_type):
+    """Zero, subnormal, huge, inf and nan fp16 scale fields: the same bits as the reference
+    (signed zeros included) wherever it is not nan, nan where it is. A nan's sign may differ:
+    types with a min store offset = -(dmin * m) and add it, the reference subtracts."""
+    _, elems, nbytes = GGML_TYPES[ggml_type]
+    k, rows = 2048, 12
+    rng = np.random.default_rng(ggml_type)
+    raw = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
+    for at in sum(_F16_FIELDS[ggml_type], ()):
+        raw[:, :, at:at + 2] = rng.choice(_SPECIAL_F16, size=(rows, k // elems, 1)).view(np.uint8)
+    w = torch.from_numpy(raw.reshape(rows, -1))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = reference(ggml_type, w, k)
+    out = cq.dequantize_rows(ggml_type, w, k, torch.arange(rows), torch.empty(rows, k))
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int32)[~nan], ref.view(torch.int32)[~nan])
+
+
 @pytest.mark.parametrize("ggml_type,k", CASES)
 def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
     n = 37  # odd, and not a multiple of the 16-row thread chunks

@@ -6,6 +6,10 @@ output feature); activations are quantized to int8 per block of 32
 (``mul_mat``); ``dequantize_rows`` reads single rows back as float32 (the
 embedding lookup). docs/cpu_kernels.md describes the design.
 
+Types with a decoder in this library: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_NL, IQ4_XS (``QUANT_KERNEL_TYPES`` asks the built library which are
+linked in; a type whose decoder is missing is refused, never computed wrong).
+
 The library is an optional build product (``setup.py``): ``available()`` says
 whether it loaded and ``unavailable_reason()`` why not; nothing here raises at
 import. Every shape, dtype and stride is checked here (``ValueError``) so the C

@@ -109,6 +109,17 @@ static inline float pq_f16(const uint8_t *p) {
     return f;
 }
 
+/* The j-th (0..7) 6-bit scale and min of a Q4_K/Q5_K super-block (12 packed bytes). */
+static inline void pq_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
 /* The 16 levels of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl). */
 static const int8_t pq_iq4nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                            1,    13,   25,  38,  53,  69,  89,  113};

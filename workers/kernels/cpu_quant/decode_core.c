@@ -34,17 +34,6 @@ void pq_decode_q5_0(const uint8_t *src, int64_t n_blocks, int8_t *v, float *scal
     }
 }
 
-/* The j-th (0..7) 6-bit scale and min of a Q4_K/Q5_K super-block (12 packed bytes). */
-static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-}
-
 PQ_DECODER
 void pq_decode_q4_k(const uint8_t *src, int64_t n_blocks, int8_t *v, float *scale, float *offset) {
     /* f16 d | f16 dmin | scales[12] | q[128]: four 32-byte runs, each giving sub-block 2i
@@ -61,7 +50,7 @@ void pq_decode_q4_k(const uint8_t *src, int64_t n_blocks, int8_t *v, float *scal
             }
         for (int j = 0; j < 8; j++) {
             uint8_t sc, m;
-            k_scale_min(blk + 4, j, &sc, &m);
+            pq_k_scale_min(blk + 4, j, &sc, &m);
             float s = d * (float)sc, off = -(dmin * (float)m);
             scale[16 * b + 2 * j] = scale[16 * b + 2 * j + 1] = s;
             offset[16 * b + 2 * j] = offset[16 * b + 2 * j + 1] = off;
