@@ -2,9 +2,9 @@
 decoder, on every SIMD variant this CPU runs, against the loader's numpy dequantization.
 
 Weights are random blocks with sane fp16 scale fields. Products are checked twice: tightly
-against float64 ``x8 @ W^T`` where x8 = q * d are the activations the kernel really
+against float64 ``xq @ W^T`` where xq = q * d are the activations the kernel really
 multiplies (only float32 rounding of the accumulation separates them), and loosely against
-the float activations, within the bound 8-bit quantization allows (|x - x8| <= d/2 per
+the float activations, within the bound 16-bit quantization allows (|x - xq| <= d/2 per
 element, so the error is at most (d/2) @ |W|^T).
 """
 
@@ -107,9 +107,9 @@ def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
     for m in (1, 3, 17, 64):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
         act = cq.quantize_activations(x)
-        x8 = act.q.double() * act.d.double().repeat_interleave(32, dim=1)
-        exact = x8 @ wf.T
-        tight = 1e-5 * (x8.abs() @ wf.abs().T) + 1e-30
+        xq = act.q.double() * act.d.double().repeat_interleave(32, dim=1)
+        exact = xq @ wf.T
+        tight = 1e-5 * (xq.abs() @ wf.abs().T) + 1e-30
         quant_bound = (act.d.double().repeat_interleave(32, dim=1) / 2) @ wf.abs().T
         results = {}
         for isa in cq.supported_isas():
@@ -144,9 +144,10 @@ def test_quantize_activations_scheme():
     wide[:, 2:98] = x
     act = cq.quantize_activations(wide[:, 2:98])
     blocks = x.view(5, 3, 32)
-    assert torch.allclose(act.d, blocks.abs().amax(-1) / 127, rtol=1e-6, atol=0)
-    assert act.q.abs().max() <= 127 and act.q[2, 32:64].eq(0).all() and act.d[2, 1] == 0
-    assert torch.equal(act.s16, act.q.view(5, 6, 16).sum(-1, dtype=torch.int16))
+    assert act.q.dtype == torch.int16 and act.gsum.dtype == torch.int32
+    assert torch.allclose(act.d, blocks.abs().amax(-1) / 32767, rtol=1e-6, atol=0)
+    assert act.q.abs().max() == 32767 and act.q[2, 32:64].eq(0).all() and act.d[2, 1] == 0
+    assert torch.equal(act.gsum, act.q.view(5, 6, 16).sum(-1, dtype=torch.int32))
     err = (act.dequantized() - x).abs()
     assert (err <= act.d.repeat_interleave(32, dim=1) / 2 * 1.0001 + 1e-12).all()
 

@@ -66,7 +66,7 @@ def test_default_model_greedy_tracks_transformers(default_llm, hf_gemma):
     for ids, ours in _greedy(default_llm):
         departures = near_tie_departures(hf_gemma, ids, ours)
         print(ids[:4], "departures (position, gap):", departures)
-        assert len(departures) <= 2, departures
+        assert len(departures) <= 1, departures
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ def test_greedy_matches_transformers(path, request):
         ids = tok.encode(prompt).ids
         assert ids[0] != 1  # the file says add_bos_token = false
         assert runs[True][i].token_ids == _hf_greedy(hf_model, ids, STEPS, stop=False), prompt
-        assert len(near_tie_departures(hf_model, ids, runs[False][i].token_ids)) <= 2, prompt
+        assert len(near_tie_departures(hf_model, ids, runs[False][i].token_ids)) <= 1, prompt
 
 
 def test_chat_through_the_server(path, hf_model, hf_tokenizer):

@@ -1,7 +1,7 @@
 """ctypes binding of the CPU quantized kernels (the C library in ``cpu_quant/``).
 
 Weights stay in their GGUF block format (uint8 tensors, one row of blocks per
-output feature); activations are quantized to int8 per block of 32
+output feature); activations are quantized to int16 per block of 32
 (``quantize_activations``) and multiplied with integer dot products
 (``mul_mat``); ``dequantize_rows`` reads single rows back as float32 (the
 embedding lookup). docs/cpu_kernels.md describes the design.
@@ -140,13 +140,13 @@ def forcing_isa(name: str) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class Q8Activations:
-    """Activations quantized per block of 32: q int8 [M, K], d float32 [M, K/32]
-    (value = d * q), s16 int16 [M, K/16] (sum of q per 16, for the weights' offsets)."""
+class QuantizedActivations:
+    """Activations quantized per block of 32: q int16 [M, K], d float32 [M, K/32]
+    (value = d * q), gsum int32 [M, K/16] (sum of q per 16, for the weights' offsets)."""
 
     q: torch.Tensor
     d: torch.Tensor
-    s16: torch.Tensor
+    gsum: torch.Tensor
 
     @property
     def m(self) -> int:
@@ -179,8 +179,8 @@ def _raise_for(rc: int, ggml_type: Optional[int], what: str) -> None:
     raise ValueError(f"{what}: the library refused the arguments (code {rc})")
 
 
-def quantize_activations(x: torch.Tensor, threads: int = 0) -> Q8Activations:
-    """float32 [M, K] (rows may be strided, unit column stride) -> Q8Activations; K % 32 == 0."""
+def quantize_activations(x: torch.Tensor, threads: int = 0) -> QuantizedActivations:
+    """float32 [M, K] (rows may be strided, unit column stride) -> QuantizedActivations; K % 32 == 0."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
     m, k = x.shape
@@ -189,14 +189,14 @@ def quantize_activations(x: torch.Tensor, threads: int = 0) -> Q8Activations:
     if m > 0 and x.stride(1) != 1:
         raise ValueError("x must have unit column stride")
     ldx = x.stride(0) if m > 1 else k
-    q = torch.empty((m, k), dtype=torch.int8)
+    q = torch.empty((m, k), dtype=torch.int16)
     d = torch.empty((m, k // 32), dtype=torch.float32)
-    s16 = torch.empty((m, k // 16), dtype=torch.int16)
+    gsum = torch.empty((m, k // 16), dtype=torch.int32)
     if m:
         rc = _lib().pq_quantize_act(x.data_ptr(), m, k, ldx, q.data_ptr(), d.data_ptr(),
-                                    s16.data_ptr(), _check_threads(threads))
+                                    gsum.data_ptr(), _check_threads(threads))
         _raise_for(rc, None, "quantize_activations")
-    return Q8Activations(q, d, s16)
+    return QuantizedActivations(q, d, gsum)
 
 
 def _check_weights(ggml_type: int, w: torch.Tensor, k: int) -> tuple[int, int]:
@@ -234,21 +234,21 @@ def _check_out(out: torch.Tensor, rows: int, cols: int, what: str) -> int:
     return ld
 
 
-def mul_mat(ggml_type: int, w: torch.Tensor, k: int, act: Q8Activations, out: torch.Tensor,
+def mul_mat(ggml_type: int, w: torch.Tensor, k: int, act: QuantizedActivations, out: torch.Tensor,
             threads: int = 0) -> torch.Tensor:
     """out[M, N] = x @ W^T, x the activations ``act`` (M rows of K), W the N rows of ``w``
     (uint8 [N, row bytes] of GGUF type ``ggml_type``). ``out`` may be a column slice of a
     wider tensor. Returns ``out``."""
     n, row_bytes = _check_weights(ggml_type, w, k)
-    if not isinstance(act, Q8Activations) or act.k != k:
-        raise ValueError(f"act must be Q8Activations of K={k}, got {type(act).__name__}"
+    if not isinstance(act, QuantizedActivations) or act.k != k:
+        raise ValueError(f"act must be QuantizedActivations of K={k}, got {type(act).__name__}"
                          f" of K={getattr(act, 'k', '?')}")
     m = act.m
     ld = _check_out(out, m, n, "out")
     if m == 0 or n == 0:
         return out
     rc = _lib().pq_mul_mat(ggml_type, w.data_ptr(), n, k, row_bytes, act.q.data_ptr(),
-                           act.d.data_ptr(), act.s16.data_ptr(), m, out.data_ptr(), ld,
+                           act.d.data_ptr(), act.gsum.data_ptr(), m, out.data_ptr(), ld,
                            _check_threads(threads))
     _raise_for(rc, ggml_type, "mul_mat")
     return out

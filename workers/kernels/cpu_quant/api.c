@@ -91,7 +91,7 @@ PQ_API int pq_has_kernel(int type) {
 }
 
 PQ_DECODER
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int16_t *s16) {
+static void quantize_row(const float *x, int64_t K, int16_t *q, float *d, int32_t *gsum) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -99,30 +99,30 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int16_t
             float a = xb[i] < 0.0f ? -xb[i] : xb[i];
             amax = a > amax ? a : amax;
         }
-        float db = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float db = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
         d[b] = db;
         for (int h = 0; h < 2; h++) {
             int sum = 0;
             for (int i = 0; i < 16; i++) {
                 float r = xb[16 * h + i] * id; /* round half away from zero, no libm call */
                 int v = (int)(r + (r < 0.0f ? -0.5f : 0.5f));
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                q[32 * b + 16 * h + i] = (int8_t)v;
+                v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+                q[32 * b + 16 * h + i] = (int16_t)v;
                 sum += v;
             }
-            s16[2 * b + h] = (int16_t)sum;
+            gsum[2 * b + h] = sum;
         }
     }
 }
 
-PQ_API int pq_quantize_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *q, float *d,
-                           int16_t *s16, int nthreads) {
+PQ_API int pq_quantize_act(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *q, float *d,
+                           int32_t *gsum, int nthreads) {
     if (M < 0 || K <= 0 || K % 32 != 0 || ldx < K) return PQ_ERR_ARG;
     int nt = threads(nthreads);
     if (M * K < 65536) nt = 1; /* a parallel region costs more than a decode-step row */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, q + m * K, d + m * (K / 32), s16 + m * (K / 16));
+        quantize_row(x + m * ldx, K, q + m * K, d + m * (K / 32), gsum + m * (K / 16));
     return PQ_OK;
 }
 
@@ -152,7 +152,7 @@ static int check_weights(const pq_type_info *t, int64_t K, int64_t row_bytes) {
 }
 
 PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes,
-                      const int8_t *q, const float *d, const int16_t *s16, int64_t M, float *y,
+                      const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
                       int64_t ldy, int nthreads) {
     init_once();
     if (g_isa < 0) return PQ_ERR_ISA;
@@ -162,7 +162,7 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     if (N < 0 || M < 0 || (M > 1 && ldy < N)) return PQ_ERR_ARG;
     if (N == 0 || M == 0) return PQ_OK;
     const pq_isa_impl *isa = ISAS[g_isa];
-    pq_mm_args a = {t, w, K, row_bytes, q, d, s16, M, y, ldy};
+    pq_mm_args a = {t, w, K, row_bytes, q, d, gsum, M, y, ldy};
     int nt = threads(nthreads);
     if (nt > N) nt = (int)N;
     int failed = 0;

@@ -11,9 +11,9 @@ typedef struct {
     const pq_type_info *t;
     const uint8_t *w;
     int64_t K, row_bytes;
-    const int8_t *q;
+    const int16_t *q;
     const float *d;
-    const int16_t *s16;
+    const int32_t *gsum;
     int64_t M;
     float *y;
     int64_t ldy;
@@ -38,12 +38,12 @@ extern const pq_isa_impl pq_isa_avx2, pq_isa_avxvnni, pq_isa_avx512vnni;
 #endif
 
 /* The generic dot of one decoded row (canonical form) with one activation row:
- * sum over groups g of xd[g/2] * (scale[g] * sum(v*q) + offset[g] * s16[g]).
+ * sum over groups g of xd[g/2] * (scale[g] * sum(v*q) + offset[g] * gsum[g]).
  * The offset part is plain C, shared by all variants. */
-static inline float pq_offset_term(const float *offset, const int16_t *s16, const float *xd,
+static inline float pq_offset_term(const float *offset, const int32_t *gsum, const float *xd,
                                    int64_t n16) {
     float acc = 0.0f;
-    for (int64_t g = 0; g < n16; g++) acc += offset[g] * (float)s16[g] * xd[g >> 1];
+    for (int64_t g = 0; g < n16; g++) acc += offset[g] * (float)gsum[g] * xd[g >> 1];
     return acc;
 }
 

@@ -1,4 +1,4 @@
-/* AVX2 + FMA + F16C variant (vpmaddubsw products). */
+/* AVX2 + FMA + F16C variant (vpmaddwd products). */
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")

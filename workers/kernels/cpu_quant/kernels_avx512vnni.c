@@ -1,4 +1,4 @@
-/* AVX-512 VNNI variant (EVEX vpdpbusd on 256-bit registers: Ice Lake,
+/* AVX-512 VNNI variant (EVEX vpdpwssd on 256-bit registers: Ice Lake,
  * Sapphire Rapids, Zen 4). */
 #if defined(__x86_64__)
 #pragma GCC push_options

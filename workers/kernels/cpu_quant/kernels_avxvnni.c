@@ -1,4 +1,4 @@
-/* AVX-VNNI variant (VEX vpdpbusd: Alder Lake and later without AVX-512). */
+/* AVX-VNNI variant (VEX vpdpwssd: Alder Lake and later without AVX-512). */
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")

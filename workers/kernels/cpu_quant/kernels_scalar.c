@@ -2,7 +2,7 @@
  * It is also the reference the SIMD variants are tested against. */
 #include "kernels.h"
 
-static float dot_decoded(const int8_t *v, const float *scale, const int8_t *q, const float *xd,
+static float dot_decoded(const int8_t *v, const float *scale, const int16_t *q, const float *xd,
                          int64_t n32) {
     float acc = 0.0f;
     for (int64_t b = 0; b < n32; b++) {
@@ -22,7 +22,7 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
         for (int64_t m = 0; m < a->M; m++) {
             const float *xd = a->d + m * n32;
             float r = dot_decoded(s->v, s->scale, a->q + m * K, xd, n32);
-            if (t->has_offset) r += pq_offset_term(s->offset, a->s16 + m * (K / 16), xd, K / 16);
+            if (t->has_offset) r += pq_offset_term(s->offset, a->gsum + m * (K / 16), xd, K / 16);
             a->y[m * a->ldy + n] = r;
         }
     }
