@@ -240,23 +240,43 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(ns: argparse.Namespace) -> int:
-    from .bench.latency import DEFAULT_PROMPT, report, roofline, run_pocketllm
+    from .bench.latency import check_prompt, report, roofline, run_pocketllm
+    from .config import cpu_thread_count
+    from .model_info import load_model_info
 
+    if ns.output_len < 2:
+        raise SystemExit("--output-len must be at least 2 (decode speed is timed after the "
+                         "first token)")
+    for flag, value in (("--input-len", ns.input_len), ("--threads", ns.threads)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} must be at least 1")
     args = engine_args_from(ns)
+    info = load_model_info(args)
+    check_prompt(info, ns.prompt)
+    if ns.peer == "llama.cpp":  # refuse before the long pocketllm run
+        from .bench.peer_llama_cpp import gguf_path, import_llama_cpp
+
+        path = gguf_path(info, args.load_format)
+        import_llama_cpp()
+    if ns.threads is not None:  # the worker sizes its CPU thread pool from this
+        os.environ["POCKETLLM_NUM_THREADS"] = str(ns.threads)
+    threads = cpu_thread_count()
     batches = tuple(int(b) for b in ns.batch_sizes.split(",") if b) if ns.batch_sizes else ()
-    ours, prompt_ids = run_pocketllm(args, None, ns.prompt or DEFAULT_PROMPT, ns.output_len,
-                                     ns.runs, ns.warmup, batches)
+    ours, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
+                                     batches, input_len=ns.input_len)
     results = [ours]
     if ns.peer == "transformers":
         from .bench.peer_transformers import run_transformers
-        from .model_info import load_model_info
 
-        results.append(run_transformers(load_model_info(args), prompt_ids, ns.output_len,
-                                        ns.runs, ns.warmup, dtype=ours.dtype))
-    elif ns.peer is not None:
-        raise SystemExit(f"unknown peer {ns.peer!r}; the peer this command runs is transformers")
+        results.append(run_transformers(info, prompt_ids, ns.output_len, ns.runs, ns.warmup,
+                                        dtype=ours.dtype, threads=threads))
+    elif ns.peer == "llama.cpp":
+        from .bench.peer_llama_cpp import run_llama_cpp
+
+        results.append(run_llama_cpp(path, prompt_ids, info.vocab_size, ns.output_len,
+                                     ns.runs, ns.warmup, threads))
     print(f"prompt: {len(prompt_ids)} tokens")
-    print(report(results, ns.output_len))
+    print(report(results, ns.output_len, threads=threads if ours.device == "cpu" else None))
     print(roofline(ours))
     return 0
 
@@ -369,11 +389,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lat = bench.add_parser("latency", help="load time, TTFT and decode tokens/s at batch 1")
     add_engine_args(lat)
-    lat.add_argument("--prompt", default=None)
+    prompt = lat.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None,
+                        help="the prompt text (default: a fixed one-sentence prompt; needs a "
+                             "tokenizer)")
+    prompt.add_argument("--input-len", type=int, default=None,
+                        help="a synthetic prompt of this many token ids, for any model "
+                             "(default: the fixed prompt; 32 ids without a tokenizer)")
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--runs", type=int, default=3)
     lat.add_argument("--warmup", type=int, default=1)
-    lat.add_argument("--peer", default=None, help="transformers: run it on the same checkpoint")
+    lat.add_argument("--peer", default=None, choices=["transformers", "llama.cpp"],
+                     help="also run this engine on the same checkpoint and prompt "
+                          "(llama.cpp: a GGUF, through llama-cpp-python)")
+    lat.add_argument("--threads", type=int, default=None,
+                     help="CPU threads of both engines (default: POCKETLLM_NUM_THREADS or "
+                          "OMP_NUM_THREADS, else every core this process may use)")
     lat.add_argument("--batch-sizes", default="",
                      help="also measure decode output tok/s at these batch sizes, e.g. 1,64")
     lat.set_defaults(func=cmd_bench_latency)

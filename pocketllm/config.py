@@ -219,3 +219,16 @@ def _parse_env(name: str, typ: Any, raw: str) -> Any:
     except ValueError as e:
         raise InvalidRequestError(f"POCKETLLM_{name.upper()}={raw!r}: {e}", name) from None
     return raw
+
+
+def cpu_thread_count() -> int:
+    """The CPU threads a worker computes with: POCKETLLM_NUM_THREADS or OMP_NUM_THREADS if
+    the user pinned a count, else every core this process may run on. (The bench's peers
+    run with the same count.)"""
+    pinned = os.environ.get("POCKETLLM_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if pinned:
+        return max(1, int(pinned))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
-from pocketllm.config import EngineArgs
+from pocketllm.config import EngineArgs, cpu_thread_count
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,14 +45,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def configure_cpu_threads() -> int:
     """Use every core this process may run on, unless the user pinned a count."""
-    if "OMP_NUM_THREADS" in os.environ or "POCKETLLM_NUM_THREADS" in os.environ:
-        wanted = int(os.environ.get("POCKETLLM_NUM_THREADS") or os.environ["OMP_NUM_THREADS"])
-    else:
-        try:
-            wanted = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            wanted = os.cpu_count() or 1
-    wanted = max(1, wanted)
+    wanted = cpu_thread_count()
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
     return wanted

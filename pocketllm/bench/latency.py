@@ -12,6 +12,8 @@ from .throughput import settled_stats
 
 DEFAULT_PROMPT = ("Write a short story about a lighthouse keeper who discovers that the light "
                   "has been sending messages to ships for a hundred years.")
+DUMMY_PROMPT_LEN = 32  # the prompt of a model without a vocabulary, when --input-len is not given
+NAME_WIDTH = 20
 
 
 @dataclass
@@ -26,15 +28,23 @@ class LatencyResult:
     dtype: str = "float32"
     weight_bytes: int = 0  # per rank: what one decode step reads
     cached_prompt_tokens: int = 0  # of the batch-1 runs, served from the prefix cache (~0)
+    prompt_tokens: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prompt tokens / TTFT: the prefill speed, first sampled token included."""
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
     def row(self) -> str:
-        return (f"{self.name:<14} {self.load_s:>8.2f} {self.ttft_s * 1000:>10.1f} "
-                f"{self.decode_tps:>12.1f}")
+        return (f"{self.name:<{NAME_WIDTH}} {self.load_s:>8.2f} {self.ttft_s * 1000:>10.1f} "
+                f"{self.prefill_tps:>13.1f} {self.decode_tps:>12.1f}")
 
 
-def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
-                  output_len: int, runs: int, warmup: int, batch_sizes: tuple[int, ...] = ()
-                  ) -> tuple[LatencyResult, list[int]]:
+def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | None,
+                  output_len: int, runs: int, warmup: int, batch_sizes: tuple[int, ...] = (),
+                  input_len: int | None = None) -> tuple[LatencyResult, list[int]]:
+    """Batch-1 latency of PocketLLM on ``prompt_ids``, else on ``prompt_ids_for(prompt,
+    input_len)``; returns the ids too, for the peer to run the same prompt."""
     from .. import LLM
 
     t0 = time.perf_counter()
@@ -43,10 +53,8 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
     caps = llm.engine_caps()
     try:
         sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        if prompt_ids is None and llm.model_info.tokenizer_path is None:
-            # dummy weights without a vocabulary: a fixed run of token ids
-            prompt_ids = [(7 * i + 11) % llm.model_info.vocab_size for i in range(32)]
-        ids = _prompt_ids(llm, prompt_ids if prompt_ids is not None else prompt)
+        ids = prompt_ids if prompt_ids is not None else prompt_ids_for(llm.model_info, prompt,
+                                                                       input_len)
         before = settled_stats(llm)
         ttfts, tps = [], []
         for i in range(warmup + runs):
@@ -70,6 +78,7 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str,
     result.batched = batched
     result.device, result.dtype, result.weight_bytes = caps.device, caps.dtype, caps.weight_bytes
     result.cached_prompt_tokens = cached
+    result.prompt_tokens = len(ids)
     return result, ids
 
 
@@ -101,13 +110,42 @@ def batch_decode_tps(llm, ids: list[int], batch: int, output_len: int, runs: int
     return statistics.median(rates)
 
 
-def _prompt_ids(llm, target) -> list[int]:
-    """The exact token ids PocketLLM prefilled, so the peer runs the same prompt."""
-    if isinstance(target, list):
-        return target
+def prompt_ids_for(info, prompt: str | None, input_len: int | None) -> list[int]:
+    """The exact token ids every engine prefills: ``prompt``'s (default: DEFAULT_PROMPT), or
+    with ``input_len`` a synthetic prompt of that many ids. A model without a vocabulary
+    (dummy weights) gets synthetic ids only."""
+    check_prompt(info, prompt)
+    if info.tokenizer_path is None:
+        return synthetic_ids(input_len or DUMMY_PROMPT_LEN, info.vocab_size,
+                             skip={info.bos_token_id, *info.eos_token_ids})
     from ..tokenizer.tokenizer import load_tokenizer
 
-    return load_tokenizer(llm.model_info).tokenizer.encode(target, add_special_tokens=True).ids
+    tok = load_tokenizer(info).tokenizer
+    ids = tok.encode(prompt or DEFAULT_PROMPT, add_special_tokens=True).ids
+    if input_len is None:
+        return ids
+    body = tok.encode(DEFAULT_PROMPT, add_special_tokens=False).ids
+    while len(ids) < input_len:  # BOS (if any), then the text's ids over and over
+        ids = ids + body
+    return ids[:input_len]
+
+
+def check_prompt(info, prompt: str | None) -> None:
+    """Refuse a prompt text that the model cannot tokenize (rather than ignore it)."""
+    if prompt is not None and info.tokenizer_path is None:
+        raise SystemExit(f"--prompt needs a tokenizer and {info.path!r} has none (dummy "
+                         "weights?); use --input-len N for a synthetic prompt of N tokens")
+
+
+def synthetic_ids(n: int, vocab_size: int, skip: set) -> list[int]:
+    """``n`` fixed token ids spread over the vocabulary, none of them in ``skip``."""
+    ids, j = [], 0
+    while len(ids) < n:
+        t = (7 * j + 11) % vocab_size
+        j += 1
+        if t not in skip:
+            ids.append(t)
+    return ids
 
 
 def roofline(result: LatencyResult) -> str:
@@ -125,18 +163,31 @@ def roofline(result: LatencyResult) -> str:
             f"decode reaches {result.decode_tps / limit:.0%} of it")
 
 
-def report(results: list[LatencyResult], output_len: int) -> str:
-    lines = [f"decode of {output_len} tokens, batch 1, greedy; medians",
-             f"{'engine':<14} {'load s':>8} {'TTFT ms':>10} {'decode tok/s':>12}"]
+def report(results: list[LatencyResult], output_len: int, threads: int | None = None) -> str:
+    head = f"decode of {output_len} tokens, batch 1, greedy; medians"
+    if threads is not None:
+        head += f"; CPU threads: {threads}"
+    lines = [head, f"{'engine':<{NAME_WIDTH}} {'load s':>8} {'TTFT ms':>10} "
+                   f"{'prefill tok/s':>13} {'decode tok/s':>12}"]
     lines += [r.row() for r in results]
+    if len(results) == 2:
+        a, b = results
+        lines.append(ratio_row(a, b))
+        lines.append(f"({a.name}/{b.name}: {a.name}'s figure over {b.name}'s; under 1 is "
+                     f"faster for load and TTFT, over 1 for tok/s)")
     if results[0].name == "pocketllm":
         lines.append(f"pocketllm prompt tokens served from the prefix cache in the batch-1 runs: "
                      f"{results[0].cached_prompt_tokens:,}")
     for r in results:
         for b, tps in r.batched.items():
             lines.append(f"{r.name:<14} batch {b:>3}: {tps:>10.1f} output tok/s (decode)")
-    if len(results) == 2 and results[1].decode_tps > 0:
-        a, b = results
-        lines.append(f"ratio {a.name}/{b.name}: decode {a.decode_tps / b.decode_tps:.2f}x, "
-                     f"TTFT {b.ttft_s / a.ttft_s:.2f}x faster, load {b.load_s / a.load_s:.2f}x faster")
     return "\n".join(lines)
+
+
+def ratio_row(a: LatencyResult, b: LatencyResult) -> str:
+    def r(x: float, y: float, width: int) -> str:
+        return f"{x / y:>{width - 1}.2f}x" if y > 0 else f"{'-':>{width}}"
+
+    return (f"{a.name + '/' + b.name:<{NAME_WIDTH}} {r(a.load_s, b.load_s, 8)} "
+            f"{r(a.ttft_s, b.ttft_s, 10)} {r(a.prefill_tps, b.prefill_tps, 13)} "
+            f"{r(a.decode_tps, b.decode_tps, 12)}")

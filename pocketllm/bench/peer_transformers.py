@@ -55,9 +55,12 @@ def timed_generate(model, device: str, ids, new_tokens: int) -> float:
 
 
 def run_transformers(info: ModelInfo, prompt_ids: list[int], output_len: int, runs: int,
-                     warmup: int, dtype: str = "float32") -> LatencyResult:
+                     warmup: int, dtype: str = "float32", threads: int | None = None
+                     ) -> LatencyResult:
     import torch
 
+    if threads is not None:  # on the CPU: the same count as PocketLLM's worker
+        torch.set_num_threads(threads)
     model, device, load_s = load_peer(info, dtype)
     ids = torch.tensor([prompt_ids], device=device)
     ttfts, tps = [], []
@@ -68,7 +71,7 @@ def run_transformers(info: ModelInfo, prompt_ids: list[int], output_len: int, ru
             ttfts.append(t1)
             tps.append((output_len - 1) / max(tn - t1, 1e-9))
     return LatencyResult("transformers", load_s, statistics.median(ttfts),
-                         statistics.median(tps), runs)
+                         statistics.median(tps), runs, prompt_tokens=len(prompt_ids))
 
 
 def run_transformers_throughput(info: ModelInfo, prompts: list[list[int]], output_len: int,
