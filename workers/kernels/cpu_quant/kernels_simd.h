@@ -71,16 +71,43 @@ static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
+#include "kernels_fused.h"
+
+/* Rows of activations up to which a weight row is unpacked once per activation row (the
+ * fused dots); above it, decoded once into the buffer and reused by every row. */
+#define PQ_FUSED_MAX_M 4
+/* Bytes ahead of the row being multiplied that are prefetched: the hardware prefetchers
+ * stop at each 4 KiB page, and a decode step streams every weight from memory once. */
+#define PQ_PREFETCH_BYTES 2048
+
+static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes, const uint8_t *end) {
+    for (int64_t o = 0; o < row_bytes; o += 64)
+        if (row + PQ_PREFETCH_BYTES + o < end) __builtin_prefetch(row + PQ_PREFETCH_BYTES + o);
+}
+
 static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s) {
     const pq_type_info *t = a->t;
     int64_t K = a->K, n32 = K / 32;
+    const uint8_t *end = a->w + n1 * a->row_bytes;
     if (t->id == PQ_Q8_0) {
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
+            prefetch_ahead(wr, a->row_bytes, end);
             for (int64_t m = 0; m < a->M; m++)
                 a->y[m * a->ldy + n] = dot_q8_0(wr, a->q + m * K, a->d + m * n32, n32);
         }
         return;
+    }
+    if (a->M <= PQ_FUSED_MAX_M) {
+        int done = 1;
+        for (int64_t n = n0; n < n1 && done; n++) {
+            const uint8_t *wr = a->w + n * a->row_bytes;
+            prefetch_ahead(wr, a->row_bytes, end);
+            for (int64_t m = 0; m < a->M && done; m++)
+                a->y[m * a->ldy + n] = fused_dot(t->id, wr, a->q + m * K, a->d + m * n32,
+                                                 a->gsum + m * (K / 16), K, &done);
+        }
+        if (done) return;
     }
     for (int64_t n = n0; n < n1; n++) {
         t->decode(a->w + n * a->row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
