@@ -61,8 +61,8 @@ def _teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, 
 @pytest.mark.slow
 @needs_kernels
 def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path):
-    """Teacher-forced over 1,100 tokens of prose: the block path's top-1 token agrees with
-    the float32 reference at >= 99% of positions, and its perplexity is within 1%."""
+    """Teacher-forced over 1,100 tokens of prose: the integer kernels' top-1 token agrees
+    with the float32 reference at >= 99% of positions, and their perplexity is within 1%."""
     from pocketllm.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
@@ -73,6 +73,9 @@ def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path)
     ids = ids[:TEXT_TOKENS]
     blocks = _runner()
     assert _block_layers(blocks) > 0
+    for m in blocks.model.modules():  # the integer kernels at every row count, not only decode's
+        if isinstance(m, BlockWeight):
+            m.float_rows = len(ids) + 1
     top_b, lp_b = _teacher_forced(blocks, ids)
     del blocks
     dense = _runner(dequantize_weights=True)
@@ -97,3 +100,30 @@ def test_dummy_block_weights_serve(tiny_llama):
         out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
                                                           ignore_eos=True))[0]
     assert len(out.token_ids) == 6
+
+
+@needs_kernels
+def test_block_weight_products_of_few_and_many_rows():
+    """Mixed part types (one float): a product below ``float_rows`` rows runs the integer
+    kernels, at or above it the dequantize-then-sgemm path; both match the float product
+    (the integer one within the 16-bit activation rounding)."""
+    from test_cpu_quant_kernels import random_blocks
+
+    from pocketllm.workers.loader.gguf_quants import dequantize
+
+    k, rows = 512, [48, 32, 24]
+    blocks = {0: random_blocks(6, rows[0], k, seed=1), 1: random_blocks(12, rows[1], k, seed=2)}
+    w = BlockWeight(k, rows, [6, 12, None], float_rows=5)
+    dense = []
+    for j, t in blocks.items():
+        setattr(w, f"part{j}", t)
+        dense.append(torch.from_numpy(dequantize(t.numpy().reshape(-1), w.part_types[j]).reshape(-1, k)))
+    w.part2 = torch.randn(rows[2], k)
+    dense.append(w.part2)
+    ref_w = torch.cat(dense).double()
+    for m in (1, 4, 5, 9):
+        x = torch.randn(m, k)
+        ref = x.double() @ ref_w.T
+        got = w(x).double()
+        tol = 1e-4 if m >= 5 else 2e-3
+        assert torch.allclose(got, ref, rtol=0, atol=tol * ref.abs().max().item()), m

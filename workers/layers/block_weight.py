@@ -7,9 +7,11 @@ So each stacked part keeps its own type and bytes, and a product is one kernel c
 part, each writing its columns of one output. A float part (an F16 matrix) stays a
 float32 matrix and takes torch's product.
 
-The layer's input rows are quantized to 8 bits once per product (per block of 32, as
-llama.cpp does), and every part's kernel reads them. Which layers store blocks at all is
-the kernel policy's call (``KernelPolicy.keeps_blocks``); this is the storage and the
+A product of few rows (decode) quantizes the input rows to 16 bits once (per block of 32)
+and every part's integer kernel reads them; one of ``float_rows`` rows or more (prefill)
+dequantizes each part a slice at a time into one reused buffer and multiplies it with
+torch's sgemm. Which layers store blocks, and from how many rows the float product
+runs, is the kernel policy's call (``KernelPolicy``); this is the storage and the
 product.
 """
 
@@ -25,12 +27,25 @@ from pocketllm.errors import CheckpointError
 from ..loader.gguf_quants import GGML_TYPES, type_name
 
 
+# One float buffer for every layer's dequantized slice (the worker runs one product at a
+# time): 8 MiB, so a slice stays in cache between its dequantization and its sgemm.
+_FLOAT_SCRATCH_ELEMS = 1 << 21
+_scratch: Optional[torch.Tensor] = None
+
+
+def _float_scratch(elems: int) -> torch.Tensor:
+    global _scratch
+    if _scratch is None or _scratch.numel() < elems:
+        _scratch = torch.empty(max(elems, _FLOAT_SCRATCH_ELEMS), dtype=torch.float32)
+    return _scratch
+
+
 class BlockWeight(nn.Module):
     """Parts of ``part_rows`` rows each, stacked along the output; ``part_types[j]`` is the
     GGML type part j is stored in (None: a float part)."""
 
     def __init__(self, in_features: int, part_rows: Sequence[int],
-                 part_types: Sequence[Optional[int]]):
+                 part_types: Sequence[Optional[int]], float_rows: int):
         super().__init__()
         from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
 
@@ -39,6 +54,7 @@ class BlockWeight(nn.Module):
         self.part_rows = list(part_rows)
         self.part_types = list(part_types)
         self.out_features = sum(self.part_rows)
+        self.float_rows = float_rows
         bounds = [0]
         for rows in self.part_rows:
             bounds.append(bounds[-1] + rows)
@@ -86,11 +102,24 @@ class BlockWeight(nn.Module):
             kind, w = self.part_types[j], self.part(j)
             if kind is None:
                 out[:, cols] = x @ w.t()
-                continue
-            if act is None:
-                act = self.kernels.quantize_activations(x)
-            self.kernels.mul_mat(kind, w, self.in_features, act, out[:, cols])
+            elif x.shape[0] >= self.float_rows:
+                self._float_product(kind, w, x, out[:, cols])
+            else:
+                if act is None:
+                    act = self.kernels.quantize_activations(x)
+                self.kernels.mul_mat(kind, w, self.in_features, act, out[:, cols])
         return out
+
+    def _float_product(self, kind: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ dequantized(w).T, a slice of rows at a time through ``_float_scratch``."""
+        k = self.in_features
+        step = max(1, _FLOAT_SCRATCH_ELEMS // k)
+        scratch = _float_scratch(min(step, w.shape[0]) * k)
+        for r0 in range(0, w.shape[0], step):
+            rows = w[r0:r0 + step]
+            wf = scratch[:rows.shape[0] * k].view(rows.shape[0], k)
+            self.kernels.dequantize_rows(kind, rows, k, torch.arange(rows.shape[0]), wf)
+            out[:, r0:r0 + rows.shape[0]] = x @ wf.t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a one-part weight as float32 [n, K]: the embedding's lookup."""
