@@ -7,6 +7,8 @@ fraction of a second. Tensor data is left on disk for the loader to memory-map.
 
 from __future__ import annotations
 
+import mmap
+import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -17,6 +19,7 @@ from .errors import CheckpointError
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,19 @@ class _Cursor:
         self.pos += n
         return s.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in one tight loop: a vocabulary holds 262k of them, and a
+        call per string took 0.3 s of every process's start-up."""
+        data, pos, out = self.data, self.pos, []
+        append, unpack = out.append, _U64.unpack_from
+        for _ in range(count):
+            (n,) = unpack(data, pos)
+            pos += 8
+            append(data[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -57,7 +73,7 @@ class _Cursor:
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if etype == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 size = struct.calcsize(fmt)
@@ -72,7 +88,9 @@ class _Cursor:
 def read_gguf_header(path: str) -> GGUFHeader:
     try:
         with open(path, "rb") as f:
-            data = f.read(64 << 20)  # the header of any model we serve fits in 64 MiB
+            # Mapped, not read: only the header's pages are touched (reading copied 64 MiB).
+            empty = os.fstat(f.fileno()).st_size == 0  # (mmap refuses an empty file)
+            data = b"" if empty else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             if data[:4] != b"GGUF":
                 raise CheckpointError(f"{path!r} is not a GGUF file (bad magic)")
             cur = _Cursor(data)

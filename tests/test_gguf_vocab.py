@@ -121,6 +121,30 @@ def test_saved_tokenizer_json_round_trips(gemma):
         assert again.encode(text).ids == tok.encode(text).ids
 
 
+def _assert_decodes_alike(full: Tokenizer, lean: Tokenizer, texts) -> None:
+    n = full.get_vocab_size()
+    assert lean.get_vocab_size() == n
+    every = [[i] for i in range(n)]
+    runs = every + [full.encode(t).ids for t in texts] + [list(range(i, i + 9)) for i in range(0, n, 97)]
+    for skip in (False, True):
+        assert lean.decode_batch(runs, skip_special_tokens=skip) == \
+            full.decode_batch(runs, skip_special_tokens=skip)
+    assert [lean.id_to_token(i) for i in range(n)] == [full.id_to_token(i) for i in range(n)]
+    assert lean.get_added_tokens_decoder().keys() == full.get_added_tokens_decoder().keys()
+
+
+def test_decode_only_decodes_alike(gemma, gemma_path, byte_level_vocab, tmp_path):
+    """The detokenizer's tokenizer leaves the merges out: every id, and runs of ids,
+    decode as with the full one (Gemma's SentencePiece file and a byte-level one)."""
+    _assert_decodes_alike(gemma[0], tokenizer_from_gguf(gemma_path, decode_only=True),
+                          TEXTS + ["<start_of_turn>user\nHi<end_of_turn>\n"])
+    tokens, types, merges = byte_level_vocab
+    path = _write_vocab_gguf(str(tmp_path / "bl.gguf"), tokens, types, model="gpt2",
+                             pre="llama-bpe", merges=merges, bos=0, eos=2)
+    _assert_decodes_alike(tokenizer_from_gguf(path), tokenizer_from_gguf(path, decode_only=True),
+                          TEXTS + ["<|begin_of_text|>x<|eot_id|><think>"])
+
+
 @pytest.mark.slow
 def test_gemma_matches_transformers(gemma, gemma_ref):
     _compare(gemma[0], gemma_ref)

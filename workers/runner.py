@@ -23,7 +23,7 @@ from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResul
                                       WorkerCapabilities)
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
-                     kv_bytes_per_block, num_kv_blocks, to_device)
+                     kv_bytes_per_block, num_kv_blocks, populated_cpu_zeros, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, build_metadata
@@ -104,14 +104,14 @@ class ModelRunner:
         # One extra block past the end stays zero: padding of batched decodes reads it.
         slots = (self.num_kv_blocks + 1) * self.block_size
         self.pad_slot = self.num_kv_blocks * self.block_size
-        self.kv = torch.empty(cfg.num_layers, 2, slots, kv_heads, cfg.head_dim,
-                              device=self.device, dtype=self.dtype)
+        shape = (cfg.num_layers, 2, slots, kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
             # The OS backs a CPU tensor's pages only when they are first written, so an
             # untouched cache would grow the worker's memory request by request until full
-            # (and fail mid-serving where RAM is short). Touched now: it fails at start.
-            self.kv.zero_()
+            # (and fail mid-serving where RAM is short). Backed now: it fails at start.
+            self.kv = populated_cpu_zeros(shape, self.dtype)
         else:
+            self.kv = torch.empty(shape, device=self.device, dtype=self.dtype)
             self.kv[:, :, self.pad_slot:].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)

@@ -30,7 +30,7 @@ def main(ctx: StageContext) -> None:
     inbox = ctx.pull(endpoints.detokenizer(ctx.run_dir))
     to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
     to_scheduler = ctx.push(endpoints.scheduler(ctx.run_dir))
-    detok = Detokenizer(load_tokenizer(ctx.info).tokenizer)
+    detok = Detokenizer(load_tokenizer(ctx.info, decode_only=True).tokenizer)
     decoder = codec.decoder_for("detokenizer")
     ctx.ready()
     while True:

@@ -36,7 +36,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _POSITION_RANKED_ARCHS = {"gemma", "gemma2", "gemma3"}
 
-def tokenizer_from_gguf(path: str) -> Tokenizer:
+def tokenizer_from_gguf(path: str, decode_only: bool = False) -> Tokenizer:
+    """``decode_only``: leave out the merges, which only encoding reads (the detokenizer
+    decodes; recovering a SentencePiece vocabulary's merges takes ~1 s for 262k tokens)."""
     meta = read_gguf_header(path).metadata
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -46,11 +48,11 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     if len(types) != len(tokens):
         raise CheckpointError(f"{path!r}: {len(types)} token types for {len(tokens)} tokens")
     if kind == "llama":
-        tok, tokens = _sentencepiece_bpe(meta, tokens)
+        tok, tokens = _sentencepiece_bpe(meta, tokens, decode_only)
         default_add_bos = True
     elif kind == "gpt2":
         pre = pre_tokenizer(meta, path)
-        tok, tokens = _byte_level_bpe(meta, tokens, path, pre)
+        tok, tokens = _byte_level_bpe(meta, tokens, path, pre, decode_only)
         default_add_bos = pre.add_bos
     else:
         raise UnsupportedFeatureError(
@@ -74,11 +76,14 @@ def pre_tokenizer(meta: dict, path: str) -> PreTokenizer:
 # ------------------------------------------------------------------ SentencePiece-style
 
 
-def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> tuple[Tokenizer, list[str]]:
+def _sentencepiece_bpe(meta: dict, tokens: list[str],
+                       decode_only: bool = False) -> tuple[Tokenizer, list[str]]:
     # Gemma stores runs of spaces as real spaces; the text they must match is ▁-escaped.
     tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     arch = meta.get("general.architecture")
-    if arch in _POSITION_RANKED_ARCHS:
+    if decode_only:
+        ranks = None
+    elif arch in _POSITION_RANKED_ARCHS:
         ranks = np.arange(len(tokens), dtype=np.float64)
     else:
         scores = meta.get("tokenizer.ggml.scores")
@@ -86,7 +91,8 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> tuple[Tokenizer, list[s
             raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
         ranks = -np.asarray(scores, dtype=np.float64)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE(vocab=_vocab(tokens), merges=_merges_from_vocab(tokens, ranks),
+    merges = [] if decode_only else _merges_from_vocab(tokens, ranks)
+    bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
                      unk_token=tokens[unk_id] if unk_id is not None else None,
                      fuse_unk=True, byte_fallback=True)
     tok = Tokenizer(bpe)
@@ -194,8 +200,8 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_level_bpe(meta: dict, tokens: list[str], path: str,
-                    pre: PreTokenizer) -> tuple[Tokenizer, list[str]]:
+def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
+                    decode_only: bool = False) -> tuple[Tokenizer, list[str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise CheckpointError(f"{path!r}: a 'gpt2' GGUF tokenizer needs tokenizer.ggml.merges")
@@ -204,7 +210,8 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str,
     # A token written outside the byte alphabet (rare) is respelled byte by byte.
     tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
               for t in tokens]
-    bpe = models.BPE(vocab=_vocab(tokens), merges=[tuple(m.split(" ", 1)) for m in merges],
+    merges = [] if decode_only else [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
                      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                      ignore_merges=pre.ignore_merges)
     tok = Tokenizer(bpe)

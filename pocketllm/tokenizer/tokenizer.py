@@ -19,7 +19,9 @@ class LoadedTokenizer:
         return None if token is None else self.tokenizer.token_to_id(token)
 
 
-def load_tokenizer(info: ModelInfo) -> LoadedTokenizer:
+def load_tokenizer(info: ModelInfo, decode_only: bool = False) -> LoadedTokenizer:
+    """``decode_only``: a GGUF vocabulary may leave out what only encoding needs (the
+    detokenizer's; see ``tokenizer_from_gguf``)."""
     path = info.tokenizer_path
     if path is None:
         if info.format == "dummy":
@@ -31,7 +33,7 @@ def load_tokenizer(info: ModelInfo) -> LoadedTokenizer:
         from ..gguf_meta import read_gguf_metadata
         from .gguf_vocab import tokenizer_from_gguf
 
-        tok = tokenizer_from_gguf(path)
+        tok = tokenizer_from_gguf(path, decode_only=decode_only)
         meta = read_gguf_metadata(path)
         specials = {}
         for name, key in (("bos_token", "tokenizer.ggml.bos_token_id"),
