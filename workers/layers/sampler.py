@@ -247,7 +247,9 @@ class Sampler:
             apply_penalties(logits, specs, histories)
         if token_mask is not None:  # grammar rows (structured_token_mask): after penalties and bias
             apply_token_mask(logits, token_mask)
-        tokens = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first maximum), ~3x faster on the CPU (0.12 against
+        # 0.34 ms a row of 262k); CUDA keeps argmax, whose kernels its graphs captured.
+        tokens = logits.max(dim=-1).indices if logits.is_cpu else logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(specs) if not is_greedy(s)]
         if random_rows:
             uniforms = self._uniforms([specs[i] for i in random_rows],
