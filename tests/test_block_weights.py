@@ -127,3 +127,45 @@ def test_block_weight_products_of_few_and_many_rows():
         got = w(x).double()
         tol = 1e-4 if m >= 5 else 2e-3
         assert torch.allclose(got, ref, rtol=0, atol=tol * ref.abs().max().item()), m
+
+
+@pytest.fixture(scope="module")
+def tiny_block_gguf(tmp_path_factory):
+    """A tiny llama GGUF whose matrices cycle through block and float types (Q8_0, Q4_0,
+    Q5_1, Q4_1, Q5_0, F16, BF16, F32), with the given MLP width."""
+    from test_gguf_weights import _tiny_hf_model, write_tiny_gguf
+
+    def make(intermediate_size: int) -> str:
+        path = str(tmp_path_factory.mktemp("blocks") / f"tiny-{intermediate_size}.gguf")
+        write_tiny_gguf(path, "llama", _tiny_hf_model("llama", intermediate_size))
+        return path
+
+    return make
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_tensor_parallel_block_weights_equal_one_rank(tiny_block_gguf):
+    """Two CPU ranks slice every block weight at block boundaries (the down projection's 128
+    columns into 64 + 64) and generate what one rank does."""
+    path = tiny_block_gguf(128)
+    assert _block_layers(_runner(model=path)) >= 4
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 3]]
+    outs = {}
+    for tp in (1, 2):
+        with LLM(EngineArgs(model=path, tensor_parallel_size=tp)) as llm:
+            outs[tp] = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert outs[1] == outs[2]
+    assert len(set(outs[1][0] + outs[1][1])) > 2, "a degenerate model would prove little"
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_tensor_parallel_split_inside_a_block_is_refused(tiny_block_gguf):
+    """96 columns over two ranks is 48 each: not a whole number of 32-element blocks. The
+    engine refuses to start, naming the tensor, rather than dequantize silently."""
+    path = tiny_block_gguf(96)
+    with pytest.raises(UnsupportedFeatureError) as e:
+        LLM(EngineArgs(model=path, tensor_parallel_size=2, startup_timeout=120))
+    assert "blk.0.ffn_down.weight" in str(e.value) and "blocks of 32" in str(e.value)

@@ -47,10 +47,10 @@ _QTYPES = [(Q.F16, 1e-3), (Q.Q8_0, 0.01), (Q.Q4_0, 0.1), (Q.BF16, 1e-2), (Q.Q5_1
            (Q.F32, 0.0), (Q.Q4_1, 0.1), (Q.Q5_0, 0.05)]
 
 
-def _tiny_hf_model(family: str):
+def _tiny_hf_model(family: str, intermediate_size: int = 96):
     import transformers as tf
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, rms_norm_eps=1e-5)
     cfg = {

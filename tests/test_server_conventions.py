@@ -157,3 +157,16 @@ def test_access_log_of_a_real_server_has_tokens_and_ttft(tiny_llama, tmp_path):
     assert re.search(r"POST /v1/completions 200 id=logged-2 prompt_tokens=\d+ "
                      r"completion_tokens=\d+ ttft=", text)
     assert "GET /ready" not in text  # probes are logged at DEBUG only
+
+
+def test_sse_data_lines_survive_unicode_line_splitting():
+    """Generated text may hold U+0085, U+2028 or U+2029, which str.splitlines() (httpx's
+    iter_lines, many SSE readers) takes for line ends: a data line carries them escaped."""
+    import json as _json
+
+    from pocketllm.server.responses import sse
+
+    data = {"choices": [{"text": "a\x85b\u2028c\u2029d \u00e9\n"}]}
+    lines = sse(data).decode().splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert _json.loads(lines[0][len("data: "):]) == data

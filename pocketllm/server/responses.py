@@ -108,6 +108,15 @@ def completion_chunk_choice(index: int, text: str, finish_reason: Optional[str] 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+# Characters that str.splitlines() (and so httpx's iter_lines and many hand-written SSE
+# readers) takes for line ends, though SSE ends lines only at CR and LF: escaped in a data
+# line's JSON, so no such reader cuts a chunk that carries one in its text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: Any) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    if isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
     return f"data: {payload}\n\n".encode()

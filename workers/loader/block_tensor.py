@@ -32,6 +32,7 @@ class BlockTensor:
     ggml_type: int
     shape: tuple[int, ...]  # HF order: (rows, cols), or (n,) for a vector
     blocks: np.ndarray  # uint8 (rows, row_bytes): a view of the file's map, or generated
+    name: str = ""  # the file's tensor name, for errors
 
     @property
     def type_name(self) -> str:
@@ -53,7 +54,8 @@ class BlockTensor:
             return self.blocks[shard.start:shard.stop]
         if shard.start % self.block_elems or shard.stop % self.block_elems:
             raise UnsupportedFeatureError(
-                f"a {self.type_name} matrix's input features [{shard.start}, {shard.stop}) do "
+                f"tensor {self.name or '?'!r}: a {self.type_name} matrix's input features "
+                f"[{shard.start}, {shard.stop}) do "
                 f"not fall on its blocks of {self.block_elems}: choose a tensor_parallel_size "
                 "that splits the input dimension at a multiple of the block size",
                 "tensor_parallel_size")
@@ -70,7 +72,7 @@ class BlockTensor:
 
     def with_rows(self, order: np.ndarray) -> "BlockTensor":
         """The same matrix with its rows reordered (a copy): undoes a converter's permutation."""
-        return BlockTensor(self.ggml_type, self.shape, self.blocks[order])
+        return BlockTensor(self.ggml_type, self.shape, self.blocks[order], self.name)
 
 
 def block_tensor(data: np.ndarray, ggml_type: int, shape: tuple[int, ...], offset: int,
@@ -86,4 +88,4 @@ def block_tensor(data: np.ndarray, ggml_type: int, shape: tuple[int, ...], offse
     if offset + rows * row_bytes > data.size:
         raise CheckpointError(f"{path!r} is truncated: tensor {name!r} ends past the end of the file")
     blocks = data[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
-    return BlockTensor(ggml_type, shape, blocks)
+    return BlockTensor(ggml_type, shape, blocks, name)
