@@ -96,7 +96,7 @@ def test_dummy_block_weights_serve(tiny_llama):
     assert _block_layers(runner) >= 4  # qkv, o, gate_up, down of each layer (and the head)
     weights = [m for m in runner.model.modules() if isinstance(m, BlockWeight)]
     assert all(t == 8 for w in weights for t in w.part_types if t is not None)
-    with LLM(EngineArgs(model=tiny_llama, load_format="dummy", quantization="q8_0")) as llm:
+    with LLM(EngineArgs(model=tiny_llama, device="cpu", load_format="dummy", quantization="q8_0")) as llm:
         out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
                                                           ignore_eos=True))[0]
     assert len(out.token_ids) == 6
@@ -154,7 +154,7 @@ def test_tensor_parallel_block_weights_equal_one_rank(tiny_block_gguf):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 3]]
     outs = {}
     for tp in (1, 2):
-        with LLM(EngineArgs(model=path, tensor_parallel_size=tp)) as llm:
+        with LLM(EngineArgs(model=path, device="cpu", tensor_parallel_size=tp)) as llm:
             outs[tp] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs[1] == outs[2]
     assert len(set(outs[1][0] + outs[1][1])) > 2, "a degenerate model would prove little"
@@ -167,5 +167,5 @@ def test_tensor_parallel_split_inside_a_block_is_refused(tiny_block_gguf):
     engine refuses to start, naming the tensor, rather than dequantize silently."""
     path = tiny_block_gguf(96)
     with pytest.raises(UnsupportedFeatureError) as e:
-        LLM(EngineArgs(model=path, tensor_parallel_size=2, startup_timeout=120))
+        LLM(EngineArgs(model=path, device="cpu", tensor_parallel_size=2, startup_timeout=120))
     assert "blk.0.ffn_down.weight" in str(e.value) and "blocks of 32" in str(e.value)
