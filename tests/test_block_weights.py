@@ -169,3 +169,20 @@ def test_tensor_parallel_split_inside_a_block_is_refused(tiny_block_gguf):
     with pytest.raises(UnsupportedFeatureError) as e:
         LLM(EngineArgs(model=path, device="cpu", tensor_parallel_size=2, startup_timeout=120))
     assert "blk.0.ffn_down.weight" in str(e.value) and "blocks of 32" in str(e.value)
+
+
+@pytest.mark.slow
+def test_engine_without_the_kernel_library_runs_dequantized(tiny_block_gguf, monkeypatch, capfd):
+    """A build whose kernels cannot run here (an ISA forced that the CPU lacks stands in for
+    a failed compile) still starts: one warning, the weights dequantized, the same tokens
+    as --dequantize-weights."""
+    path = tiny_block_gguf(128)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(EngineArgs(model=path, device="cpu", dequantize_weights=True)) as llm:
+        ref = llm.generate([[5, 6, 7, 8, 9]], sp)[0].token_ids
+    monkeypatch.setenv("POCKETLLM_CPU_ISA", "bogus")  # the worker process inherits it
+    capfd.readouterr()
+    with LLM(EngineArgs(model=path, device="cpu")) as llm:
+        got = llm.generate([[5, 6, 7, 8, 9]], sp)[0].token_ids
+    assert got == ref
+    assert "the CPU block kernels are not available" in capfd.readouterr().err
