@@ -4,8 +4,8 @@ decoder, on every SIMD variant this CPU runs, against the loader's numpy dequant
 Weights are random blocks with sane fp16 scale fields. Products are checked twice: tightly
 against float64 ``xq @ W^T`` where xq = q * d are the activations the kernel really
 multiplies (only float32 rounding of the accumulation separates them), and loosely against
-the float activations, within the bound 16-bit quantization allows (|x - xq| <= d/2 per
-element, so the error is at most (d/2) @ |W|^T).
+the float activations, within the bound 16-bit quantization allows (|x - xq| <= ~d/2 per
+element, so the error is at most (d * STEP_BOUND) @ |W|^T).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ def valid_ks(ggml_type: int) -> list[int]:
 
 
 CASES = [(t, k) for t in WITH_KERNEL for k in valid_ks(t)]
+# |x - q * d| per element, in steps d: half a step, plus float32's rounding of the
+# reciprocal 32767 / amax, of x times it and of q * d, each up to 32767 * 2^-24 (~0.002) of
+# a step (300 random seeds reached 0.5038)
+STEP_BOUND = 0.51
 
 
 def test_default_model_types_have_kernels():
@@ -110,7 +114,7 @@ def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
         xq = act.q.double() * act.d.double().repeat_interleave(32, dim=1)
         exact = xq @ wf.T
         tight = 1e-5 * (xq.abs() @ wf.abs().T) + 1e-30
-        quant_bound = (act.d.double().repeat_interleave(32, dim=1) / 2) @ wf.abs().T
+        quant_bound = (act.d.double().repeat_interleave(32, dim=1) * STEP_BOUND) @ wf.abs().T
         results = {}
         for isa in cq.supported_isas():
             with cq.forcing_isa(isa):
@@ -119,7 +123,7 @@ def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
             assert wide[:, :3].isnan().all() and wide[:, 3 + n:].isnan().all(), isa
             err = (out.double() - exact).abs()
             assert (err <= tight).all(), (isa, m, float((err / tight).max()))
-            assert ((out.double() - x.double() @ wf.T).abs() <= quant_bound * 1.001 + tight).all(), (isa, m)
+            assert ((out.double() - x.double() @ wf.T).abs() <= quant_bound + tight).all(), (isa, m)
             results[isa] = out.clone()
         base = results["scalar"].double()
         for isa, out in results.items():  # the variants agree with the portable one
@@ -138,7 +142,7 @@ def test_row_strided_weights_and_thread_counts():
 
 
 def test_quantize_activations_scheme():
-    x = torch.randn(5, 96) * 3
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5)) * 3
     x[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
     wide = torch.zeros(5, 100)
     wide[:, 2:98] = x
@@ -149,7 +153,7 @@ def test_quantize_activations_scheme():
     assert act.q.abs().max() == 32767 and act.q[2, 32:64].eq(0).all() and act.d[2, 1] == 0
     assert torch.equal(act.gsum, act.q.view(5, 6, 16).sum(-1, dtype=torch.int32))
     err = (act.dequantized() - x).abs()
-    assert (err <= act.d.repeat_interleave(32, dim=1) / 2 * 1.0001 + 1e-12).all()
+    assert (err <= act.d.repeat_interleave(32, dim=1) * STEP_BOUND + 1e-12).all()
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in cq.QUANT_KERNEL_TYPES] or [1])
