@@ -120,6 +120,17 @@ static inline void pq_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t 
     }
 }
 
+/* The factors of the 8 sub-blocks of 32 of a Q4_K/Q5_K super-block (12 packed scale bytes):
+ * scale d*sc and offset -(dmin*m), each written for both of the sub-block's groups of 16. */
+static inline void pq_k_factors(const uint8_t *s, float d, float dmin, float *scale, float *offset) {
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        pq_k_scale_min(s, j, &sc, &m);
+        scale[2 * j] = scale[2 * j + 1] = d * (float)sc;
+        offset[2 * j] = offset[2 * j + 1] = -(dmin * (float)m);
+    }
+}
+
 /* The 16 levels of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl). */
 static const int8_t pq_iq4nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                            1,    13,   25,  38,  53,  69,  89,  113};

@@ -125,13 +125,7 @@ void pq_decode_q5_k(const uint8_t *src, int64_t n_blocks, int8_t *v, float *scal
                 o[64 * i + j] = (int8_t)((qs[32 * i + j] & 0x0F) | (((qh[j] >> (2 * i)) & 1) << 4));
                 o[64 * i + 32 + j] = (int8_t)((qs[32 * i + j] >> 4) | (((qh[j] >> (2 * i + 1)) & 1) << 4));
             }
-        for (int j = 0; j < 8; j++) {
-            uint8_t sc, m;
-            pq_k_scale_min(blk + 4, j, &sc, &m);
-            float s = d * (float)sc, off = -(dmin * (float)m);
-            scale[16 * b + 2 * j] = scale[16 * b + 2 * j + 1] = s;
-            offset[16 * b + 2 * j] = offset[16 * b + 2 * j + 1] = off;
-        }
+        pq_k_factors(blk + 4, d, dmin, scale + 16 * b, offset + 16 * b);
     }
 }
 
