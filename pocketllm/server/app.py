@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -109,9 +110,11 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "dead"}, status=503)
     hung = client.unresponsive()
     if hung:  # alive but stuck: requests would wait, so a load balancer should look elsewhere
-        waits = ", ".join(f"{name} for {s:.1f} s" for name, s in sorted(hung.items()))
+        # rounded up: a stage just past the bound must not read as exactly at it
+        waited = {k: math.ceil(v * 10) / 10 for k, v in hung.items()}
+        waits = ", ".join(f"{name} for {s:.1f} s" for name, s in sorted(waited.items()))
         return web.json_response({
-            "status": "unresponsive", "stages": {k: round(v, 1) for k, v in hung.items()},
+            "status": "unresponsive", "stages": waited,
             "message": f"no heartbeat answer from {waits} (bound: "
                        f"{client.args.heartbeat_timeout:g} s)"}, status=503)
     return web.json_response({"status": "ready"})
