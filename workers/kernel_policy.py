@@ -98,9 +98,13 @@ class KernelPolicy:
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
     def attention_backend(self):
-        from .layers.attention import TorchAttention
-
         if not self.triton:
+            if self.cpu_blocks:  # the library loaded: decodes attend in C
+                from .kernels.cpu_ops import CpuAttention
+
+                return CpuAttention()
+            from .layers.attention import TorchAttention
+
             return TorchAttention()
         from .kernels.attention_backend import TritonAttention
 

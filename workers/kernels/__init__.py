@@ -15,9 +15,11 @@
 
 ``attention_backend.TritonAttention`` puts the first three behind the
 ``AttentionBackend`` interface; ``bench`` checks and times them all on a GPU
-against the torch references (``python -m pocketllm.workers.kernels.bench``). Nothing here is imported by the CPU path: a
-kernel module imports triton at module level, so import it only after
-``kernels_usable(device)`` said yes.
+against the torch references (``python -m pocketllm.workers.kernels.bench``). No Triton
+module is imported by the CPU path: a kernel module imports triton at module level, so
+import it only after ``kernels_usable(device)`` said yes. The CPU path's own kernels are
+C (``cpu_quant`` for the block products, ``cpu_ops`` for the fused operations between
+them, with the Triton ones' signatures).
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *defined* (module import), so the
 CPU tests set it while they import the kernel modules (tests/kernel_modules.py).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import Optional
 
 import torch
 
@@ -54,16 +57,36 @@ def kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda" and triton_available()
 
 
-def fused_kernel(device: torch.device, module: str, name: str):
-    """The Triton function ``name`` of ``workers/kernels/<module>.py`` when the layers on
-    ``device`` should use it in place of their torch ops (see kernels_usable), else None."""
+def fused_kernel(device: torch.device, module: str, name: str,
+                 dtype: Optional[torch.dtype] = None):
+    """The fused function ``name`` that the layers on ``device`` should use in place of
+    their torch ops, else None: on CUDA the Triton one of ``workers/kernels/<module>.py``
+    (see kernels_usable); on the CPU, for a float32 model, the C one of ``cpu_ops`` where
+    the CPU kernel library loaded."""
+    if device.type == "cpu":
+        if dtype != torch.float32 or not _cpu_ops_usable():
+            return None
+        from . import cpu_ops
+
+        return getattr(cpu_ops, name)
     if not kernels_usable(device):
         return None
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-def kernel_activations() -> frozenset:
-    """The HF activation names the gated_act kernel implements."""
-    from .gated_act import KERNEL_ACTIVATIONS
+def _cpu_ops_usable() -> bool:
+    try:
+        from . import cpu_quant
+    except ImportError:
+        return False
+    return cpu_quant.available()
 
-    return frozenset(KERNEL_ACTIVATIONS)
+
+def kernel_activations(device: torch.device) -> frozenset:
+    """The HF activation names the fused gated-activation kernel on ``device`` implements."""
+    if device.type == "cpu":
+        from .cpu_ops import ACTIVATIONS
+    else:
+        from .gated_act import KERNEL_ACTIVATIONS as ACTIVATIONS
+
+    return frozenset(ACTIVATIONS)

@@ -41,11 +41,19 @@ _OK, _ERR_TYPE, _ERR_ARG, _ERR_ISA, _ERR_NOMEM = 0, -1, -2, -3, -4
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _int = ctypes.c_int
+_f32 = ctypes.c_float
 _SIGNATURES = {
     "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
     "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
+    "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),
+    # ops.c, bound in cpu_ops.py
+    "pq_rms_norm": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _f32, _p, _p]),
+    "pq_rotary": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64]),
+    "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
+    "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
+                                   _p, _f32, _f32, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
     "pq_set_isa": (_int, [ctypes.c_char_p]),
     "pq_supported_isas": (ctypes.c_char_p, []),
@@ -252,6 +260,51 @@ def mul_mat(ggml_type: int, w: torch.Tensor, k: int, act: QuantizedActivations, 
                            _check_threads(threads))
     _raise_for(rc, ggml_type, "mul_mat")
     return out
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("type", _i64), ("rows", _i64), ("row_bytes", _i64), ("col", _i64), ("w", _p)]
+
+
+class BlockLinear:
+    """A linear layer's block parts bound once: ``(ggml_type, w, first output column)`` per
+    part, checked here, so a product is one library call (quantize the rows, then every
+    part's rows in one parallel region) with nothing left to check but x and out."""
+
+    def __init__(self, k: int, parts: list[tuple[int, torch.Tensor, int]]):
+        if not parts:
+            raise ValueError("a BlockLinear needs at least one part")
+        self.k = k
+        self.width = max(col + w.shape[0] for _, w, col in parts)
+        self._weights = [w for _, w, _ in parts]  # the pointers below stay valid
+        self._parts = (_Part * len(parts))()
+        for j, (ggml_type, w, col) in enumerate(parts):
+            rows, row_bytes = _check_weights(ggml_type, w, k)
+            if not isinstance(col, int) or col < 0:
+                raise ValueError(f"part {j}: column {col!r} must be an int >= 0")
+            self._parts[j] = _Part(ggml_type, rows, row_bytes, col, w.data_ptr())
+        self._lib = _lib()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
+        """out[:, col:col + rows] = x @ W_j^T for each part j; x float32 [M, K] with unit
+        column stride, out float32 [M, >= every part's last column]. Returns ``out``."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [M, {self.k}] on CPU, got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        if x.stride(1) != 1:
+            raise ValueError("x must have unit column stride")
+        if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != m or out.shape[1] < self.width:
+            raise ValueError(f"out must be float32 [{m}, >= {self.width}], got {out.dtype} {tuple(out.shape)}")
+        if out.stride(1) != 1:
+            raise ValueError("out must have unit column stride")
+        if m == 0:
+            return out
+        ldx = x.stride(0) if m > 1 else self.k
+        ldy = out.stride(0) if m > 1 else out.shape[1]
+        rc = self._lib.pq_linear(ctypes.addressof(self._parts), len(self._parts), self.k,
+                                 x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
+        _raise_for(rc, None, "BlockLinear")
+        return out
 
 
 def dequantize_rows(ggml_type: int, w: torch.Tensor, k: int, ids: torch.Tensor,

@@ -42,6 +42,7 @@ class KVView:
     gather: Optional[torch.Tensor]  # [B, Lk] cache slots; None: the step's own fresh k/v rows
     mask: Optional[torch.Tensor]  # [B, 1, Q, Lk] bool, True = attend; None: see ``causal``
     causal: bool  # no mask: plain causal (Q == Lk) or nothing to mask (a lone decode)
+    lengths: Optional[torch.Tensor] = None  # decodes: [B] int64 keys each reads (gather's first)
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _decode_group(seqs: Sequence[ScheduledSeq], block_size: int,
         gather = torch.where(valid, gather, pad_slot)
         uniform = bool((counts == lk).all())
         mask = None if uniform else to_device(valid[:, None, None, :], device)
-        views[window] = KVView(to_device(gather, device), mask, uniform)
+        views[window] = KVView(to_device(gather, device), mask, uniform, to_device(counts, device))
     return AttentionGroup(_rows([s.row for s in seqs], device), len(seqs), 1, views)
 
 
@@ -250,23 +251,8 @@ class TorchAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = None if meta.covers_all_rows else torch.empty_like(q)
         for group in meta.groups:
-            view = group.views[window]
-            qg = _take(q, group.rows).view(group.batch, group.q_len, *q.shape[1:]).transpose(1, 2)
-            if view.gather is None:
-                kg, vg = _take(k, group.rows).unsqueeze(0), _take(v, group.rows).unsqueeze(0)
-            else:  # index_select on the flat index: far cheaper than advanced indexing
-                shape = (*view.gather.shape, *k.shape[1:])
-                flat = view.gather.view(-1)
-                kg = k_cache.index_select(0, flat).view(shape)
-                vg = v_cache.index_select(0, flat).view(shape)
-            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, Lk, D]
-            causal = view.causal and group.q_len > 1
-            if softcap is None:
-                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=view.mask,
-                                                    is_causal=causal, scale=scale, enable_gqa=True)
-            else:
-                og = _softcapped_attention(qg, kg, vg, view.mask, causal, scale, softcap)
-            og = og.transpose(1, 2).reshape(-1, *q.shape[1:])
+            og = self.attend_group(q, k, v, k_cache, v_cache, group, group.views[window],
+                                   scale, softcap)
             if out is None:
                 return og
             if isinstance(group.rows, slice):
@@ -274,6 +260,27 @@ class TorchAttention:
             else:
                 out.index_copy_(0, group.rows, og)
         return out
+
+    def attend_group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                     view: KVView, scale: float, softcap: Optional[float]) -> torch.Tensor:
+        """One group's attention rows [rows, H, D] (its k/v already in the cache)."""
+        qg = _take(q, group.rows).view(group.batch, group.q_len, *q.shape[1:]).transpose(1, 2)
+        if view.gather is None:
+            kg, vg = _take(k, group.rows).unsqueeze(0), _take(v, group.rows).unsqueeze(0)
+        else:  # index_select on the flat index: far cheaper than advanced indexing
+            shape = (*view.gather.shape, *k.shape[1:])
+            flat = view.gather.view(-1)
+            kg = k_cache.index_select(0, flat).view(shape)
+            vg = v_cache.index_select(0, flat).view(shape)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, Lk, D]
+        causal = view.causal and group.q_len > 1
+        if softcap is None:
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=view.mask,
+                                                is_causal=causal, scale=scale, enable_gqa=True)
+        else:
+            og = _softcapped_attention(qg, kg, vg, view.mask, causal, scale, softcap)
+        return og.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
 def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:

@@ -63,6 +63,7 @@ class BlockWeight(nn.Module):
         # for a float part. Buffers, so that they count as the model's storage.
         for j in range(len(self.part_rows)):
             self.register_buffer(f"part{j}", None, persistent=False)
+        self._bound = None  # the block parts bound for the integer kernels (first product)
 
     def part(self, j: int) -> torch.Tensor:
         return getattr(self, f"part{j}")
@@ -88,27 +89,33 @@ class BlockWeight(nn.Module):
         if tuple(value.shape) != expected:
             raise CheckpointError(f"part {j} has shape {tuple(value.shape)}, expected {expected}")
         setattr(self, f"part{j}", value)
+        self._bound = None
 
     def nbytes(self) -> int:
         return sum(self.part(j).nbytes for j in range(len(self.part_rows))
                    if self.part(j) is not None)
 
-    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ W.T -> [M, out_features] float32 (the CPU path's dtype)."""
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        act = None
+        integer = x.shape[0] < self.float_rows
+        if integer:  # every block part in one library call
+            self._integer_product()(x, out)
         for j, cols in enumerate(self.columns):
             kind, w = self.part_types[j], self.part(j)
             if kind is None:
                 out[:, cols] = x @ w.t()
-            elif x.shape[0] >= self.float_rows:
+            elif not integer:
                 self._float_product(kind, w, x, out[:, cols])
-            else:
-                if act is None:
-                    act = self.kernels.quantize_activations(x)
-                self.kernels.mul_mat(kind, w, self.in_features, act, out[:, cols])
         return out
+
+    def _integer_product(self):
+        if self._bound is None:  # bound after loading: the parts' storage no longer changes
+            self._bound = self.kernels.BlockLinear(self.in_features, [
+                (kind, self.part(j), self.columns[j].start)
+                for j, kind in enumerate(self.part_types) if kind is not None])
+        return self._bound
 
     def _float_product(self, kind: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = x @ dequantized(w).T, a slice of rows at a time through ``_float_scratch``."""

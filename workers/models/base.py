@@ -89,11 +89,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(even_shard(cfg.num_heads * d, tp, dim=1), cfg.hidden_size,
                                         cfg.o_bias, device, dtype, tp,
                                         *stored(cfg, prefix, "o_proj"))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
         self.backend = backend
-        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk", dtype)  # in place, q and k
         # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
         self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
@@ -150,8 +150,8 @@ class GatedMLP(nn.Module):
                                            *stored(cfg, prefix, "down_proj"))
         self.act = get_activation(cfg.hidden_act)
         self.hidden_act = cfg.hidden_act
-        kernel = fused_kernel(device, "gated_act", "act_and_mul")
-        if kernel is not None and cfg.hidden_act not in kernel_activations():
+        kernel = fused_kernel(device, "gated_act", "act_and_mul", dtype)
+        if kernel is not None and cfg.hidden_act not in kernel_activations(device):
             kernel = None
         self.act_kernel = kernel
 
@@ -265,7 +265,7 @@ class CausalLM(nn.Module):
                                     for i in range(cfg.num_layers))
         # Indexed twice per layer and step: a tuple skips ModuleList's slow __getitem__.
         self._layer_at = tuple(self.layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied,
                               cfg.final_softcap, tp, *stored(cfg, "", "lm_head"))

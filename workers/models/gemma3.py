@@ -73,7 +73,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
         self.mlp = GatedMLP(cfg, index, device, dtype, tp)
         for name in self.norm_names:
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype))
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,8 +81,8 @@ class LlamaDecoderLayer(DecoderLayer):
         super().__init__()
         self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
         self.mlp = GatedMLP(cfg, index, device, dtype, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

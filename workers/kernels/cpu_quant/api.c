@@ -151,20 +151,64 @@ static int check_weights(const pq_type_info *t, int64_t K, int64_t row_bytes) {
     return PQ_OK;
 }
 
-PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes,
-                      const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
-                      int64_t ldy, int nthreads) {
-    init_once();
-    if (g_isa < 0) return PQ_ERR_ISA;
-    const pq_type_info *t = pq_type(type);
-    int rc = check_weights(t, K, row_bytes);
-    if (rc != PQ_OK) return rc;
-    if (N < 0 || M < 0 || (M > 1 && ldy < N)) return PQ_ERR_ARG;
-    if (N == 0 || M == 0) return PQ_OK;
+/* A thread's decode buffer, kept between calls (a call of one decode step is ~10 us). */
+static __thread pq_scratch t_scratch;
+static __thread int64_t t_scratch_k;
+
+static pq_scratch *thread_scratch(int64_t K) {
+    if (t_scratch_k < K) {
+        scratch_free(&t_scratch);
+        t_scratch_k = scratch_alloc(&t_scratch, K) ? K : 0;
+        if (t_scratch_k == 0) {
+            scratch_free(&t_scratch);
+            memset(&t_scratch, 0, sizeof t_scratch);
+            return NULL;
+        }
+    }
+    return &t_scratch;
+}
+
+/* The activations of the last pq_linear call (one caller thread: the worker's). */
+static int16_t *g_q;
+static float *g_d;
+static int32_t *g_gsum;
+static int64_t g_act_elems;
+
+static int act_buffers(int64_t elems) {
+    if (elems <= g_act_elems) return 1;
+    free(g_q);
+    free(g_d);
+    free(g_gsum);
+    g_q = aligned(sizeof(int16_t) * (size_t)elems);
+    g_d = aligned(sizeof(float) * (size_t)(elems / 32));
+    g_gsum = aligned(sizeof(int32_t) * (size_t)(elems / 16));
+    g_act_elems = (g_q && g_d && g_gsum) ? elems : 0;
+    return g_act_elems != 0;
+}
+
+static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, int64_t ldy,
+                       int64_t *total) {
+    if (nparts <= 0 || M < 0 || K <= 0 || K % 32 != 0) return PQ_ERR_ARG;
+    *total = 0;
+    for (int j = 0; j < nparts; j++) {
+        int rc = check_weights(pq_type((int)parts[j].type), K, parts[j].row_bytes);
+        if (rc != PQ_OK) return rc;
+        if (parts[j].rows < 0 || parts[j].col < 0 || (M > 1 && parts[j].col + parts[j].rows > ldy))
+            return PQ_ERR_ARG;
+        *total += parts[j].rows;
+    }
+    return PQ_OK;
+}
+
+/* Every part's rows against M quantized activation rows, in one parallel region: each
+ * thread takes the same contiguous share of every part, a multiple of 16 rows so that
+ * no two threads write one cache line of y. */
+static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t *q,
+                     const float *d, const int32_t *gsum, int64_t M, float *y, int64_t ldy,
+                     int64_t total, int nthreads) {
     const pq_isa_impl *isa = ISAS[g_isa];
-    pq_mm_args a = {t, w, K, row_bytes, q, d, gsum, M, y, ldy};
     int nt = threads(nthreads);
-    if (nt > N) nt = (int)N;
+    if (nt > total) nt = (int)total;
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -173,19 +217,46 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
         tid = omp_get_thread_num();
         nth = omp_get_num_threads();
 #endif
-        /* contiguous row ranges, multiples of 16 rows so no two threads share a line of y */
-        int64_t chunk = ((N + nth - 1) / nth + 15) / 16 * 16;
-        int64_t n0 = tid * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        if (n0 < n1) {
-            pq_scratch s;
-            if (scratch_alloc(&s, K))
-                isa->mul_rows(&a, n0, n1, &s);
-            else
-                failed = 1;
-            scratch_free(&s);
+        pq_scratch *s = thread_scratch(K);
+        if (s == NULL) failed = 1;
+        for (int j = 0; j < nparts && s != NULL; j++) {
+            const pq_part *p = &parts[j];
+            int64_t chunk = ((p->rows + nth - 1) / nth + 15) / 16 * 16;
+            int64_t n0 = tid * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
+            if (n0 >= n1) continue;
+            pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q, d, gsum, M,
+                            y + p->col, ldy};
+            isa->mul_rows(&a, n0, n1, s);
         }
     }
     return failed ? PQ_ERR_NOMEM : PQ_OK;
+}
+
+PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes,
+                      const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
+                      int64_t ldy, int nthreads) {
+    init_once();
+    if (g_isa < 0) return PQ_ERR_ISA;
+    if (N < 0 || (M > 1 && ldy < N)) return PQ_ERR_ARG;
+    pq_part part = {type, N, row_bytes, 0, w};
+    int64_t total;
+    int rc = check_parts(&part, 1, K, M, ldy, &total);
+    if (rc != PQ_OK || M == 0 || total == 0) return rc;
+    return run_parts(&part, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
+}
+
+PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
+                     int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    init_once();
+    if (g_isa < 0) return PQ_ERR_ISA;
+    if (M > 1 && ldx < K) return PQ_ERR_ARG;
+    int64_t total;
+    int rc = check_parts(parts, nparts, K, M, ldy, &total);
+    if (rc != PQ_OK || M == 0 || total == 0) return rc;
+    if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
+    return run_parts(parts, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
 }
 
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,
@@ -200,20 +271,18 @@ PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        pq_scratch s;
-        int ok = scratch_alloc(&s, K); /* every thread still meets the omp for below */
-        if (!ok) failed = 1;
+        pq_scratch *s = thread_scratch(K); /* every thread still meets the omp for below */
+        if (s == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            if (!ok) continue;
-            t->decode(w + ids[i] * row_bytes, K / t->block_elems, s.v, s.scale, s.offset);
+            if (s == NULL) continue;
+            t->decode(w + ids[i] * row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
             float *o = out + i * ldo;
             if (t->has_offset)
-                for (int64_t k = 0; k < K; k++) o[k] = s.scale[k >> 4] * (float)s.v[k] + s.offset[k >> 4];
+                for (int64_t k = 0; k < K; k++) o[k] = s->scale[k >> 4] * (float)s->v[k] + s->offset[k >> 4];
             else
-                for (int64_t k = 0; k < K; k++) o[k] = s.scale[k >> 4] * (float)s.v[k];
+                for (int64_t k = 0; k < K; k++) o[k] = s->scale[k >> 4] * (float)s->v[k];
         }
-        scratch_free(&s);
     }
     return failed ? PQ_ERR_NOMEM : PQ_OK;
 }

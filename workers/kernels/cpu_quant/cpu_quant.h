@@ -47,11 +47,55 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
                       const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
                       int64_t ldy, int nthreads);
 
+/* One stacked part of a linear layer's weight: `rows` rows of GGUF blocks of `type`,
+ * row n at w + n * row_bytes, filling output columns [col, col + rows). */
+typedef struct {
+    int64_t type, rows, row_bytes, col;
+    const uint8_t *w;
+} pq_part;
+
+/* A whole linear layer in one call: x float32 [M, K] (row stride ldx) is quantized as
+ * pq_quantize_act does, then y[m*ldy + parts[j].col + n] = x[m] . W_j[n] for every part,
+ * all parts' rows shared out among the threads in one parallel region. */
+PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
+                     int64_t ldx, float *y, int64_t ldy, int nthreads);
+
 /* out[i*ldo + k] = W[ids[i], k] in float32 for i < n, k < K (bit-exact with
  * ggml's dequantization). The caller checks 0 <= ids[i] < rows. */
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,
                               const int64_t *ids, int64_t n, float *out, int64_t ldo,
                               int nthreads);
+
+/* ---- ops.c: the float32 operations between the products of a decode step ---- */
+
+/* x is [A, B, D] with strides (sa, sb, 1), res likewise (ra, rb) or NULL; out and
+ * res_out are contiguous [A, B, D]. Per row of D: s = x (+ res, written to res_out),
+ * out = s / sqrt(mean(s^2) + eps) * w. */
+PQ_API int pq_rms_norm(const float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
+                       const float *res, int64_t ra, int64_t rb, const float *w, float eps,
+                       float *out, float *res_out);
+
+/* In place, x [A, B, D] with strides (sa, sb, 1): the two halves of each row rotated by
+ * cos/sin [A, D/2] (row stride lc), the "rotate half" layout. */
+PQ_API int pq_rotary(float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
+                     const float *cos, const float *sin, int64_t lc);
+
+enum { PQ_ACT_SILU = 0, PQ_ACT_GELU_TANH = 1, PQ_ACT_GELU_ERF = 2 };
+
+/* out [T, I] = act(gate) * up, gate_up [T, 2I] with row stride ld. */
+PQ_API int pq_act_and_mul(int act, const float *gate_up, int64_t T, int64_t I, int64_t ld,
+                          float *out);
+
+/* One query row per sequence: q [B, H, D] (strides sqb, sqh, 1) against the cache slots
+ * gather[b * Lk + j], j < lengths[b], of k_cache / v_cache ([slots, Hkv, D] contiguous);
+ * query head h reads KV head h / (H / Hkv). Scores are scaled, tanh-capped when
+ * softcap > 0, and softmaxed; out [B, H, D] contiguous. The slots are the caller's to
+ * keep in range. */
+PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, int64_t sqb,
+                               int64_t sqh, const float *k_cache, const float *v_cache,
+                               int64_t Hkv, const int64_t *gather, int64_t Lk,
+                               const int64_t *lengths, float scale, float softcap, float *out,
+                               int nthreads);
 
 /* 1 if `type` has a decoder in this build, 0 if not (unknown type included). */
 PQ_API int pq_has_kernel(int type);

@@ -1,0 +1,190 @@
+/* The float32 operations between a CPU decode step's products (cpu_quant.h, "ops"):
+ * RMSNorm (with the residual add), rotary, the gated activations and decode attention.
+ * Each is a short loop over a few thousand values; in torch each is several eager ops
+ * of ~10-30 us apiece, which added up to a third of the embedded model's step.
+ *
+ * Reductions keep 16 explicit lanes so the compiler vectorizes them without reordering
+ * float sums on its own (-ffp-contract=off, no -ffast-math); the elementwise ops round
+ * exactly as torch's do (rotary: the same products and sums, bit for bit). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_quant.h"
+
+/* One binary for every x86-64: the loops are cloned for AVX-512 / AVX2 and picked at load. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define PQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PQ_CLONES
+#endif
+
+#define LANES 16
+
+PQ_CLONES
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+PQ_CLONES
+static void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+PQ_CLONES
+static void norm_row(const float *x, const float *res, const float *w, float eps, int64_t D,
+                     float *out, float *res_out) {
+    const float *s = x;
+    if (res != NULL) {
+        for (int64_t i = 0; i < D; i++) res_out[i] = x[i] + res[i];
+        s = res_out;
+    }
+    float inv = 1.0f / sqrtf(dot(s, s, D) / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = s[i] * inv * w[i];
+}
+
+PQ_API int pq_rms_norm(const float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
+                       const float *res, int64_t ra, int64_t rb, const float *w, float eps,
+                       float *out, float *res_out) {
+    if (A < 0 || B < 0 || D <= 0 || (res != NULL && res_out == NULL)) return PQ_ERR_ARG;
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t b = 0; b < B; b++) {
+            int64_t o = (a * B + b) * D;
+            norm_row(x + a * sa + b * sb, res != NULL ? res + a * ra + b * rb : NULL, w, eps, D,
+                     out + o, res_out != NULL ? res_out + o : NULL);
+        }
+    return PQ_OK;
+}
+
+PQ_CLONES
+static void rotate(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[half + i];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[half + i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+PQ_API int pq_rotary(float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
+                     const float *cos, const float *sin, int64_t lc) {
+    if (A < 0 || B < 0 || D <= 0 || D % 2 != 0 || lc < D / 2) return PQ_ERR_ARG;
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t b = 0; b < B; b++) rotate(x + a * sa + b * sb, cos + a * lc, sin + a * lc, D / 2);
+    return PQ_OK;
+}
+
+/* e^x for x in [-87, 88], within ~2 ulp: 2^k * e^r, r = x - k ln2 in [-ln2/2, ln2/2], a
+ * degree-6 Taylor polynomial. Branch-free, so the loops below vectorize (libm's expf
+ * and tanhf do not). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693145751953125f - k * 1.42860682030941723e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* x * sigmoid(z) = x / (1 + e^-z): SiLU with z = x; torch's tanh GELU with
+ * z = 2 sqrt(2/pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(z/2)) = sigmoid(z). */
+static inline float gelu_tanh(float x) {
+    const float two_beta = 1.5957691216057308f, kappa = 0.044715f;
+    return x / (1.0f + exp_approx(-two_beta * (x + kappa * x * x * x)));
+}
+
+static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+
+static inline float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f)); }
+
+PQ_CLONES
+static void act_mul_row(int act, const float *g, const float *u, float *o, int64_t n) {
+    switch (act) {
+    case PQ_ACT_SILU:
+        for (int64_t i = 0; i < n; i++) o[i] = silu(g[i]) * u[i];
+        break;
+    case PQ_ACT_GELU_TANH:
+        for (int64_t i = 0; i < n; i++) o[i] = gelu_tanh(g[i]) * u[i];
+        break;
+    default:
+        for (int64_t i = 0; i < n; i++) o[i] = gelu_erf(g[i]) * u[i];
+    }
+}
+
+PQ_API int pq_act_and_mul(int act, const float *gate_up, int64_t T, int64_t I, int64_t ld,
+                          float *out) {
+    if (T < 0 || I <= 0 || ld < 2 * I || act < PQ_ACT_SILU || act > PQ_ACT_GELU_ERF) return PQ_ERR_ARG;
+    for (int64_t t = 0; t < T; t++) act_mul_row(act, gate_up + t * ld, gate_up + t * ld + I, out + t * I, I);
+    return PQ_OK;
+}
+
+/* A thread's scores of one query against its keys (grown on demand). */
+static __thread float *t_scores;
+static __thread int64_t t_scores_cap;
+
+static float *scores_buffer(int64_t n) {
+    if (n > t_scores_cap) {
+        free(t_scores);
+        t_scores = malloc(sizeof(float) * (size_t)n);
+        t_scores_cap = t_scores != NULL ? n : 0;
+    }
+    return t_scores;
+}
+
+PQ_CLONES
+static int attend_one(const float *q, const float *kc, const float *vc, int64_t slot_stride,
+                      const int64_t *slots, int64_t L, int64_t D, float scale, float softcap,
+                      float *out) {
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    if (L == 0) return PQ_OK;
+    float *p = scores_buffer(L);
+    if (p == NULL) return PQ_ERR_NOMEM;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+        float s = dot(q, kc + slots[j] * slot_stride, D) * scale;
+        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+        p[j] = s;
+        top = s > top ? s : top;
+    }
+    for (int64_t j = 0; j < L; j++) p[j] = exp_approx(p[j] - top); /* vectorized */
+    float total = 0.0f;
+    for (int64_t j = 0; j < L; j++) total += p[j];
+    for (int64_t j = 0; j < L; j++) axpy(out, p[j] / total, vc + slots[j] * slot_stride, D);
+    return PQ_OK;
+}
+
+PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, int64_t sqb,
+                               int64_t sqh, const float *k_cache, const float *v_cache,
+                               int64_t Hkv, const int64_t *gather, int64_t Lk,
+                               const int64_t *lengths, float scale, float softcap, float *out,
+                               int nthreads) {
+    if (B < 0 || H <= 0 || D <= 0 || Hkv <= 0 || H % Hkv != 0 || Lk < 0) return PQ_ERR_ARG;
+    for (int64_t b = 0; b < B; b++)
+        if (lengths[b] < 0 || lengths[b] > Lk) return PQ_ERR_ARG;
+    int64_t pairs = B * H, group = H / Hkv, slot_stride = Hkv * D;
+    int nt = 1;
+#ifdef _OPENMP
+    nt = nthreads > 0 ? nthreads : omp_get_max_threads();
+#endif
+    if (pairs * Lk * D < (1 << 18)) nt = 1; /* a parallel region costs more than this */
+    int failed = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : failed)
+    for (int64_t i = 0; i < pairs; i++) {
+        int64_t b = i / H, h = i % H, kvh = h / group;
+        if (attend_one(q + b * sqb + h * sqh, k_cache + kvh * D, v_cache + kvh * D, slot_stride,
+                       gather + b * Lk, lengths[b], D, scale, softcap, out + i * D) != PQ_OK)
+            failed = 1;
+    }
+    return failed ? PQ_ERR_NOMEM : PQ_OK;
+}
