@@ -14,9 +14,9 @@ static inline void block_dot(__m256i w8, const int16_t *q, __m256i *g0, __m256i 
 }
 
 static inline __m256i block_sum(__m256i w8, const int16_t *q) {
-    __m256i g0, g1;
-    block_dot(w8, q, &g0, &g1);
-    return _mm256_add_epi32(g0, g1);
+    /* the second group's products summed into the first's by the dot instruction itself */
+    return dot16_acc(dot16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), q),
+                     _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), q + 16);
 }
 
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (the order of
@@ -39,8 +39,9 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* The legacy 32-element types: f16 d [| f16 m] [| u32 qh] | q[16]. */
-static float dot_legacy(int id, const uint8_t *w, const int16_t *q, const float *xd,
+/* The legacy 32-element types: f16 d [| f16 m] [| u32 qh] | q[16]. Inlined into each
+ * case of fused_dot, so that every type's loop is compiled with its layout constant. */
+__attribute__((always_inline)) static inline float dot_legacy(int id, const uint8_t *w, const int16_t *q, const float *xd,
                         const int32_t *gs, int64_t n32) {
     const int bytes = id == PQ_Q4_0 ? 18 : id == PQ_Q4_1 ? 20 : id == PQ_Q5_0 ? 22 : 24;
     const int has_min = id == PQ_Q4_1 || id == PQ_Q5_1, five = id == PQ_Q5_0 || id == PQ_Q5_1;
@@ -129,8 +130,14 @@ static inline float fused_dot(int id, const uint8_t *w, const int16_t *q, const 
                               const int32_t *gs, int64_t K, int *done) {
     *done = 1;
     switch (id) {
-    case PQ_Q4_0: case PQ_Q4_1: case PQ_Q5_0: case PQ_Q5_1:
-        return dot_legacy(id, w, q, xd, gs, K / 32);
+    case PQ_Q4_0:
+        return dot_legacy(PQ_Q4_0, w, q, xd, gs, K / 32);
+    case PQ_Q4_1:
+        return dot_legacy(PQ_Q4_1, w, q, xd, gs, K / 32);
+    case PQ_Q5_0:
+        return dot_legacy(PQ_Q5_0, w, q, xd, gs, K / 32);
+    case PQ_Q5_1:
+        return dot_legacy(PQ_Q5_1, w, q, xd, gs, K / 32);
     case PQ_Q4_K:
         return dot_q4_k(w, q, xd, gs, K / 256);
     case PQ_Q6_K:

@@ -7,16 +7,20 @@
 
 #include "kernels.h"
 
-/* 8 int32 lanes, each the sum of two adjacent products: one group of 16. */
-static inline __m256i dot16(__m256i w16, const int16_t *q) {
+/* acc + 8 int32 lanes, each the sum of two adjacent products: one group of 16. */
+static inline __m256i dot16_acc(__m256i acc, __m256i w16, const int16_t *q) {
     __m256i x = _mm256_loadu_si256((const __m256i *)q);
 #if defined(PQ_DOT_VNNI512)
-    return _mm256_dpwssd_epi32(_mm256_setzero_si256(), w16, x);
+    return _mm256_dpwssd_epi32(acc, w16, x);
 #elif defined(PQ_DOT_AVXVNNI)
-    return _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w16, x);
+    return _mm256_dpwssd_avx_epi32(acc, w16, x);
 #else
-    return _mm256_madd_epi16(w16, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, x));
 #endif
+}
+
+static inline __m256i dot16(__m256i w16, const int16_t *q) {
+    return dot16_acc(_mm256_setzero_si256(), w16, q);
 }
 
 static inline __m256i widen16(const int8_t *v) {
@@ -55,17 +59,17 @@ static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64
     int64_t b = 0;
     for (; b + 1 < n32; b += 2) {
         const uint8_t *b0 = w + 34 * b, *b1 = b0 + 34;
-        __m256i p0 = _mm256_add_epi32(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
-                                      dot16(widen16((const int8_t *)b0 + 18), q + 32 * b + 16));
-        __m256i p1 = _mm256_add_epi32(dot16(widen16((const int8_t *)b1 + 2), q + 32 * b + 32),
-                                      dot16(widen16((const int8_t *)b1 + 18), q + 32 * b + 48));
+        __m256i p0 = dot16_acc(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
+                               widen16((const int8_t *)b0 + 18), q + 32 * b + 16);
+        __m256i p1 = dot16_acc(dot16(widen16((const int8_t *)b1 + 2), q + 32 * b + 32),
+                               widen16((const int8_t *)b1 + 18), q + 32 * b + 48);
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f16_at(b1) * xd[b + 1]), acc1);
     }
     if (b < n32) {
         const uint8_t *b0 = w + 34 * b;
-        __m256i p0 = _mm256_add_epi32(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
-                                      dot16(widen16((const int8_t *)b0 + 18), q + 32 * b + 16));
+        __m256i p0 = dot16_acc(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
+                               widen16((const int8_t *)b0 + 18), q + 32 * b + 16);
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
     }
     return hsum(_mm256_add_ps(acc0, acc1));
