@@ -108,6 +108,18 @@ class GenerateRequest(_Msg):
     client: str = ""  # who sent it (the server's tag); the scheduler is fair across clients
 
 
+class DetokRequest(msgspec.Struct, array_like=True):
+    """What the detokenizer needs of a request: built by the tokenizer stage, carried
+    unread by the scheduler inside ``TokenizedRequest.detok``, and handed on (in a
+    ``TokenBatch``) before the request's first tokens."""
+
+    request_id: str
+    prompt_len: int
+    sampling: SamplingSpec
+    split: Optional[OutputSplit] = None
+    echo_text: str = ""  # `echo`: prepended to the request's first output text
+
+
 class TokenizedRequest(_Msg):
     """tokenizer -> scheduler: a validated, tokenized request."""
 
@@ -116,16 +128,25 @@ class TokenizedRequest(_Msg):
     sampling: SamplingSpec
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
-    split: Optional[OutputSplit] = None
-    echo_text: str = ""  # `echo`: the prompt as text, prepended to the first output
     client: str = ""  # GenerateRequest.client
+    detok: Optional[DetokRequest] = None  # None: the plain one (no split, no echo)
+
+    def __post_init__(self):
+        if self.detok is None:
+            self.detok = DetokRequest(self.request_id, len(self.prompt_token_ids), self.sampling)
 
 
 class Abort(_Msg):
-    """frontend -> scheduler (or detokenizer -> scheduler when a stop string matched)."""
+    """frontend -> scheduler: stop computing these requests; each ends with "abort"."""
 
     request_ids: list[str]
-    reason: str = "abort"  # "abort" | "stop"
+
+
+class StopMatched(_Msg):
+    """detokenizer -> scheduler: these requests ended downstream (a stop string matched, or
+    their output failed there); stop computing them, without a final delta."""
+
+    request_ids: list[str]
 
 
 # ---------------------------------------------------------------- worker
@@ -239,16 +260,6 @@ class WorkerReady(_Msg):
 
 
 # ---------------------------------------------------------------- detokenizer
-
-
-class DetokRequest(msgspec.Struct, array_like=True):
-    """scheduler -> detokenizer, once per request, before its first tokens."""
-
-    request_id: str
-    prompt_len: int
-    sampling: SamplingSpec
-    split: Optional[OutputSplit] = None
-    echo_text: str = ""  # `echo`: prepended to the request's first output text
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -386,7 +397,8 @@ class Pong(_Msg):
 
 FrontendInbound = Union[RequestOutput, RequestError, SchedulerStats, Pong]
 TokenizerInbound = Union[GenerateRequest, Shutdown, Ping]
-SchedulerInbound = Union[TokenizedRequest, Abort, StepResult, WorkerReady, Shutdown, Ping]
+SchedulerInbound = Union[TokenizedRequest, Abort, StopMatched, StepResult, WorkerReady,
+                         Shutdown, Ping]
 WorkerInbound = Union[StepPlan, Shutdown, Ping]
 DetokenizerInbound = Union[TokenBatch, Shutdown, Ping]
 SupervisorInbound = Union[StageReady, StageFailed]

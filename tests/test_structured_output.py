@@ -113,16 +113,16 @@ def test_http_parsers_carry_the_spec_to_every_choice():
 
 
 def test_grammar_check_names_the_problem_without_a_vocabulary():
-    from pocketllm.scheduler.grammar import check_spec
+    from pocketllm.protocol.grammar_spec import to_grammar
 
-    check_spec(StructuredSpec("json_schema", json.dumps(SCHEMAS["formats"])))
+    to_grammar(StructuredSpec("json_schema", json.dumps(SCHEMAS["formats"])))
     for spec, words in [(StructuredSpec("json_schema", '{"type": "frobnicate"}'), "Unsupported type"),
                         (StructuredSpec("json_schema", "{not json"), "invalid json schema"),
                         (StructuredSpec("regex", "(ab"), "parenthesis"),
                         (StructuredSpec("grammar", "root ::= undefined_rule"), "undefined_rule"),
                         (StructuredSpec("structural_tag", '{"type": "nope"}'), "structural tag")]:
         with pytest.raises(ValueError, match=words):
-            check_spec(spec)
+            to_grammar(spec)
 
 
 def test_json_grammars_keep_strings_valid_json():
@@ -130,7 +130,7 @@ def test_json_grammars_keep_strings_valid_json():
     ours must not, or json.loads refuses the answer."""
     import xgrammar as xgr
 
-    from pocketllm.scheduler.grammar import to_grammar
+    from pocketllm.protocol.grammar_spec import to_grammar
 
     text = str(to_grammar(StructuredSpec("json_schema", json.dumps(SCHEMAS["nested"]))))
     assert r"[^\"\\\r\n]" not in text and r"\0-\x1f" in text

@@ -282,10 +282,10 @@ def test_stage_renders_tools_and_sets_parser_and_grammar(stage):
     out = chat(stage, msgs, tools=TOOLS, tool_choice="required")
     prompt = stage.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
-    assert out.split.tool_parser == "hermes" and out.split.tools == TOOLS
+    assert out.detok.split.tool_parser == "hermes" and out.detok.split.tools == TOOLS
     assert out.sampling.structured.kind == "structural_tag"
     none = chat(stage, msgs, tools=TOOLS, tool_choice="none")
-    assert none.split is None and none.sampling.structured is None
+    assert none.detok.split is None and none.sampling.structured is None
     assert "<tools>" not in stage.tokenizer.decode(none.prompt_token_ids)
     assert none.prompt_token_ids == chat(stage, msgs).prompt_token_ids
 
@@ -328,7 +328,7 @@ def test_xml_template_iterates_the_history_arguments(tmp_path):
     prompt = stage.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     assert ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
             "</parameter>\n</function>") in prompt
-    assert out.split.tool_parser == "qwen3_xml"
+    assert out.detok.split.tool_parser == "qwen3_xml"
     assert '"style": "qwen_xml"' in out.sampling.structured.value
 
 

@@ -79,7 +79,7 @@ def test_default_model_forces_calls_in_the_hermes_syntax(gemma_info, choice):
     prompt = stage.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     assert "<functions>\n" + json.dumps({"name": "get_weather", **{
         k: WEATHER["function"][k] for k in ("description", "parameters")}}) in prompt
-    assert out.split.tool_parser == "hermes" and out.split.tools == [WEATHER]
+    assert out.detok.split.tool_parser == "hermes" and out.detok.split.tools == [WEATHER]
     tag = json.loads(out.sampling.structured.value)
     assert tag["type"] == "structural_tag" and out.sampling.structured.param == "tools"
     assert '"begin": "<tool_call>\\n{\\"name\\": \\"get_weather\\"' in out.sampling.structured.value
@@ -95,7 +95,7 @@ def test_default_model_auto_is_refused_unless_a_parser_is_named(gemma_info):
     for syntax in ("hermes", "qwen3_xml"):
         stage = TokenizerStage(gemma_info, tool_call_parser=syntax)
         out = stage_chat(stage, tools=[WEATHER])
-        assert out.split.tool_parser == syntax and "dispatch" in out.sampling.structured.value
+        assert out.detok.split.tool_parser == syntax and "dispatch" in out.sampling.structured.value
         prompt = stage.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
         assert ("<function=FUNCTION_NAME>" in prompt) == (syntax == "qwen3_xml")
     none = stage_chat(TokenizerStage(gemma_info), tools=[WEATHER], tool_choice="none")

@@ -102,7 +102,7 @@ def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[
         opts["reasoning_effort"] = reasoning_effort
     if thinking_mode is not None:
         opts["enable_thinking"] = bool(thinking_mode)
-    if drop_thinking:  # the tokenizer stage reads it (tokenizer/reasoning.py), not the template
+    if drop_thinking:  # the tokenizer stage reads it (protocol/reasoning.py), not the template
         opts["drop_thinking"] = True
     opts.update(tool_options(tools, tool_choice, parallel_tool_calls,  # protocol/tool_choice.py
                              response_format=response_format,

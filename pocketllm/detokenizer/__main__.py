@@ -4,8 +4,8 @@ import logging
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, ErrorDetail, ErrorKind, Ping, Pong, RequestOutput,
-                              Shutdown)
+from ..proto.messages import (ErrorDetail, ErrorKind, Ping, Pong, RequestOutput, Shutdown,
+                              StopMatched)
 from ..tokenizer.tokenizer import load_tokenizer
 from .detokenizer import Detokenizer
 
@@ -49,7 +49,7 @@ def main(ctx: StageContext) -> None:
                 stopped.append(out.request_id)
             sent.append(data)
         if stopped:  # a stop string matched (or the request failed here): stop computing it
-            to_scheduler.send(codec.encode(Abort(request_ids=stopped, reason="stop")))
+            to_scheduler.send(codec.encode(StopMatched(request_ids=stopped)))
         for data in sent:
             to_frontend.send(data)
 

@@ -218,7 +218,7 @@ def parse_chat(body: dict, request_id: str,
     if thinking is not None:
         opts["enable_thinking"] = thinking
     if _typed(body, "drop_thinking", lambda v: isinstance(v, bool), "a boolean"):
-        opts["drop_thinking"] = True  # read by the tokenizer stage (tokenizer/reasoning.py)
+        opts["drop_thinking"] = True  # read by the tokenizer stage (protocol/reasoning.py)
     kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     L.check_template_kwargs(kwargs)
     L.check_tools(body.get("tools"))

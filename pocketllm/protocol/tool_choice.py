@@ -31,6 +31,7 @@ import msgspec
 
 from ..errors import InvalidRequestError, UnsupportedFeatureError
 from ..proto.messages import OutputSplit, SamplingSpec, StructuredSpec
+from .reasoning import REASONING_END, REASONING_START
 from .tool_parsers import ToolParser, tool_schemas
 
 # OpenAI's rule for function names; it also keeps names safe inside either call syntax.
@@ -210,8 +211,6 @@ _AFTER_THINKING = {"type": "regex", "pattern": "[ \\n]{0,4}"}
 
 def _thinking_prefix(split: OutputSplit) -> Optional[dict]:
     """The template's thinking block, ahead of the calls (xgrammar matches the tags as text)."""
-    from ..tokenizer.reasoning import REASONING_END, REASONING_START
-
     if split.reasoning_end_id is None:
         return None
     if split.in_reasoning:  # the prompt opened the block: reasoning until </think>

@@ -1,7 +1,7 @@
 """Scheduler process: owns the queue and the KV blocks, drives every rank step by step.
 
-Inbound on one socket: TokenizedRequest (tokenizer), Abort (frontend, or the
-detokenizer when a stop string matched), WorkerReady and StepResult (ranks).
+Inbound on one socket: TokenizedRequest (tokenizer), Abort (frontend), StopMatched
+(detokenizer), WorkerReady and StepResult (ranks).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import zmq
 
 from ..process import StageContext, run_stage
 from ..proto import codec, endpoints
-from ..proto.messages import (Abort, DetokRequest, ErrorKind, Ping, Pong, RequestError,
-                              SchedulerStats, Shutdown, StepPlan, StepResult, TokenBatch,
+from ..proto.messages import (Abort, ErrorKind, Ping, Pong, RequestError, SchedulerStats,
+                              Shutdown, StepPlan, StepResult, StopMatched, TokenBatch,
                               TokenDelta, TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
@@ -100,8 +100,7 @@ class SchedulerLoop:
         elif isinstance(msg, TokenizedRequest):
             if self.early_aborts.pop(msg.request_id, None) is not None:
                 self.emit(TokenBatch(
-                    new_requests=[DetokRequest(msg.request_id, len(msg.prompt_token_ids),
-                                               msg.sampling, msg.split, msg.echo_text)],
+                    new_requests=[msg.detok],
                     deltas=[TokenDelta(msg.request_id, [], finish_reason="abort")]))
                 return
             try:
@@ -113,13 +112,14 @@ class SchedulerLoop:
             if error is not None:
                 self.to_frontend.send(codec.encode(error))
         elif isinstance(msg, Abort):
-            if msg.reason == "abort":  # it may still be in the tokenizer: remember it
-                for rid in msg.request_ids:
-                    if not sched.is_active(rid):
-                        self.early_aborts[rid] = None
-                while len(self.early_aborts) > EARLY_ABORT_MEMORY:
-                    self.early_aborts.popitem(last=False)
-            self.emit(sched.abort(msg.request_ids, msg.reason))
+            for rid in msg.request_ids:  # it may still be in the tokenizer: remember it
+                if not sched.is_active(rid):
+                    self.early_aborts[rid] = None
+            while len(self.early_aborts) > EARLY_ABORT_MEMORY:
+                self.early_aborts.popitem(last=False)
+            self.emit(sched.abort(msg.request_ids))
+        elif isinstance(msg, StopMatched):
+            sched.stop(msg.request_ids)
         elif isinstance(msg, StepResult):
             self.results[msg.step_id] = msg
             sent = self.in_flight.pop(msg.step_id, None)

@@ -7,105 +7,24 @@ fills one bitmask row per structured request that samples in a step, and
 advances the request's matcher with every token it accepts. xgrammar (which
 imports torch) is imported only when the first structured request arrives.
 
-The tokenizer stage calls ``to_grammar`` to validate a spec without the
-vocabulary, so a bad schema is refused before scheduling.
+A spec becomes a grammar in ``protocol/grammar_spec.py`` (no vocabulary needed), which
+the tokenizer stage also uses to refuse a bad schema before scheduling.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import os
-import re
 import threading
 import time
 import queue
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.proto.messages import ErrorDetail, ErrorKind, StructuredSpec
+from pocketllm.protocol.grammar_spec import explain, to_grammar
 
-KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
 CACHE_SIZE = 64  # compiled grammars kept (LRU); a compiled grammar holds per-token tables
-# xgrammar prefixes its messages with "[time] /path/file.cc:line: "; callers need only the why.
-_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
-
-
-def explain(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return _XGR_PREFIX.sub("", text).strip()
-
-
-# xgrammar 0.2.9 lets two kinds of text into JSON strings that no JSON parser takes back:
-# control characters in strings with maxLength/minLength, and UTF-8-encoded surrogates in
-# any string. Its printed grammar is rewritten to refuse both (a no-op if the form changes).
-_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
-
-
-def _valid_json_strings(grammar):
-    import xgrammar as xgr
-
-    text = fixed = str(grammar)
-    for cls in _STRING_CHARS:
-        fixed = fixed.replace(cls, _JSON_STRING_CHAR)
-    if fixed == text:
-        return grammar
-    try:
-        return xgr.Grammar.from_ebnf(fixed)
-    except Exception:  # noqa: BLE001 - keep xgrammar's own grammar rather than fail
-        return grammar
-
-
-def to_grammar(spec: StructuredSpec):
-    """The xgrammar ``Grammar`` of a spec, built without any vocabulary (cheap).
-
-    JSON schemas are compiled strictly (an object without ``additionalProperties``
-    takes only its listed properties, as OpenAI's strict mode requires) and with
-    compact separators, so a model cannot pad its answer with endless whitespace.
-    Raises ValueError naming the problem.
-    """
-    import xgrammar as xgr
-
-    kind, value = spec.kind, spec.value
-    try:
-        if kind == "json_object":  # any JSON object (never a bare string or array)
-            return _valid_json_strings(xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False))
-        if kind == "json_schema":
-            return _valid_json_strings(xgr.Grammar.from_json_schema(
-                value, any_whitespace=False, strict_mode=True))
-        if kind == "regex":
-            return xgr.Grammar.from_regex(value)
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(value)
-        if kind == "structural_tag":
-            return xgr.Grammar.from_structural_tag(value)
-    except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own types
-        raise ValueError(f"invalid {kind.replace('_', ' ')}: {explain(e)}") from None
-    raise ValueError(f"unknown structured output kind {kind!r}; one of {', '.join(KINDS)}")
-
-
-@functools.lru_cache(maxsize=256)
-def _problem(kind: str, value: str) -> Optional[str]:
-    try:
-        to_grammar(StructuredSpec(kind, value))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def check_spec(spec: StructuredSpec) -> None:
-    """The tokenizer stage's check: raise ValueError when the spec cannot become a grammar
-    (n choices share one spec: the answer is cached). Needs no vocabulary."""
-    try:
-        problem = _problem(spec.kind, spec.value)
-    except ImportError as e:
-        raise UnsupportedFeatureError(f"structured output needs the xgrammar package ({e}); "
-                                      "pip install xgrammar, or leave response_format out") from None
-    if problem is not None:
-        raise ValueError(problem)
 
 
 class Grammars:

@@ -43,8 +43,7 @@ class Request:
         self.worker_num_blocks = 0
         self.announced = False  # DetokRequest sent to the detokenizer
         self.grammar = None  # a RequestGrammar (grammar.py) when the output is constrained
-        self.split = req.split  # passed through to the detokenizer (reasoning / tool calls)
-        self.echo_text = req.echo_text
+        self.detok = req.detok  # handed on to the detokenizer unread
         self.client = req.client  # fair_queue.py orders the waiting queue across clients
         self.fair_tag = 0
 

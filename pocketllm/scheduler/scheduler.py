@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from pocketllm.errors import InvalidRequestError
-from pocketllm.proto.messages import (PENDING, CachedRequestData, DetokRequest, ErrorDetail,
+from pocketllm.proto.messages import (PENDING, CachedRequestData, ErrorDetail,
                                       ErrorKind, NewRequestData, RequestError, StepPlan,
                                       StepResult, TokenBatch, TokenDelta, TokenizedRequest,
                                       TokenLogprobs)
@@ -149,19 +149,22 @@ class Scheduler:
         self.waiting.add(request)
         return None
 
-    def abort(self, request_ids: list[str], reason: str = "abort") -> TokenBatch:
-        """Remove requests; unknown or finished ids are ignored. ``reason == "stop"``
-        (a stop string matched downstream) removes silently; otherwise each removed
-        request gets a final delta with finish_reason "abort"."""
+    def abort(self, request_ids: list[str]) -> TokenBatch:
+        """Remove requests, each with a final delta "abort"; unknown or finished ids are
+        ignored."""
         batch = TokenBatch(new_requests=[], deltas=[])
-        for rid in request_ids:
-            req = self._requests.get(rid)
-            if req is None:
-                continue
-            self._finish(req, "stop" if reason == "stop" else "abort")
-            if reason != "stop":
-                self._emit(batch, req, finish_reason="abort")
+        for req in self._live(request_ids):
+            self._finish(req, "abort")
+            self._emit(batch, req, finish_reason="abort")
         return batch
+
+    def stop(self, request_ids: list[str]) -> None:
+        """Remove requests that ended downstream (``StopMatched``), silently."""
+        for req in self._live(request_ids):
+            self._finish(req, "stop")
+
+    def _live(self, request_ids: list[str]) -> list[Request]:
+        return [self._requests[rid] for rid in request_ids if rid in self._requests]
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -538,9 +541,7 @@ class Scheduler:
               logprobs: Optional[list] = None, finish_reason: Optional[str] = None,
               error: Optional[ErrorDetail] = None, num_hidden_tokens: int = 0) -> None:
         if not req.announced:
-            batch.new_requests.append(
-                DetokRequest(req.request_id, req.num_prompt_tokens, req.sampling, req.split,
-                             req.echo_text))
+            batch.new_requests.append(req.detok)
             req.announced = True
         batch.deltas.append(TokenDelta(
             req.request_id, token_ids or [], logprobs or [], finish_reason,

@@ -126,7 +126,7 @@ def _done(answer: Answer) -> Future:
 
 
 def _check_with_xgrammar(spec: StructuredSpec) -> Answer:
-    from ..scheduler.grammar import to_grammar
+    from ..protocol.grammar_spec import to_grammar
 
     try:
         to_grammar(spec)

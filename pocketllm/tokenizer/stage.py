@@ -14,15 +14,15 @@ import msgspec
 
 from ..errors import InvalidRequestError, PocketLLMError, PromptTooLongError
 from ..model_info import ModelInfo
-from ..proto.messages import (ErrorKind, GenerateRequest, RequestError, StructuredSpec,
-                              TokenizedRequest)
+from ..proto.messages import (DetokRequest, ErrorKind, GenerateRequest, RequestError,
+                              StructuredSpec, TokenizedRequest)
 from ..protocol.chat import ChatRenderer
+from ..protocol.reasoning import reasoning_split
 from ..protocol.tool_choice import take_tool_options, tool_split
 from ..protocol.tool_parsers import get_tool_parser, parser_for_template
 from ..protocol.tool_prompt import FORCED_SYNTAX, template_shows_tools, with_tools_in_text
 from ..sampling import check_token_ids_in_vocab
 from .grammar_checks import GrammarChecks
-from .reasoning import reasoning_split
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("pocketllm.tokenizer")
@@ -173,8 +173,9 @@ class TokenizerStage:
                 ids, skip_special_tokens=sampling.skip_special_tokens)
         return TokenizedRequest(req.request_id, ids, sampling,
                                 eos_token_ids=list(self.info.eos_token_ids),
-                                arrival_time=req.arrival_time, split=split, echo_text=echo_text,
-                                client=req.client)
+                                arrival_time=req.arrival_time, client=req.client,
+                                detok=DetokRequest(req.request_id, len(ids), sampling, split,
+                                                   echo_text))
 
 
 def max_chars_per_token(tokenizer) -> int:
