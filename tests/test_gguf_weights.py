@@ -80,8 +80,9 @@ def _gguf_name(name: str, family: str) -> str:
             "lm_head.weight": "output.weight"}[name]
 
 
-def write_tiny_gguf(path: str, family: str, model) -> dict[str, float]:
-    """Write ``model`` as llama.cpp would; returns HF name -> atol factor of its storage type."""
+def write_tiny_gguf(path: str, family: str, model, qtypes=_QTYPES) -> dict[str, float]:
+    """Write ``model`` as llama.cpp would, its matrices cycling through ``qtypes``; returns HF
+    name -> atol factor of its storage type."""
     cfg = model.config
     w = gguf.GGUFWriter(path, family)
     w.add_context_length(cfg.max_position_embeddings)
@@ -115,7 +116,7 @@ def write_tiny_gguf(path: str, family: str, model) -> dict[str, float]:
         if value.ndim == 1:
             qtype, tol = Q.F32, 0.0
         else:
-            qtype, tol = _QTYPES[i % len(_QTYPES)]
+            qtype, tol = qtypes[i % len(qtypes)]
         tolerances[name] = tol
         data = gguf.quants.quantize(value, qtype)
         w.add_tensor(_gguf_name(name, family), data, raw_dtype=qtype)

@@ -77,6 +77,15 @@ class KernelPolicy:
                                "dequantized to float32", name)
         return not missing
 
+    def fused_decode(self, meta, dtype: torch.dtype) -> bool:
+        """Whether a CPU step runs each decoder layer as one library call
+        (``kernels/cpu_layer.py``): float32, only one-token decodes, in row order, fewer
+        than ``block_float_rows`` of them (the rows the integer kernels take)."""
+        if not self.cpu_blocks or dtype != torch.float32 or len(meta.groups) != 1:
+            return False
+        return (meta.groups[0].q_len == 1 and meta.covers_all_rows
+                and meta.num_tokens < self.block_float_rows)
+
     def kernel(self, module: str, name: str):
         """A Triton function the layer runs in place of its torch ops, None on the torch path."""
         if not self.triton:

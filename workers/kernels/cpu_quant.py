@@ -54,6 +54,9 @@ _SIGNATURES = {
     "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
     "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
                                    _p, _f32, _f32, _p, _int]),
+    # layer.c, bound in cpu_layer.py
+    "pq_decoder_layer": (_int, [_p, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p,
+                                _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
     "pq_set_isa": (_int, [ctypes.c_char_p]),
     "pq_supported_isas": (ctypes.c_char_p, []),
@@ -277,12 +280,12 @@ class BlockLinear:
         self.k = k
         self.width = max(col + w.shape[0] for _, w, col in parts)
         self._weights = [w for _, w, _ in parts]  # the pointers below stay valid
-        self._parts = (_Part * len(parts))()
+        self.parts = (_Part * len(parts))()  # pq_part[]: what cpu_layer.py binds too
         for j, (ggml_type, w, col) in enumerate(parts):
             rows, row_bytes = _check_weights(ggml_type, w, k)
             if not isinstance(col, int) or col < 0:
                 raise ValueError(f"part {j}: column {col!r} must be an int >= 0")
-            self._parts[j] = _Part(ggml_type, rows, row_bytes, col, w.data_ptr())
+            self.parts[j] = _Part(ggml_type, rows, row_bytes, col, w.data_ptr())
         self._lib = _lib()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
@@ -301,7 +304,7 @@ class BlockLinear:
             return out
         ldx = x.stride(0) if m > 1 else self.k
         ldy = out.stride(0) if m > 1 else out.shape[1]
-        rc = self._lib.pq_linear(ctypes.addressof(self._parts), len(self._parts), self.k,
+        rc = self._lib.pq_linear(ctypes.addressof(self.parts), len(self.parts), self.k,
                                  x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
         _raise_for(rc, None, "BlockLinear")
         return out

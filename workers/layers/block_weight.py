@@ -101,7 +101,7 @@ class BlockWeight(nn.Module):
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         integer = x.shape[0] < self.float_rows
         if integer:  # every block part in one library call
-            self._integer_product()(x, out)
+            self.bound()(x, out)
         for j, cols in enumerate(self.columns):
             kind, w = self.part_types[j], self.part(j)
             if kind is None:
@@ -110,7 +110,8 @@ class BlockWeight(nn.Module):
                 self._float_product(kind, w, x, out[:, cols])
         return out
 
-    def _integer_product(self):
+    def bound(self):
+        """The block parts bound for the integer kernels (``cpu_quant.BlockLinear``)."""
         if self._bound is None:  # bound after loading: the parts' storage no longer changes
             self._bound = self.kernels.BlockLinear(self.in_features, [
                 (kind, self.part(j), self.columns[j].start)

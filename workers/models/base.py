@@ -16,6 +16,7 @@ from torch import nn
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
 from ..distributed import SINGLE, TPGroup
+from ..kernel_policy import policy_for
 from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
@@ -194,6 +195,12 @@ class DecoderLayer(nn.Module):
         """Attention rows [T, H, D] -> the layer's output x and the residual."""
         raise NotImplementedError
 
+    def mlp_norms(self) -> Optional[tuple[Optional[RMSNorm], RMSNorm, Optional[RMSNorm]]]:
+        """The norms ``post_attention`` applies: (on the attention output or None, the MLP's
+        input norm, on the MLP output or None). What the fused CPU layer reads
+        (``kernels/cpu_layer.py``); None: this family runs the module path only."""
+        return None
+
 
 @dataclass
 class Segment:
@@ -272,6 +279,8 @@ class CausalLM(nn.Module):
         self.num_local_kv_heads = kv_head_range(cfg, tp)[1]  # what this rank's KV cache holds
         self.rotary = {kind: RotaryTable(cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings,
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
+        self.policy = policy_for(device)
+        self._fused: Optional[list] = None  # the layers bound for the fused CPU decode path
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
@@ -282,10 +291,34 @@ class CausalLM(nn.Module):
                 ) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm (applied in compute_logits):
         the segments, with each layer's attention between them."""
+        if self.policy.fused_decode(meta, self.dtype) and self._fused_layers():
+            return self._fused_decode(input_ids, positions, max_position, meta, kv_caches)
         seg = self.embed(input_ids, positions, max_position)
         for i, layer in enumerate(self._layer_at):
             seg = self.segment(i + 1, layer.self_attn.attend(*seg.qkv, meta, kv_caches[i]), seg)
         return seg.hidden
+
+    def _fused_layers(self) -> list:
+        """Every layer bound for one library call per decode step, or [] where one cannot
+        be (a float weight, a family without ``mlp_norms``, tensor parallelism)."""
+        if self._fused is None:
+            from ..kernels.cpu_layer import CpuDecoderLayer
+
+            bound = [CpuDecoderLayer.bind(layer) for layer in self._layer_at]
+            self._fused = bound if all(b is not None for b in bound) else []
+        return self._fused
+
+    def _fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
+                      meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor:
+        """``forward`` for a step of one-token decodes, each layer one library call."""
+        rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
+        views = meta.groups[0].views
+        x, residual = self.embed_tokens(input_ids).contiguous(), None
+        for i, fused in enumerate(self._fused):
+            x, residual = fused(x, residual, rope[self.cfg.layer_rope[i]], kv_caches[i],
+                                meta.slot_mapping, views[self.cfg.layer_windows[i]])
+        return x + residual
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int
               ) -> Segment:
@@ -354,6 +387,7 @@ class CausalLM(nn.Module):
         of it is ever read. A full tensor is sliced here and dropped by the caller.
         """
         targets = self.weight_targets()
+        self._fused = None  # bound again on first use: the parts' storage changes
         loaded: set[str] = set()
         with torch.no_grad():
             for raw_name, tensor in named_tensors:

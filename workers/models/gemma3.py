@@ -81,6 +81,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         h, residual = self.mlp.normed(self.pre_feedforward_layernorm, attn, residual)
         return self.post_feedforward_layernorm(h), residual
 
+    def mlp_norms(self):
+        return (self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm)
+
 
 def _plus_one(weight: torch.Tensor) -> torch.Tensor:
     return weight + 1.0

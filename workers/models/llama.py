@@ -89,6 +89,9 @@ class LlamaDecoderLayer(DecoderLayer):
         return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
                                residual)
 
+    def mlp_norms(self):
+        return None, self.post_attention_layernorm, None
+
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,

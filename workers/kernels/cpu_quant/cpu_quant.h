@@ -97,6 +97,39 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
                                const int64_t *lengths, float scale, float softcap, float *out,
                                int nthreads);
 
+/* ---- layer.c: a decoder layer's decode step in one call ---- */
+
+/* A linear layer of block parts (pq_linear's), with an optional bias [N]. */
+typedef struct {
+    const pq_part *parts;
+    int64_t nparts;
+    const float *bias;
+} pq_layer_linear;
+
+/* A pre-norm decoder layer. Norm weights are float32 [hidden] (q/k norms [head_dim]);
+ * NULL where the family has none. The MLP's input norm is ff_norm (Llama's
+ * post_attention_layernorm, Gemma's pre_feedforward_layernorm); Gemma's sandwich norms
+ * on the sublayers' outputs are post_attn_norm and post_ff_norm. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale, softcap; /* softcap 0: none */
+    int64_t act;               /* PQ_ACT_* */
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ff_norm, *post_ff_norm;
+    pq_layer_linear qkv, o, gate_up, down;
+} pq_layer;
+
+/* M one-token decode rows through layer L: x [M, hidden] and res_in (NULL for the first
+ * layer: the residual is x) -> x_out (the layer's output) and res_out (the residual
+ * after it), both [M, hidden] contiguous. cos/sin [M, head_dim/2] (row stride lc) rotate
+ * q and k; row m's k/v are written to cache slot slots[m] of k_cache/v_cache ([slots,
+ * kv_heads, head_dim]), then attend as pq_decode_attention does over gather/Lk/lengths.
+ * Computes what the module path computes with the operations above, bit for bit. */
+PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
+                            const float *cos, const float *sin, int64_t lc, float *k_cache,
+                            float *v_cache, const int64_t *slots, const int64_t *gather,
+                            int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
+                            int nthreads);
+
 /* 1 if `type` has a decoder in this build, 0 if not (unknown type included). */
 PQ_API int pq_has_kernel(int type);
 

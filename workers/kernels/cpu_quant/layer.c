@@ -1,0 +1,95 @@
+/* A whole decoder layer's decode step in one call (cpu_quant.h, "layer"): the products
+ * and the float work between them run back to back in C, so a decode step makes one
+ * library call per layer instead of ~15 Python-level calls, each of which came back to an
+ * interpreter whose code and data the weight stream had evicted (docs/cpu_kernels.md).
+ *
+ * It composes the library's own exported operations (pq_linear, pq_rms_norm, pq_rotary,
+ * pq_act_and_mul, pq_decode_attention) in the order the Python layers call them, so a
+ * row computes bit for bit what the module path computes. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_quant.h"
+
+/* Intermediate rows of the last call (one caller thread: the worker's), grown on demand. */
+static float *g_work;
+static int64_t g_work_elems;
+
+static float *work(int64_t elems) {
+    if (elems > g_work_elems) {
+        free(g_work);
+        g_work = NULL;
+        if (posix_memalign((void **)&g_work, 64, sizeof(float) * (size_t)elems) != 0) g_work = NULL;
+        g_work_elems = g_work != NULL ? elems : 0;
+    }
+    return g_work;
+}
+
+static int linear(const pq_layer_linear *l, int64_t K, const float *x, int64_t M, float *y,
+                  int64_t N, int nthreads) {
+    int rc = pq_linear(l->parts, (int)l->nparts, K, x, M, K, y, N, nthreads);
+    if (rc == PQ_OK && l->bias != NULL)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * N + n] += l->bias[n];
+    return rc;
+}
+
+static void add_norm(const float *x, const float *res, int64_t M, int64_t D, const float *w,
+                     float eps, float *out, float *res_out) {
+    pq_rms_norm(x, M, 1, D, D, 0, res, D, 0, w, eps, out, res_out);
+}
+
+PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
+                            const float *cos, const float *sin, int64_t lc, float *k_cache,
+                            float *v_cache, const int64_t *slots, const int64_t *gather,
+                            int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
+                            int nthreads) {
+    const int64_t E = L->hidden, H = L->heads, Hkv = L->kv_heads, D = L->head_dim,
+                  I = L->inter, qw = H * D, kvw = Hkv * D, qkvw = qw + 2 * kvw;
+    if (M <= 0 || E <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || I <= 0 || H % Hkv != 0) return PQ_ERR_ARG;
+    /* h [M,E] | qkv [M,qkvw] | q,k normed [M,qw+kvw] | attn [M,qw] | o [M,E] | res1 [M,E] |
+     * gate_up [M,2I] | act [M,I] */
+    float *h = work(M * (3 * E + qkvw + qw + kvw + qw + 3 * I));
+    if (h == NULL) return PQ_ERR_NOMEM;
+    float *qkv = h + M * E, *qk = qkv + M * qkvw, *attn = qk + M * (qw + kvw),
+          *o = attn + M * qw, *res1 = o + M * E, *gu = res1 + M * E, *act = gu + M * 2 * I;
+    int rc;
+
+    /* attention: norm(x + residual) -> q/k/v -> (q/k norms) -> rotary -> cache -> attend */
+    if (res_in != NULL) add_norm(x, res_in, M, E, L->attn_norm, L->eps, h, res1);
+    else {
+        add_norm(x, NULL, M, E, L->attn_norm, L->eps, h, NULL);
+        memcpy(res1, x, sizeof(float) * (size_t)(M * E));
+    }
+    if ((rc = linear(&L->qkv, E, h, M, qkv, qkvw, nthreads)) != PQ_OK) return rc;
+    float *q = qkv, *k = qkv + qw;
+    int64_t sq = qkvw, sk = qkvw;
+    if (L->q_norm != NULL) { /* per head, into contiguous rows (as the module's norm returns) */
+        pq_rms_norm(qkv, M, H, D, qkvw, D, NULL, 0, 0, L->q_norm, L->eps, qk, NULL);
+        pq_rms_norm(qkv + qw, M, Hkv, D, qkvw, D, NULL, 0, 0, L->k_norm, L->eps, qk + M * qw, NULL);
+        q = qk, k = qk + M * qw, sq = qw, sk = kvw;
+    }
+    pq_rotary(q, M, H, D, sq, D, cos, sin, lc);
+    pq_rotary(k, M, Hkv, D, sk, D, cos, sin, lc);
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(k_cache + slots[m] * kvw, k + m * sk, sizeof(float) * (size_t)kvw);
+        memcpy(v_cache + slots[m] * kvw, qkv + m * qkvw + qw + kvw, sizeof(float) * (size_t)kvw);
+    }
+    rc = pq_decode_attention(q, M, H, D, sq, D, k_cache, v_cache, Hkv, gather, Lk, lengths,
+                             L->scale, L->softcap, attn, nthreads);
+    if (rc != PQ_OK) return rc;
+    if ((rc = linear(&L->o, qw, attn, M, o, E, nthreads)) != PQ_OK) return rc;
+    if (L->post_attn_norm != NULL) { /* Gemma's sandwich: the sublayer's output normed */
+        add_norm(o, NULL, M, E, L->post_attn_norm, L->eps, h, NULL);
+        memcpy(o, h, sizeof(float) * (size_t)(M * E));
+    }
+
+    /* MLP: norm(o + residual) -> gate/up -> act(gate) * up -> down (-> its norm) */
+    add_norm(o, res1, M, E, L->ff_norm, L->eps, h, res_out);
+    if ((rc = linear(&L->gate_up, E, h, M, gu, 2 * I, nthreads)) != PQ_OK) return rc;
+    if ((rc = pq_act_and_mul(L->act, gu, M, I, 2 * I, act)) != PQ_OK) return rc;
+    float *down = L->post_ff_norm != NULL ? o : x_out;
+    if ((rc = linear(&L->down, I, act, M, down, E, nthreads)) != PQ_OK) return rc;
+    if (L->post_ff_norm != NULL) add_norm(down, NULL, M, E, L->post_ff_norm, L->eps, x_out, NULL);
+    return PQ_OK;
+}
