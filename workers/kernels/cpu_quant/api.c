@@ -188,7 +188,7 @@ static int act_buffers(int64_t elems) {
 
 static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, int64_t ldy,
                        int64_t *total) {
-    if (nparts <= 0 || M < 0 || K <= 0 || K % 32 != 0) return PQ_ERR_ARG;
+    if (nparts <= 0 || nparts > PQ_MAX_PARTS || M < 0 || K <= 0 || K % 32 != 0) return PQ_ERR_ARG;
     *total = 0;
     for (int j = 0; j < nparts; j++) {
         int rc = check_weights(pq_type((int)parts[j].type), K, parts[j].row_bytes);
@@ -200,32 +200,37 @@ static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, i
     return PQ_OK;
 }
 
-/* Every part's rows against M quantized activation rows, in one parallel region: each
- * thread takes the same contiguous share of every part, a multiple of 16 rows so that
- * no two threads write one cache line of y. */
+/* Every part's rows against M quantized activation rows, in one parallel region. The
+ * rows are cut into chunks (a multiple of 16 rows, so that no two threads write one cache
+ * line of y; ~8 per thread) that the threads take in turn: on a machine whose cores also
+ * run the engine's other processes, a thread that loses its core for a while no longer
+ * holds every other thread at the region's end. */
 static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t *q,
                      const float *d, const int32_t *gsum, int64_t M, float *y, int64_t ldy,
                      int64_t total, int nthreads) {
     const pq_isa_impl *isa = ISAS[g_isa];
     int nt = threads(nthreads);
     if (nt > total) nt = (int)total;
+    int64_t chunk = (total / ((int64_t)nt * 8) + 15) / 16 * 16;
+    if (chunk < 16) chunk = 16;
+    int64_t first[PQ_MAX_PARTS + 1];
+    first[0] = 0;
+    for (int j = 0; j < nparts; j++) first[j + 1] = first[j] + (parts[j].rows + chunk - 1) / chunk;
+    const int64_t chunks = first[nparts];
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
         pq_scratch *s = thread_scratch(K);
         if (s == NULL) failed = 1;
-        for (int j = 0; j < nparts && s != NULL; j++) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            if (s == NULL) continue;
+            int j = 0;
+            while (c >= first[j + 1]) j++;
             const pq_part *p = &parts[j];
-            int64_t chunk = ((p->rows + nth - 1) / nth + 15) / 16 * 16;
-            int64_t n0 = tid * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
-            if (n0 >= n1) continue;
+            int64_t n0 = (c - first[j]) * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
             pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q, d, gsum, M,
-                            y + p->col, ldy};
+                            y + p->col, ldy, p->w + p->rows * p->row_bytes};
             isa->mul_rows(&a, n0, n1, s);
         }
     }

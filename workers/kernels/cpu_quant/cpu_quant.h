@@ -47,6 +47,9 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
                       const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
                       int64_t ldy, int nthreads);
 
+/* The most parts one linear layer may stack (q/k/v is three). */
+#define PQ_MAX_PARTS 16
+
 /* One stacked part of a linear layer's weight: `rows` rows of GGUF blocks of `type`,
  * row n at w + n * row_bytes, filling output columns [col, col + rows). */
 typedef struct {

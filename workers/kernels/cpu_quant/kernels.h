@@ -17,6 +17,7 @@ typedef struct {
     int64_t M;
     float *y;
     int64_t ldy;
+    const uint8_t *w_end; /* the end of the part's rows: how far ahead a variant may prefetch */
 } pq_mm_args;
 
 /* Per-thread scratch for decoding one weight row into the canonical form. */

@@ -92,7 +92,7 @@ static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes, const u
 static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s) {
     const pq_type_info *t = a->t;
     int64_t K = a->K, n32 = K / 32;
-    const uint8_t *end = a->w + n1 * a->row_bytes;
+    const uint8_t *end = a->w_end;
     if (t->id == PQ_Q8_0) {
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
