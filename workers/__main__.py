@@ -55,7 +55,7 @@ def main(ctx: StageContext) -> None:
                 if launched is not None:  # the previous step promised this one: overlap
                     send_result(rank, send, runner.finish(launched))
                     launched = None
-                if plan.next_follows:
+                if plan.next_follows and not runner.computes_at_launch:
                     launched = step  # launch the next plan before reading these tokens
                 else:
                     send_result(rank, send, runner.finish(step))

@@ -196,6 +196,11 @@ class ModelRunner:
                                 max_tokens) if max_tokens > 0 else None
         return decode, mixed
 
+    @property
+    def computes_at_launch(self) -> bool:
+        """``launch`` returns with the step computed (the CPU): its tokens can go at once."""
+        return self.device.type != "cuda"
+
     def capabilities(self) -> WorkerCapabilities:
         return WorkerCapabilities(
             device=str(self.device), dtype=dtype_name(self.dtype),

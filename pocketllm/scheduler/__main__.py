@@ -246,13 +246,14 @@ class SchedulerLoop:
 
 
 def overlap_scheduling(args, caps) -> bool:
-    """EngineArgs.overlap_scheduling, with None meaning: on for a single CUDA rank. (With
+    """EngineArgs.overlap_scheduling, with None meaning: on for a single rank. (With
     tensor parallelism rank 0 broadcasts each step's tokens to the other ranks: measured
-    on CPUs only so far, so it is on only when asked for. On a CPU the worker computes
-    synchronously, so overlapping only delays each step's tokens.)"""
+    on CPUs only so far, so it is on only when asked for.) On a CPU the worker computes a
+    step as it launches it and sends its tokens at once; planning ahead still saves the
+    round trip to this stage between two steps (docs/benchmarks.md: +8% decode)."""
     if args.overlap_scheduling is not None:
         return args.overlap_scheduling
-    return caps.device.startswith("cuda") and caps.tensor_parallel_size == 1
+    return caps.tensor_parallel_size == 1
 
 
 def main(ctx: StageContext) -> None:
