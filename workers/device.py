@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
+import os
+import threading
 from typing import Optional
 
 import torch
@@ -53,16 +57,45 @@ def configure_cpu_threads() -> int:
 
 
 def populated_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are all backed now: an anonymous mapping with
-    MAP_POPULATE, which the kernel backs (zeroed) in one call, where ``zero_()`` takes a
-    page fault per 4 KiB and writes every byte twice (0.58 s instead of 0.80 s for the
-    embedded model's 2.4 GB KV cache)."""
+    """A zero CPU tensor (an anonymous mapping) whose pages a background thread backs
+    right away (``MADV_POPULATE_WRITE``: the kernel zeroes them in one call, without the
+    GIL), so that its memory is taken once, at start, not request by request as they
+    first write it, and start-up does not wait for it: backing the embedded model's
+    2.4 GB KV cache takes 0.8-4 s of a core on the 2-core VM (more where the VM's memory
+    is touched for the first time), ~40% of the worker's start (docs/benchmarks.md).
+    Where the kernel lacks the call (before Linux 5.14) the pages are backed as they are
+    first written. ``check_available`` has already refused a cache the RAM cannot hold."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    populate = getattr(mmap, "MAP_POPULATE", None)  # Linux only
-    if populate is None or nbytes == 0:
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+    threading.Thread(target=_back_pages, args=(tensor.data_ptr(), nbytes), daemon=True,
+                     name="kv-cache-backing").start()
+    return tensor
+
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>
+
+
+def _back_pages(addr: int, nbytes: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE) != 0:  # ctypes drops the GIL here
+        logging.getLogger("pocketllm.worker").debug(
+            "the KV cache is backed as it is written (madvise: %s)", os.strerror(ctypes.get_errno()))
+
+
+def check_available(nbytes: int, what: str, param: str) -> None:
+    """Refuse at start a CPU buffer larger than the memory available now (it would be
+    backed after start-up, and fail mid-serving)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise InvalidRequestError(f"the {what} needs {nbytes / (1 << 30):.2f} GiB and this "
+                                  f"machine has {available / (1 << 30):.2f} GiB available; "
+                                  f"lower {param}", param)
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -22,8 +23,8 @@ from pocketllm.sampling import uses_penalties
 from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
 
-from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
-                     kv_bytes_per_block, num_kv_blocks, populated_cpu_zeros, to_device)
+from .device import (check_available, choose_device, choose_dtype, configure_cpu_threads,
+                     dtype_name, kv_bytes_per_block, num_kv_blocks, populated_cpu_zeros, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .layers.attention import ScheduledSeq, build_metadata
@@ -108,7 +109,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             # The OS backs a CPU tensor's pages only when they are first written, so an
             # untouched cache would grow the worker's memory request by request until full
-            # (and fail mid-serving where RAM is short). Backed now: it fails at start.
+            # (and fail mid-serving where RAM is short): refused now if it cannot fit,
+            # backed in the background from now.
+            check_available(math.prod(shape) * self.dtype.itemsize, "KV cache",
+                            "kv_cache_memory_gb")
             self.kv = populated_cpu_zeros(shape, self.dtype)
         else:
             self.kv = torch.empty(shape, device=self.device, dtype=self.dtype)
