@@ -19,6 +19,11 @@ static inline __m256i block_sum(__m256i w8, const int16_t *q) {
                      _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), q + 16);
 }
 
+/* 8 bytes -> 8 floats */
+static inline __m256 u8x8_ps(const uint8_t *v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)v)));
+}
+
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (the order of
  * Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL elements). */
 static inline __m256i nibbles32(const uint8_t *p) {
@@ -52,8 +57,19 @@ __attribute__((always_inline)) static inline float dot_legacy(int id, const uint
     for (int64_t b = 0; b < n32; b++) {
         const uint8_t *blk = w + bytes * b;
         __m256i v = nibbles32(blk + qs_at);
+#if defined(PQ_DOT_VNNI512)
+        if (five && !has_min) { /* q - 16 where the fifth bit is clear, else q: one masked sub */
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            v = _mm256_mask_sub_epi8(v, (__mmask32)~qh, v, bias);
+        } else {
+            if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
+            v = _mm256_sub_epi8(v, bias);
+        }
+#else
         if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
         v = _mm256_sub_epi8(v, bias);
+#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sum(v, q + 32 * b)),
                               _mm256_set1_ps(f16_at(blk) * xd[b]), acc);
         if (has_min) off += f16_at(blk + 2) * (float)(gs[2 * b] + gs[2 * b + 1]) * xd[b];
@@ -62,32 +78,37 @@ __attribute__((always_inline)) static inline float dot_legacy(int id, const uint
 }
 
 /* Q4_K: f16 d | f16 dmin | scales[12] | q[128]; sub-block j of 32 has scale d*sc_j, min
- * dmin*m_j; 32-byte run i holds sub-blocks 2i (low nibbles) and 2i+1 (high). */
+ * dmin*m_j; 32-byte run i holds sub-blocks 2i (low nibbles) and 2i+1 (high). The eight
+ * sub-blocks' factors are formed as vectors once per super-block: their scalar forms
+ * cost more than the products themselves. */
 static float dot_q4_k(const uint8_t *w, const int16_t *q, const float *xd, const int32_t *gs,
                       int64_t n256) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    float f[8];
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 144 * sb;
-        float d = f16_at(blk), dmin = f16_at(blk + 2);
         const int16_t *qb = q + 256 * sb;
-        const float *xb = xd + 8 * sb;
-        const int32_t *gb = gs + 16 * sb;
+        uint8_t sc[8], m[8];
+        for (int j = 0; j < 8; j++) pq_k_scale_min(blk + 4, j, &sc[j], &m[j]);
+        __m256 xb = _mm256_loadu_ps(xd + 8 * sb);
+        __m256 scale = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)), xb);
+        _mm256_storeu_ps(f, scale);
+        /* group sums of 16 -> of 32: (g0+g1, g2+g3, ...) in sub-block order */
+        const __m256i g16a = _mm256_loadu_si256((const __m256i *)(gs + 16 * sb)),
+                      g16b = _mm256_loadu_si256((const __m256i *)(gs + 16 * sb + 8));
+        __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(g16a, g16b), 0xD8));
+        off = _mm256_add_ps(off, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(
+                  _mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m)), g32), xb));
         for (int i = 0; i < 4; i++) {
             __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
-            uint8_t sc0, m0, sc1, m1;
-            pq_k_scale_min(blk + 4, 2 * i, &sc0, &m0);
-            pq_k_scale_min(blk + 4, 2 * i + 1, &sc1, &m1);
             __m256i p0 = block_sum(_mm256_and_si256(run, lo4), qb + 64 * i);
             __m256i p1 = block_sum(_mm256_and_si256(_mm256_srli_epi16(run, 4), lo4), qb + 64 * i + 32);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * sc0 * xb[2 * i]), acc);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * sc1 * xb[2 * i + 1]), acc);
-            off += dmin * m0 * (float)(gb[4 * i] + gb[4 * i + 1]) * xb[2 * i];
-            off += dmin * m1 * (float)(gb[4 * i + 2] + gb[4 * i + 3]) * xb[2 * i + 1];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f[2 * i]), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f[2 * i + 1]), acc);
         }
     }
-    return hsum(acc) - off;
+    return hsum(acc) - hsum(off);
 }
 
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
