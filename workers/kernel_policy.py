@@ -11,10 +11,10 @@ Default mode, tuned for speed:
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
   torch's product. A product of fewer than ``block_float_rows`` rows of a block weight
-  (decode) runs the integer kernels, bound by reading the blocks; from that many rows
-  (prefill) the weight is dequantized a slice at a time into a reused buffer and
-  multiplied by torch's sgemm, which is compute-bound and ~15x faster per row than the
-  int16 dots (docs/cpu_kernels.md).
+  (decode, short prompts) runs the integer kernels, which unpack each weight block once
+  for up to 8 rows; from that many rows (longer prefill chunks) the weight is dequantized
+  a slice at a time into a reused buffer and multiplied by torch's sgemm, which is
+  compute-bound and faster per row there (the crossover measured in docs/cpu_kernels.md).
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -57,7 +57,7 @@ class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
     batch_invariant: bool = False
     cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
-    block_float_rows: int = 16  # see the module docstring; measured in docs/cpu_kernels.md
+    block_float_rows: int = 64  # see the module docstring; measured in docs/cpu_kernels.md
 
     def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
         """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;

@@ -44,16 +44,30 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* The legacy 32-element types: f16 d [| f16 m] [| u32 qh] | q[16]. Inlined into each
- * case of fused_dot, so that every type's loop is compiled with its layout constant. */
-__attribute__((always_inline)) static inline float dot_legacy(int id, const uint8_t *w, const int16_t *q, const float *xd,
-                        const int32_t *gs, int64_t n32) {
+/* The activation rows of one call, as the fused dots read them: row r's int16 values at
+ * q + r * K, its block scales at xd + r * K/32, its group sums at gs + r * K/16. */
+typedef struct {
+    const int16_t *q;
+    const float *xd;
+    const int32_t *gs;
+    int64_t K;
+} pq_rows;
+
+/* The legacy 32-element types: f16 d [| f16 m] [| u32 qh] | q[16]. Each weight block is
+ * unpacked once and multiplied with R activation rows (R a constant at each call site, so
+ * that the accumulators stay in registers), out[r] = row r . W's row; a row's arithmetic
+ * is the same whatever R is. Inlined into each case of fused_rows, so that every type's
+ * loop is compiled with its layout constant. */
+__attribute__((always_inline)) static inline void legacy_rows(int id, const uint8_t *w, pq_rows x,
+                                                              const int R, float *out) {
     const int bytes = id == PQ_Q4_0 ? 18 : id == PQ_Q4_1 ? 20 : id == PQ_Q5_0 ? 22 : 24;
     const int has_min = id == PQ_Q4_1 || id == PQ_Q5_1, five = id == PQ_Q5_0 || id == PQ_Q5_1;
     const int qs_at = 2 + 2 * has_min + 4 * five;
+    const int64_t n32 = x.K / 32;
     const __m256i bias = _mm256_set1_epi8(has_min ? 0 : (five ? 16 : 8));
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+    __m256 acc[R];
+    float off[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
     for (int64_t b = 0; b < n32; b++) {
         const uint8_t *blk = w + bytes * b;
         __m256i v = nibbles32(blk + qs_at);
@@ -70,45 +84,67 @@ __attribute__((always_inline)) static inline float dot_legacy(int id, const uint
         if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
         v = _mm256_sub_epi8(v, bias);
 #endif
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sum(v, q + 32 * b)),
-                              _mm256_set1_ps(f16_at(blk) * xd[b]), acc);
-        if (has_min) off += f16_at(blk + 2) * (float)(gs[2 * b] + gs[2 * b + 1]) * xd[b];
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                      w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        const float d = f16_at(blk), mn = has_min ? f16_at(blk + 2) : 0.0f;
+        for (int r = 0; r < R; r++) {
+            const int16_t *q = x.q + r * x.K + 32 * b;
+            const float xd = x.xd[r * n32 + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(w0, q), w1, q + 16)),
+                                     _mm256_set1_ps(d * xd), acc[r]);
+            if (has_min) {
+                const int32_t *g = x.gs + r * (x.K / 16) + 2 * b;
+                off[r] += mn * (float)(g[0] + g[1]) * xd;
+            }
+        }
     }
-    return hsum(acc) + off;
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + off[r];
 }
 
 /* Q4_K: f16 d | f16 dmin | scales[12] | q[128]; sub-block j of 32 has scale d*sc_j, min
  * dmin*m_j; 32-byte run i holds sub-blocks 2i (low nibbles) and 2i+1 (high). The eight
  * sub-blocks' factors are formed as vectors once per super-block: their scalar forms
  * cost more than the products themselves. */
-static float dot_q4_k(const uint8_t *w, const int16_t *q, const float *xd, const int32_t *gs,
-                      int64_t n256) {
+__attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq_rows x,
+                                                            const int R, float *out) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-    float f[8];
+    const int64_t n256 = x.K / 256;
+    __m256 acc[R], off[R];
+    float f[R][8];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 144 * sb;
-        const int16_t *qb = q + 256 * sb;
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; j++) pq_k_scale_min(blk + 4, j, &sc[j], &m[j]);
-        __m256 xb = _mm256_loadu_ps(xd + 8 * sb);
-        __m256 scale = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)), xb);
-        _mm256_storeu_ps(f, scale);
-        /* group sums of 16 -> of 32: (g0+g1, g2+g3, ...) in sub-block order */
-        const __m256i g16a = _mm256_loadu_si256((const __m256i *)(gs + 16 * sb)),
-                      g16b = _mm256_loadu_si256((const __m256i *)(gs + 16 * sb + 8));
-        __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(g16a, g16b), 0xD8));
-        off = _mm256_add_ps(off, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(
-                  _mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m)), g32), xb));
+        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)),
+                     dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_loadu_ps(x.xd + r * (x.K / 32) + 8 * sb);
+            _mm256_storeu_ps(f[r], _mm256_mul_ps(dsc, xb));
+            /* group sums of 16 -> of 32: (g0+g1, g2+g3, ...) in sub-block order */
+            const int32_t *g = x.gs + r * (x.K / 16) + 16 * sb;
+            const __m256i ga = _mm256_loadu_si256((const __m256i *)g),
+                          gb = _mm256_loadu_si256((const __m256i *)(g + 8));
+            const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
+            off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
+        }
         for (int i = 0; i < 4; i++) {
-            __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
-            __m256i p0 = block_sum(_mm256_and_si256(run, lo4), qb + 64 * i);
-            __m256i p1 = block_sum(_mm256_and_si256(_mm256_srli_epi16(run, 4), lo4), qb + 64 * i + 32);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f[2 * i]), acc);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f[2 * i + 1]), acc);
+            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
+            const __m256i lo = _mm256_and_si256(run, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
+            const __m256i l0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)),
+                          l1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
+                          h0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
+                          h1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
+            for (int r = 0; r < R; r++) {
+                const int16_t *q = x.q + r * x.K + 256 * sb + 64 * i;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(l0, q), l1, q + 16)),
+                                         _mm256_set1_ps(f[r][2 * i]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(h0, q + 32), h1, q + 48)),
+                                         _mm256_set1_ps(f[r][2 * i + 1]), acc[r]);
+            }
         }
     }
-    return hsum(acc) - hsum(off);
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - hsum(off[r]);
 }
 
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
@@ -146,25 +182,42 @@ static float dot_q6_k(const uint8_t *w, const int16_t *q, const float *xd, int64
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-/* The fused dot of one row, or 0 (and *done = 0) for a type without one. */
-static inline float fused_dot(int id, const uint8_t *w, const int16_t *q, const float *xd,
-                              const int32_t *gs, int64_t K, int *done) {
-    *done = 1;
+/* R rows (1, 2, 4 or 8) of the types whose weight blocks are unpacked once for all of them. */
+__attribute__((always_inline)) static inline void rows_of(int id, const uint8_t *w, pq_rows x,
+                                                          const int R, float *out) {
     switch (id) {
-    case PQ_Q4_0:
-        return dot_legacy(PQ_Q4_0, w, q, xd, gs, K / 32);
-    case PQ_Q4_1:
-        return dot_legacy(PQ_Q4_1, w, q, xd, gs, K / 32);
-    case PQ_Q5_0:
-        return dot_legacy(PQ_Q5_0, w, q, xd, gs, K / 32);
-    case PQ_Q5_1:
-        return dot_legacy(PQ_Q5_1, w, q, xd, gs, K / 32);
-    case PQ_Q4_K:
-        return dot_q4_k(w, q, xd, gs, K / 256);
-    case PQ_Q6_K:
-        return dot_q6_k(w, q, xd, K / 256);
-    default:
-        *done = 0;
-        return 0.0f;
+    case PQ_Q4_0: legacy_rows(PQ_Q4_0, w, x, R, out); break;
+    case PQ_Q4_1: legacy_rows(PQ_Q4_1, w, x, R, out); break;
+    case PQ_Q5_0: legacy_rows(PQ_Q5_0, w, x, R, out); break;
+    case PQ_Q5_1: legacy_rows(PQ_Q5_1, w, x, R, out); break;
+    default: q4_k_rows(w, x, R, out);
     }
+}
+
+static inline int multi_row_type(int id) {
+    return id == PQ_Q4_0 || id == PQ_Q4_1 || id == PQ_Q5_0 || id == PQ_Q5_1 || id == PQ_Q4_K;
+}
+
+/* y[m*ldy] = row m . W's row for all M rows, in chunks of 8, 4, 2 and 1 rows. */
+static void fused_rows(int id, const uint8_t *w, pq_rows x, int64_t M, float *y, int64_t ldy) {
+    float out[8];
+    for (int64_t m = 0; m < M;) {
+        const int R = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        pq_rows at = {x.q + m * x.K, x.xd + m * (x.K / 32), x.gs + m * (x.K / 16), x.K};
+        switch (R) {
+        case 8: rows_of(id, w, at, 8, out); break;
+        case 4: rows_of(id, w, at, 4, out); break;
+        case 2: rows_of(id, w, at, 2, out); break;
+        default: rows_of(id, w, at, 1, out);
+        }
+        for (int r = 0; r < R; r++) y[(m + r) * ldy] = out[r];
+        m += R;
+    }
+}
+
+/* The fused dot of one row of Q6_K, or 0 (and *done = 0) for a type without one. */
+static inline float fused_dot(int id, const uint8_t *w, const int16_t *q, const float *xd,
+                              int64_t K, int *done) {
+    *done = id == PQ_Q6_K;
+    return *done ? dot_q6_k(w, q, xd, K / 256) : 0.0f;
 }

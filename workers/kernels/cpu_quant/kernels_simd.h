@@ -102,14 +102,22 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
         }
         return;
     }
+    if (multi_row_type(t->id)) {
+        const pq_rows x = {a->q, a->d, a->gsum, K};
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *wr = a->w + n * a->row_bytes;
+            prefetch_ahead(wr, a->row_bytes, end);
+            fused_rows(t->id, wr, x, a->M, a->y + n, a->ldy);
+        }
+        return;
+    }
     if (a->M <= PQ_FUSED_MAX_M) {
         int done = 1;
         for (int64_t n = n0; n < n1 && done; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
             prefetch_ahead(wr, a->row_bytes, end);
             for (int64_t m = 0; m < a->M && done; m++)
-                a->y[m * a->ldy + n] = fused_dot(t->id, wr, a->q + m * K, a->d + m * n32,
-                                                 a->gsum + m * (K / 16), K, &done);
+                a->y[m * a->ldy + n] = fused_dot(t->id, wr, a->q + m * K, a->d + m * n32, K, &done);
         }
         if (done) return;
     }
