@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult, TokenBatch,
                                       TokenizedRequest)
 from pocketllm.scheduler.scheduler import Scheduler, SchedulerConfig
+from pocketllm.scheduler.step_loop import StepLoop
 
 VOCAB = 1000
 
@@ -173,35 +174,44 @@ class Driver:
     def run_overlapped(self, max_steps: int = 5000,
                        arrivals: Optional[dict[int, list[TokenizedRequest]]] = None
                        ) -> dict[str, Outcome]:
-        """The scheduler loop's order with overlap (scheduler/__main__.py run()): a plan
+        """Drives the stage's own step order (scheduler/step_loop.py) with overlap: a plan
         marked next_follows is followed by the next before its result is applied. The
         fake worker runs each plan as it is sent; its result waits for update()."""
-        from collections import deque
-
-        inflight: deque = deque()
+        arrivals = dict(arrivals or {})
+        loop = StepLoop(self.sched, _FakeIO(self))
+        self.step_loop = loop
         for n in range(max_steps):
-            for req in (arrivals or {}).get(n, []):
+            for req in arrivals.pop(n, []):
                 self.add(req)
-            promised = bool(inflight) and inflight[-1][0].next_follows
-            if not inflight or promised:
-                plan = self.sched.schedule()
-                if plan is None and promised:
-                    plan = self.sched.empty_plan()
-                if plan is None:
-                    if not self.sched.has_unfinished() and n > max(arrivals or {0: 0}):
-                        break
-                    continue
-                plan.next_follows = self.sched.plan_ahead_ok()
-                self.plans.append(plan)
-                inflight.append((plan, self.worker.step(plan)))
-                self.sched.check_invariants()
-                if len(inflight) == 1 and plan.next_follows:
-                    continue
-            plan, result = inflight.popleft()
-            self.collect(self.sched.update(plan, result))
-            self.sched.check_invariants()
-        assert not self.sched.has_unfinished() and not inflight
+            if not arrivals and not self.sched.has_unfinished() and self.sched.oldest_plan() is None:
+                break
+            loop.step()
+        assert not self.sched.has_unfinished() and self.sched.oldest_plan() is None
         return self.outcomes
+
+
+class _FakeIO:
+    """The StepLoop's world in a test: plans go to the fake worker, batches to the Driver."""
+
+    def __init__(self, driver: Driver):
+        self.d = driver
+
+    def drain(self, block: bool) -> None:
+        pass  # arrivals are added between turns; results arrive as plans are sent
+
+    def send_plan(self, plan: StepPlan) -> None:
+        self.d.plans.append(plan)
+        self.d.sched.check_invariants()
+        self.d.step_loop.receive(self.d.worker.step(plan))
+
+    def emit(self, batch: TokenBatch) -> None:
+        self.d.collect(batch)
+
+    def report_grammar_errors(self, errors: list) -> None:
+        raise AssertionError(f"unexpected grammar errors: {errors}")
+
+    def publish_stats(self, force: bool) -> None:
+        self.d.sched.check_invariants()
 
 
 def solo(req: TokenizedRequest, **cfg) -> Outcome:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import zmq
 
@@ -22,15 +21,18 @@ from ..proto.messages import (Abort, ErrorKind, Ping, Pong, RequestError, Schedu
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
 from .scheduler import Scheduler, SchedulerConfig
+from .step_loop import StepLoop
 
 log = logging.getLogger("pocketllm.scheduler")
 
 EARLY_ABORT_MEMORY = 4096
 STATS_INTERVAL_S = 0.1
-STEP_RATE_HISTORY = 64  # steps whose seconds per token estimate a step's expected length
 
 
 class SchedulerLoop:
+    """The stage's socket shell around ``StepLoop`` (the step order): draining the inbox,
+    heartbeats, aborts that overtook their request, the grammar wake pipe, stats."""
+
     def __init__(self, ctx: StageContext):
         self.ctx = ctx
         self.inbox = ctx.pull(endpoints.scheduler(ctx.run_dir))
@@ -52,15 +54,12 @@ class SchedulerLoop:
         self.to_frontend = ctx.push(endpoints.frontend(ctx.run_dir))
         self.decoder = codec.decoder_for("scheduler")
         self.scheduler: Scheduler | None = None
-        self.results: dict[int, StepResult] = {}  # by step id, until update() takes them
+        self.steps: StepLoop | None = None
         self.stats_sent_at = 0.0
         self.stats_shape = (0, 0)
         # Aborts that overtook their request (the frontend sends them here directly).
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         # A finished grammar compile (pool thread) writes a byte here to wake a waiting loop.
-        # Steps sent and not yet answered: (sent at, tokens); and recent seconds per token.
-        self.in_flight: dict[int, tuple[float, int]] = {}
-        self.step_rates: deque[float] = deque(maxlen=STEP_RATE_HISTORY)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.poller.register(self.wake_r, zmq.POLLIN)
@@ -82,6 +81,7 @@ class SchedulerLoop:
                               args.structured_output_timeout_s,
                               on_done=lambda: os.write(self.wake_w, b"\0"),
                               stop_token_ids=list(self.ctx.info.eos_token_ids)))
+        self.steps = StepLoop(self.scheduler, self)
         self.ctx.ready(capabilities=caps)
         for msg in self.early:
             self.handle(msg)
@@ -121,20 +121,12 @@ class SchedulerLoop:
         elif isinstance(msg, StopMatched):
             sched.stop(msg.request_ids)
         elif isinstance(msg, StepResult):
-            self.results[msg.step_id] = msg
-            sent = self.in_flight.pop(msg.step_id, None)
-            if sent is not None and sent[1] > 0:
-                self.step_rates.append((time.monotonic() - sent[0]) / sent[1])
+            self.steps.receive(msg)
 
     def pong(self, ping: Ping) -> None:
         """Answer the frontend's heartbeat, with the oldest step in flight: the worker answers
         only between steps, so the frontend allows it as long as such a step takes lately."""
-        age = expected = 0.0
-        if self.in_flight:
-            sent, tokens = min(self.in_flight.values())
-            age = time.monotonic() - sent
-            if self.step_rates:
-                expected = tokens * statistics.median(self.step_rates)
+        age, expected = self.steps.oldest_unanswered() if self.steps else (0.0, 0.0)
         self.to_frontend.send(codec.encode(Pong("scheduler", ping.seq, age, expected)))
 
     def _load_tokenizer(self):
@@ -142,9 +134,8 @@ class SchedulerLoop:
 
         return load_tokenizer(self.ctx.info).tokenizer
 
-    def report_grammar_errors(self) -> None:
+    def report_grammar_errors(self, errors: list[tuple[str, str, str]]) -> None:
         """Requests whose grammar failed or compiled too long: a 400 naming the problem."""
-        errors, self.scheduler.grammar_errors = self.scheduler.grammar_errors, []
         for rid, why, param in errors:
             self.to_frontend.send(codec.encode(
                 RequestError(rid, why, kind=ErrorKind.invalid_request, param=param)))
@@ -204,40 +195,7 @@ class SchedulerLoop:
             log.error("rank %d on another host went silent; stopping", silent)
             os._exit(1)
 
-    def run(self) -> None:
-        """Plan, send, wait, update. With overlap, a plan marked ``next_follows`` is followed
-        by the next one before its result is awaited, so at most two steps are in flight and
-        the worker never waits for this loop between them."""
-        sched = self.scheduler
-        inflight: deque[StepPlan] = deque()
-        stalled = False  # nothing schedulable: wait for news instead of spinning
-        while True:
-            promised = bool(inflight) and inflight[-1].next_follows
-            if not inflight or promised:
-                self.drain(block=not inflight and (stalled or not sched.has_unfinished()))
-                plan = sched.schedule()
-                if sched.grammar_errors:
-                    self.report_grammar_errors()
-                self.emit(sched.take_ended())  # requests whose grammar failed this step
-                if plan is None and promised:
-                    plan = sched.empty_plan()  # the worker waits for a next plan: send one
-                stalled = plan is None
-                if plan is None:
-                    self.publish_stats(force=True)  # idle (or stalled): gauges settle
-                    continue
-                plan.next_follows = sched.plan_ahead_ok()
-                self.send_plan(plan)
-                inflight.append(plan)
-                if len(inflight) == 1 and plan.next_follows:
-                    continue  # plan the next step now, while this one runs
-            plan = inflight.popleft()
-            while plan.step_id not in self.results:
-                self.drain(block=True)
-            self.emit(sched.update(plan, self.results.pop(plan.step_id)))
-            self.publish_stats(force=not sched.has_unfinished())
-
     def send_plan(self, plan: StepPlan) -> None:
-        self.in_flight[plan.step_id] = (time.monotonic(), sum(plan.num_scheduled_tokens))
         data = codec.encode(plan)
         for rank in self.ranks:
             rank.send(data)
@@ -259,7 +217,8 @@ def overlap_scheduling(args, caps) -> bool:
 def main(ctx: StageContext) -> None:
     loop = SchedulerLoop(ctx)
     loop.start()
-    loop.run()
+    while True:
+        loop.steps.step()
 
 
 if __name__ == "__main__":

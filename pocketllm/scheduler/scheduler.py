@@ -113,8 +113,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every waiting or running request
         self._finished_ids: list[str] = []  # for the next plan's finished_request_ids
         self._next_step_id = 0
-        # Plans sent and not yet updated, oldest first: (step id, [(request, tokens, samples)]).
-        self._inflight: deque[tuple[int, list[tuple[Request, int, bool]]]] = deque()
+        # The one record of steps in flight: plans made and not yet updated, oldest first,
+        # each with its [(request, tokens, samples)].
+        self._inflight: deque[tuple[StepPlan, list[tuple[Request, int, bool]]]] = deque()
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
@@ -416,8 +417,15 @@ class Scheduler:
         self._next_step_id += 1
         plan.finished_request_ids = self._finished_ids + preempted_ids
         self._finished_ids = []
-        self._inflight.append((plan.step_id, entries))
+        self._inflight.append((plan, entries))
         return plan
+
+    def oldest_plan(self) -> Optional[StepPlan]:
+        """The step in flight that update() takes next (None: none in flight)."""
+        return self._inflight[0][0] if self._inflight else None
+
+    def newest_plan(self) -> Optional[StepPlan]:
+        return self._inflight[-1][0] if self._inflight else None
 
     def empty_plan(self) -> StepPlan:
         """A plan that computes nothing (it still delivers finished ids): what the loop sends
@@ -442,7 +450,7 @@ class Scheduler:
         """Apply the oldest step's result: confirm computed tokens, put the sampled tokens
         in place of their placeholders, decide finishes. Requests finished since schedule()
         are skipped."""
-        if not self._inflight or self._inflight[0][0] != plan.step_id:
+        if not self._inflight or self._inflight[0][0].step_id != plan.step_id:
             raise RuntimeError(f"update() for step {plan.step_id}, which is not the oldest in flight")
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
