@@ -104,7 +104,7 @@ def structured(rid: str, value: str, prompt=(5, 6, 7), max_tokens: int = 30, **k
 
 
 def wait_compiled(d: Driver) -> None:
-    for req in list(d.sched._compiling):
+    for req in list(d.sched.structured.compiling):
         req.grammar.future.exception(timeout=30)  # done (or failed), whatever the result
 
 
@@ -154,7 +154,7 @@ def test_compile_past_the_time_limit_fails_only_that_request():
     stand_in.release.set()
     assert out["plain"].finish_reason == "length"
     assert "slow" not in out  # never scheduled, never announced to the detokenizer
-    [(rid, why, param)] = d.sched.grammar_errors
+    [(rid, why, param)] = d.sched.structured.errors
     assert rid == "slow" and param == "response_format"
     assert "took longer than 0 s" in why and "structured_output_timeout_s" in why
 
@@ -164,7 +164,7 @@ def test_a_grammar_that_fails_to_compile_is_reported_and_not_cached():
     d.add(structured("bad", "bad"))
     wait_compiled(d)
     assert d.sched.schedule() is None and not d.sched.has_unfinished()
-    [(rid, why, _)] = d.sched.grammar_errors
+    [(rid, why, _)] = d.sched.structured.errors
     assert rid == "bad" and "parenthesis is not closed" in why
     d.add(structured("bad2", "bad"))
     wait_compiled(d)

@@ -129,7 +129,7 @@ def test_a_grammar_failure_fails_only_its_request(where, kind):
     d.add(make_request("good", [5, 6, 7], max_tokens=10, eos=(1,),
                        structured=StructuredSpec("regex", "3")))
     d.add(make_request("plain", [9, 9, 9], max_tokens=4))
-    for req in list(d.sched._compiling):
+    for req in list(d.sched.structured.compiling):
         req.grammar.future.result(timeout=30)
     out = run_collecting(d)
     assert out["bad"].finish_reason == "error" and out["bad"].error_kind == kind

@@ -164,7 +164,8 @@ class SchedulerLoop:
             else:  # wake up for heartbeats when ranks live on other hosts
                 timeout = int(HEARTBEAT_S * 1000) if self.remote else None
                 # ...and when a compiling grammar's time limit passes
-                grammar_wait = self.scheduler.grammar_wait_s() if self.scheduler else None
+                sched = self.scheduler
+                grammar_wait = sched.structured.wait_s(sched.clock()) if sched else None
                 if grammar_wait is not None:
                     ms = int(grammar_wait * 1000) + 1
                     timeout = ms if timeout is None else min(timeout, ms)

@@ -34,10 +34,8 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from pocketllm.errors import InvalidRequestError
 from pocketllm.proto.messages import (PENDING, CachedRequestData, ErrorDetail,
                                       ErrorKind, NewRequestData, RequestError, StepPlan,
                                       StepResult, TokenBatch, TokenDelta, TokenizedRequest,
@@ -45,8 +43,10 @@ from pocketllm.proto.messages import (PENDING, CachedRequestData, ErrorDetail,
 from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
+from .config import SchedulerConfig, StepDraft
 from .fair_queue import FairQueue
 from .request import Request, RequestStatus, refusal
+from .structured import StructuredRequests
 
 if TYPE_CHECKING:
     from .grammar import Grammars
@@ -54,55 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pocketllm.scheduler")
 
 
-@dataclass
-class SchedulerConfig:
-    block_size: int
-    num_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # While a decode-only batch runs, a new request may wait this long for others to fill
-    # a prefill step with it (0: admit at once). A step holding a prefill runs eagerly, a
-    # decode-only one replays a CUDA graph, so batching admissions keeps most steps fast.
-    admission_delay_s: float = 0.0
-    # Plan step N+1 while step N runs (see plan_ahead_ok); the loop turns it on for one
-    # CUDA rank, where it hides the round trip between the worker and the scheduler.
-    overlap: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
-
-
-class _Step:
-    """What one schedule() call has decided so far."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
-        self.preempted_ids: list[str] = []  # ids workers must drop in this very plan
-        self.preempted = False
-        self.has_prefill = False
-
-    def add(self, req: Request, n: int) -> None:
-        self.scheduled[req] = n
-        self.budget -= n
-        if req.num_tokens - req.num_computed_tokens > 1:
-            self.has_prefill = True
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, grammars: Optional["Grammars"] = None):
         self.config = config
-        # Constrained decoding (grammar.py); None: structured requests are refused.
-        self.grammars = grammars
-        self._compiling: dict[Request, None] = {}  # waiting on their grammar, in arrival order
-        self.grammar_errors: list[tuple[str, str, str]] = []  # (id, why, param): loop reports
+        self.structured = StructuredRequests(grammars)
         # Final deltas of requests that failed inside schedule() (one request's grammar): the
         # loop sends them on to the detokenizer (take_ended).
         self.ended = TokenBatch(new_requests=[], deltas=[])
@@ -135,17 +90,9 @@ class Scheduler:
             return error
         request = Request(req)
         request.queued_at = self.clock()
-        if req.sampling.structured is not None:
-            if self.grammars is None:
-                return RequestError(req.request_id, "structured output is not available in "
-                                    "this engine", kind=ErrorKind.unsupported,
-                                    param=req.sampling.structured.param)
-            from .grammar import RequestGrammar
-
-            # Stop ids: what ends the request once the grammar is complete.
-            request.grammar = RequestGrammar(self.grammars, req.sampling.structured,
-                                             list(req.eos_token_ids) + list(req.sampling.stop_token_ids))
-            self._compiling[request] = None
+        error = self.structured.attach(request, req)
+        if error is not None:
+            return error
         self._requests[req.request_id] = request
         self.waiting.add(request)
         return None
@@ -193,15 +140,15 @@ class Scheduler:
             # No preemption while a step runs (its blocks would change under it): each
             # running request must find a block for its next token without evicting anyone.
             return None
-        if self._compiling:
-            self._poll_grammars()
+        for req in self.structured.poll(self.clock()):
+            self._finish(req, "error")
         if not self._requests:
             return None
-        step = _Step(self.config.max_num_batched_tokens)
+        step = StepDraft(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
-        if not step.scheduled and self._compiling:
+        if not step.scheduled and self.structured.compiling:
             # Only requests whose grammar still compiles: wait for them (the loop wakes
             # when a compile ends or a time limit passes).
             self._finished_ids += step.preempted_ids
@@ -214,7 +161,7 @@ class Scheduler:
             raise RuntimeError(f"scheduler made no progress: {self.running} {list(self.waiting)}")
         return self._build_plan(step)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepDraft) -> None:
         running = [r for r in self.running if not self._ends_with_pending_token(r)]
         for req in running:  # decodes first
             if step.budget <= 0:
@@ -241,7 +188,7 @@ class Scheduler:
         return bool(self._inflight) and (req.num_output_tokens >= req.sampling.max_tokens
                                          or req.num_tokens >= self.config.max_model_len)
 
-    def _allocate_or_preempt(self, step: _Step, req: Request, n: int) -> None:
+    def _allocate_or_preempt(self, step: StepDraft, req: Request, n: int) -> None:
         """Give a running request blocks for n more tokens (fewer, with chunked prefill,
         if that is all that is free), preempting the newest running requests until it
         fits; the request itself may be that newest one."""
@@ -263,7 +210,7 @@ class Scheduler:
             req.block_ids += bm.allocate(need)
         step.add(req, n)
 
-    def _preempt(self, step: _Step, req: Request) -> None:
+    def _preempt(self, step: StepDraft, req: Request) -> None:
         self.running.remove(req)
         if req in step.scheduled:
             step.budget += step.scheduled.pop(req)
@@ -280,7 +227,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
 
-    def _hold_admission(self, step: _Step) -> bool:
+    def _hold_admission(self, step: StepDraft) -> bool:
         """Whether to keep the waiting requests out of a decode-only step for now: until
         the prompts that free slots can take fill the step's budget, or the oldest has
         waited admission_delay_s."""
@@ -293,12 +240,12 @@ class Scheduler:
                 return False
         return self.clock() - self.waiting[0].queued_at < self.config.admission_delay_s
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _admit_waiting(self, step: StepDraft) -> None:
         cfg, bm = self.config, self.block_manager
         if self.waiting and self._hold_admission(step):
             return
         while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self._next_admissible()
+            req = self.structured.next_admissible(self.waiting)
             if req is None:
                 break
             matched = self._match_prefix(req)
@@ -330,47 +277,6 @@ class Scheduler:
             self.running.append(req)
             step.add(req, n)
 
-    # ------------------------------------------------------------ structured output
-
-    def _next_admissible(self) -> Optional[Request]:
-        """The first waiting request whose grammar (if any) is compiled: a compiling
-        request is passed over, never waited for."""
-        if not self._compiling:
-            return self.waiting[0]
-        return next((r for r in self.waiting if r not in self._compiling), None)
-
-    def _poll_grammars(self) -> None:
-        """Ready the matchers of finished compiles; fail bad or too slow grammars."""
-        now = self.clock()
-        for req in list(self._compiling):
-            why = req.grammar.poll(now)
-            if why is not None:
-                self._finish(req, "error")
-                self.grammar_errors.append((req.request_id, why, req.grammar.spec.param))
-            elif req.grammar.ready:
-                del self._compiling[req]
-
-    def grammar_wait_s(self) -> Optional[float]:
-        """How long the loop may sleep before a compiling grammar's time limit passes
-        (None: nothing compiles, or no clock runs yet; a finished compile wakes it anyway)."""
-        now = self.clock()
-        waits = [w for w in (r.grammar.deadline(now) for r in self._compiling) if w is not None]
-        return max(0.0, min(waits)) if waits else None
-
-    def _structured_rows(self, step: _Step) -> dict:
-        """The plan's bitmask rows: one per structured request that samples in this step.
-        A request whose grammar cannot fill its row, or allows no token at all, leaves the
-        step and fails alone (an empty row would make the worker sample an arbitrary token)."""
-        rows = [req for req, n in step.scheduled.items()
-                if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens]
-        if not rows:
-            return {}
-        fields, failures = self.grammars.bitmask_rows(rows)
-        for req, detail in failures:
-            step.budget += step.scheduled.pop(req)
-            self._fail(self.ended, req, detail)
-        return fields
-
     def _match_prefix(self, req: Request) -> list[int]:
         if not self.config.enable_prefix_caching:
             return []
@@ -379,11 +285,14 @@ class Scheduler:
         # Leave at least one token to compute: the step must produce logits to sample.
         return self.block_manager.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
 
-    def _build_plan(self, step: _Step) -> StepPlan:
+    def _build_plan(self, step: StepDraft) -> StepPlan:
         """The plan of a decided step. Its tokens count as computed from now on, and each
         request that samples gets a PENDING placeholder that update() replaces with the
         real token, so the next step can be planned before this one's result arrives."""
-        structured = self._structured_rows(step)
+        structured, failures = self.structured.rows(step.scheduled)
+        for req, detail in failures:  # it leaves the step and fails alone
+            step.budget += step.scheduled.pop(req)
+            self._fail(self.ended, req, detail)
         new, cached, new_counts, cached_counts = [], [], [], []
         new_entries, cached_entries = [], []
         for req, n in step.scheduled.items():
@@ -536,7 +445,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self._compiling.pop(req, None)
+        self.structured.compiling.pop(req, None)
         self.block_manager.free(req.block_ids)
         req.block_ids = []
         req.status = RequestStatus.FINISHED

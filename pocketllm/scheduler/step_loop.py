@@ -68,8 +68,8 @@ class StepLoop:
     def _plan(self, promised: bool) -> Optional[StepPlan]:
         sched = self.scheduler
         plan = sched.schedule()
-        if sched.grammar_errors:
-            errors, sched.grammar_errors = sched.grammar_errors, []
+        if sched.structured.errors:
+            errors, sched.structured.errors = sched.structured.errors, []
             self.io.report_grammar_errors(errors)
         self.io.emit(sched.take_ended())  # requests whose grammar failed this step
         if plan is None and promised:

@@ -1,0 +1,51 @@
+"""What the scheduler is configured with, and what one ``schedule()`` call has decided so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pocketllm.errors import InvalidRequestError
+
+from .request import Request
+
+
+@dataclass
+class SchedulerConfig:
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # While a decode-only batch runs, a new request may wait this long for others to fill
+    # a prefill step with it (0: admit at once). A step holding a prefill runs eagerly, a
+    # decode-only one replays a CUDA graph, so batching admissions keeps most steps fast.
+    admission_delay_s: float = 0.0
+    # Plan step N+1 while step N runs (see plan_ahead_ok); the loop turns it on for one
+    # CUDA rank, where it hides the round trip between the worker and the scheduler.
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+
+
+class StepDraft:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
+        self.preempted_ids: list[str] = []  # ids workers must drop in this very plan
+        self.preempted = False
+        self.has_prefill = False
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req] = n
+        self.budget -= n
+        if req.num_tokens - req.num_computed_tokens > 1:
+            self.has_prefill = True
