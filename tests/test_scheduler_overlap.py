@@ -72,3 +72,41 @@ def test_overlap_keeps_the_prefix_cache_of_generated_tokens():
         d.run_overlapped()
         hits[overlap] = d.sched.prefix_cache_hits
     assert hits[True] == hits[False] == 16
+
+
+def test_step_loop_times_the_oldest_unanswered_step_and_profiles_paths():
+    """The heartbeat's view of a step in flight (its age, and what steps of its size took
+    lately) and the per-path step counts come from the stage's own StepLoop."""
+    from pocketllm.proto.messages import StepResult
+    from pocketllm.scheduler.step_loop import StepLoop
+
+    now = [0.0]
+    sent = []
+
+    class IO:
+        def drain(self, block): pass
+        def send_plan(self, plan): sent.append(plan)
+        def emit(self, batch): pass
+        def report_grammar_errors(self, errors): raise AssertionError(errors)
+        def publish_stats(self, force): pass
+
+    d = Driver(config())
+    d.add(make_request("a", range(10), max_tokens=3))
+    loop = StepLoop(d.sched, IO(), clock=lambda: now[0])
+    assert loop.oldest_unanswered() == (0.0, 0.0)
+    loop._plan(promised=False)
+    [first] = sent
+    now[0] = 2.0
+    assert loop.oldest_unanswered() == (2.0, 0.0)  # no step has been timed yet
+    result = d.worker.step(first)
+    result.path, result.launch_ms, result.device_ms = "eager", 1.5, {"eager": 4.0}
+    loop.receive(result)
+    assert loop.oldest_unanswered() == (0.0, 0.0)
+    loop.step()  # applies the result
+    loop._plan(promised=False)  # the decode
+    assert len(sent) == 2
+    now[0] = 3.0
+    assert loop.oldest_unanswered() == (1.0, 0.2)  # 2 s for 10 tokens: 0.2 s per token
+    assert loop.profile() == {"steps_by_path": {"eager": 1},
+                              "step_launch_ms_by_path": {"eager": 1.5},
+                              "step_device_ms_by_path": {"eager": 4.0}}

@@ -148,7 +148,7 @@ class SchedulerLoop:
         if not force and shape == self.stats_shape and now - self.stats_sent_at < STATS_INTERVAL_S:
             return
         self.stats_sent_at, self.stats_shape = now, shape
-        self.to_frontend.send(codec.encode(SchedulerStats(**stats)))
+        self.to_frontend.send(codec.encode(SchedulerStats(**stats, **self.steps.profile())))
 
     def emit(self, batch: TokenBatch) -> None:
         if batch.deltas or batch.new_requests:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import TYPE_CHECKING, Optional
 
 from pocketllm.proto.messages import (PENDING, CachedRequestData, ErrorDetail,
@@ -75,10 +75,6 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
         self.num_overlapped_steps = 0
-        # Per StepResult.path: steps, and their cumulative launch and device milliseconds.
-        self.steps_by_path: Counter = Counter()
-        self.step_launch_ms: Counter = Counter()
-        self.step_device_ms: Counter = Counter()
         self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
@@ -364,10 +360,6 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
         entries = self._inflight.popleft()[1]
-        if result.path:
-            self.steps_by_path[result.path] += 1
-            self.step_launch_ms[result.path] += result.launch_ms
-        self.step_device_ms.update(result.device_ms)  # Counter.update adds
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             detail = ErrorDetail(ErrorKind.internal, result.error)  # the worker's own why
@@ -478,9 +470,6 @@ class Scheduler:
             "prefix_cache_hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
             "overlapped_steps": self.num_overlapped_steps,
-            "steps_by_path": dict(self.steps_by_path),
-            "step_launch_ms_by_path": dict(self.step_launch_ms),
-            "step_device_ms_by_path": dict(self.step_device_ms),
         }
 
     def check_invariants(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Optional, Protocol
 
 from ..proto.messages import StepPlan, StepResult, TokenBatch
@@ -45,6 +45,10 @@ class StepLoop:
         self.sent: dict[int, tuple[float, int]] = {}
         self.step_rates: deque[float] = deque(maxlen=STEP_RATE_HISTORY)
         self.stalled = False  # nothing schedulable: wait for news instead of spinning
+        # Per StepResult.path: steps, and their cumulative launch and device milliseconds.
+        self.steps_by_path: Counter = Counter()
+        self.launch_ms: Counter = Counter()
+        self.device_ms: Counter = Counter()
 
     def step(self) -> None:
         """Plan and send when nothing is in flight or the newest plan promised a successor
@@ -85,6 +89,10 @@ class StepLoop:
 
     def receive(self, result: StepResult) -> None:
         self.results[result.step_id] = result
+        if result.path:
+            self.steps_by_path[result.path] += 1
+            self.launch_ms[result.path] += result.launch_ms
+        self.device_ms.update(result.device_ms)  # Counter.update adds
         sent = self.sent.pop(result.step_id, None)
         if sent is not None and sent[1] > 0:
             self.step_rates.append((self.clock() - sent[0]) / sent[1])
@@ -97,3 +105,9 @@ class StepLoop:
         sent, tokens = min(self.sent.values())
         expected = tokens * statistics.median(self.step_rates) if self.step_rates else 0.0
         return self.clock() - sent, expected
+
+    def profile(self) -> dict:
+        """How the steps ran, by path (the SchedulerStats fields)."""
+        return {"steps_by_path": dict(self.steps_by_path),
+                "step_launch_ms_by_path": dict(self.launch_ms),
+                "step_device_ms_by_path": dict(self.device_ms)}
