@@ -281,3 +281,27 @@ def test_admission_batching_counts_only_the_prompts_free_slots_can_take():
     assert counts(d.step()) == {"a": 1}  # one slot takes 30 tokens: not a full step yet
     clock.now += 0.06
     assert counts(d.step()) == {"a": 1, "b": 30}
+
+
+def test_the_scheduler_is_configured_from_the_worker_declaration():
+    """Chunking and prefix caching follow what the worker declared; a worker without paged
+    KV or continuous batching is refused with a typed error, not scheduled for."""
+    import pytest
+
+    from pocketllm.errors import UnsupportedFeatureError
+    from pocketllm.proto.messages import WorkerCapabilities
+    from pocketllm.scheduler.config import config_from_capabilities
+
+    caps = WorkerCapabilities(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                              block_size=16, num_kv_blocks=10, max_num_seqs=4,
+                              max_model_len=128, vocab_size=100, chunked_prefill=False,
+                              prefix_caching=False)
+    cfg = config_from_capabilities(caps, 64, admission_delay_s=0.05, overlap=True)
+    assert (cfg.block_size, cfg.num_kv_blocks, cfg.max_num_seqs, cfg.max_model_len) == (16, 10, 4, 128)
+    assert not cfg.enable_chunked_prefill and not cfg.enable_prefix_caching
+    assert cfg.admission_delay_s == 0.0 and cfg.overlap  # no graphs: nothing to batch for
+    caps.cuda_graph_batch_sizes = [1, 2]
+    assert config_from_capabilities(caps, 64, 0.05, False).admission_delay_s == 0.05
+    caps.paged_kv = False
+    with pytest.raises(UnsupportedFeatureError, match="paged_kv"):
+        config_from_capabilities(caps, 64, 0.05, False)

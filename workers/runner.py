@@ -212,8 +212,13 @@ class ModelRunner:
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.args.max_num_seqs,
             max_model_len=self.max_model_len, vocab_size=self.model.cfg.vocab_size,
             tensor_parallel_size=self.world_size,
+            # What this worker does, as asked: the scheduler and server branch on this only.
             chunked_prefill=self.args.enable_chunked_prefill,
             prefix_caching=self.args.enable_prefix_caching,
+            paged_kv=True,  # KV lives in blocks the scheduler assigns (block tables)
+            continuous_batching=True,  # a step mixes prefill chunks and decodes of any requests
+            per_request_sampling=True,  # the sampler reads each row's own parameters
+            per_request_top_k=True,
             max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
             attention_backend=type(self.backend).__name__,
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],

@@ -20,7 +20,8 @@ from ..proto.messages import (Abort, ErrorKind, Ping, Pong, RequestError, Schedu
                               TokenDelta, TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
 from .grammar import Grammars
-from .scheduler import Scheduler, SchedulerConfig
+from .config import config_from_capabilities
+from .scheduler import Scheduler
 from .step_loop import StepLoop
 
 log = logging.getLogger("pocketllm.scheduler")
@@ -69,14 +70,9 @@ class SchedulerLoop:
             self.drain(block=True)
         caps = self.ready_ranks[0].capabilities
         args = self.ctx.args
-        self.scheduler = Scheduler(SchedulerConfig(
-            block_size=caps.block_size, num_kv_blocks=caps.num_kv_blocks,
-            max_num_seqs=caps.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=caps.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            # Only decode steps under CUDA graphs gain from batched admissions.
-            admission_delay_s=args.admission_delay if caps.cuda_graph_batch_sizes else 0.0,
-            overlap=overlap_scheduling(args, caps)),
+        self.scheduler = Scheduler(
+            config_from_capabilities(caps, args.max_num_batched_tokens, args.admission_delay,
+                                     overlap_scheduling(args, caps)),
             grammars=Grammars(self._load_tokenizer, caps.vocab_size,
                               args.structured_output_timeout_s,
                               on_done=lambda: os.write(self.wake_w, b"\0"),

@@ -1,10 +1,12 @@
-"""What the scheduler is configured with, and what one ``schedule()`` call has decided so far."""
+"""What the scheduler is configured with (mostly what rank 0 declared at the handshake), and
+what one ``schedule()`` call has decided so far."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pocketllm.errors import InvalidRequestError
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.proto.messages import WorkerCapabilities
 
 from .request import Request
 
@@ -32,6 +34,28 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+
+
+# What this scheduler cannot work without: it hands out KV blocks and mixes requests.
+REQUIRED_CAPABILITIES = ("paged_kv", "continuous_batching")
+
+
+def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: int,
+                             admission_delay_s: float, overlap: bool) -> SchedulerConfig:
+    """The scheduler branches on what the worker declared, never on the engine arguments
+    behind it: the KV geometry, and whether prompts may be chunked and prefixes cached."""
+    missing = [name for name in REQUIRED_CAPABILITIES if not getattr(caps, name)]
+    if missing:
+        raise UnsupportedFeatureError(
+            f"the worker declared no {', '.join(missing)}, which this scheduler needs")
+    return SchedulerConfig(
+        block_size=caps.block_size, num_kv_blocks=caps.num_kv_blocks,
+        max_num_seqs=caps.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=caps.max_model_len, enable_prefix_caching=caps.prefix_caching,
+        enable_chunked_prefill=caps.chunked_prefill,
+        # Only decode steps under CUDA graphs gain from batched admissions.
+        admission_delay_s=admission_delay_s if caps.cuda_graph_batch_sizes else 0.0,
+        overlap=overlap)
 
 
 class StepDraft:
