@@ -84,15 +84,8 @@ def test_eviction_prefers_plain_blocks_then_lru():
     bm.check_invariants({got[0]: 1, blocks[2]: 1, blocks[1]: 1})
 
 
-def test_disabled_cache_and_reset():
+def test_disabled_cache():
     off = BlockManager(2, 2, enable_prefix_caching=False)
     (b,) = off.allocate(1)
     assert not off.cache_block(b, hash_block(None, [1, 2]))
     assert off.match_prefix([hash_block(None, [1, 2])]) == []
-    on = BlockManager(2, 2)
-    (b,) = on.allocate(1)
-    on.cache_block(b, hash_block(None, [1, 2]))
-    on.free([b])
-    on.reset_prefix_cache()
-    assert on.match_prefix([hash_block(None, [1, 2])]) == [] and on.num_free_blocks == 2
-    on.check_invariants({})

@@ -131,14 +131,6 @@ class BlockManager:
         self._cached[block_hash] = block_id
         return True
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached block (e.g. after the KV tensors were lost)."""
-        while self._evictable:
-            b, _ = self._evictable.popitem(last=False)
-            del self._cached[self.block_hashes[b]]
-            self.block_hashes[b] = None
-            self._plain_free.append(b)
-
     # ------------------------------------------------------------ checks
 
     def check_invariants(self, expected_refs: Optional[dict[int, int]] = None) -> None:
