@@ -10,6 +10,7 @@ preemption, compiles that never stall other requests, and clean failures.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -50,14 +51,30 @@ class CountingMatcher:
         return self.terminated
 
 
-class StandIn:
-    """compile_fn: "slow" waits for ``release``; "bad" fails; a number N gives N digits."""
+class StandInCompiler:
+    """A compiler without xgrammar or a vocabulary: ``compile_fn(spec)`` returns a matcher
+    factory, which ``matcher`` calls with the request's stop ids."""
+
+    def __init__(self, compile_fn=None):
+        self.compile_fn = compile_fn
+        self.ready_at = time.monotonic()  # no vocabulary to set up
+
+    def compile(self, spec: StructuredSpec):
+        return self.compile_fn(spec)
+
+    def matcher(self, compiled, stop_ids: list[int]):
+        return compiled(stop_ids)
+
+
+class StandIn(StandInCompiler):
+    """"slow" waits for ``release``; "bad" fails; a number N gives N digits."""
 
     def __init__(self):
+        super().__init__()
         self.release = threading.Event()
         self.calls: list[str] = []
 
-    def __call__(self, spec: StructuredSpec):
+    def compile(self, spec: StructuredSpec):
         self.calls.append(spec.value)
         if spec.value == "slow":
             self.release.wait(30)
@@ -92,8 +109,7 @@ class GrammarWorker(FakeWorker):
 def make_driver(timeout_s: float = 30.0, **cfg) -> tuple[Driver, StandIn]:
     stand_in = StandIn()
     d = Driver(config(**cfg))
-    d.sched = Scheduler(d.sched.config, Grammars(lambda: None, 1000, timeout_s,
-                                                 compile_fn=stand_in))
+    d.sched = Scheduler(d.sched.config, Grammars(stand_in, 1000, timeout_s))
     d.worker = GrammarWorker(d.sched.config.block_size)
     return d, stand_in
 

@@ -13,10 +13,10 @@ from pocketllm.detokenizer.detokenizer import Detokenizer
 from pocketllm.proto.messages import (DetokRequest, ErrorKind, GenerateRequest, RequestError,
                                       SamplingSpec, StructuredSpec, TokenBatch, TokenDelta,
                                       TokenizedRequest)
-from pocketllm.scheduler.grammar import Grammars, RequestGrammar
+from pocketllm.scheduler.grammar import Grammars, RequestGrammar, XGrammarCompiler
 from pocketllm.scheduler.scheduler import Scheduler
 from test_detok_incremental import byte_level_bpe
-from test_scheduler_grammar import CountingMatcher, GrammarWorker
+from test_scheduler_grammar import CountingMatcher, GrammarWorker, StandInCompiler
 from test_scheduler_harness import Driver, config, make_request
 
 HI = [{"role": "user", "content": "hi"}]
@@ -121,7 +121,7 @@ def run_collecting(d: Driver) -> dict:
                                         ("accept", ErrorKind.internal)])
 def test_a_grammar_failure_fails_only_its_request(where, kind):
     d = Driver(config())
-    grammars = Grammars(lambda: None, 1000, 30.0, compile_fn=compile_stand_in)
+    grammars = Grammars(StandInCompiler(compile_stand_in), 1000, 30.0)
     d.sched = Scheduler(d.sched.config, grammars)
     d.worker = GrammarWorker(d.sched.config.block_size)
     d.add(make_request("bad", [5, 6, 7], max_tokens=10, eos=(1,),
@@ -147,8 +147,9 @@ def test_stop_ids_outside_the_vocabulary_do_not_reach_the_matcher(tiny_llama):
     from pocketllm.tokenizer.tokenizer import load_tokenizer
 
     info = load_model_info(EngineArgs(model=tiny_llama))
-    grammars = Grammars(lambda: load_tokenizer(info).tokenizer, info.vocab_size, 60.0,
-                        stop_token_ids=list(info.eos_token_ids))
+    compiler = XGrammarCompiler(lambda: load_tokenizer(info).tokenizer, info.vocab_size,
+                                list(info.eos_token_ids))
+    grammars = Grammars(compiler, info.vocab_size, 60.0)
     try:
         rg = RequestGrammar(grammars, StructuredSpec("json_object"),
                             [2, info.vocab_size, 300000, 2 ** 63 + 5, 2 ** 64 - 1])

@@ -19,7 +19,7 @@ from ..proto.messages import (Abort, ErrorKind, Ping, Pong, RequestError, Schedu
                               Shutdown, StepPlan, StepResult, StopMatched, TokenBatch,
                               TokenDelta, TokenizedRequest, WorkerReady)
 from ..remote import HEARTBEAT_S, RemoteRanks, plan_endpoint, read_secret
-from .grammar import Grammars
+from .grammar import Grammars, XGrammarCompiler
 from .config import config_from_capabilities
 from .scheduler import Scheduler
 from .step_loop import StepLoop
@@ -70,13 +70,16 @@ class SchedulerLoop:
             self.drain(block=True)
         caps = self.ready_ranks[0].capabilities
         args = self.ctx.args
+
+        def wake() -> None:  # from a pool thread: a compile or the vocabulary setup ended
+            os.write(self.wake_w, b"\0")
+
         self.scheduler = Scheduler(
             config_from_capabilities(caps, args.max_num_batched_tokens, args.admission_delay,
                                      overlap_scheduling(args, caps)),
-            grammars=Grammars(self._load_tokenizer, caps.vocab_size,
-                              args.structured_output_timeout_s,
-                              on_done=lambda: os.write(self.wake_w, b"\0"),
-                              stop_token_ids=list(self.ctx.info.eos_token_ids)))
+            grammars=Grammars(XGrammarCompiler(self._load_tokenizer, caps.vocab_size,
+                                               list(self.ctx.info.eos_token_ids), on_ready=wake),
+                              caps.vocab_size, args.structured_output_timeout_s, on_done=wake))
         self.steps = StepLoop(self.scheduler, self)
         self.ctx.ready(capabilities=caps)
         for msg in self.early:

@@ -27,34 +27,73 @@ from pocketllm.protocol.grammar_spec import explain, to_grammar
 CACHE_SIZE = 64  # compiled grammars kept (LRU); a compiled grammar holds per-token tables
 
 
-class Grammars:
-    """Compiles specs against the model's vocabulary; one instance per scheduler.
+class XGrammarCompiler:
+    """Specs to xgrammar grammars over the model's vocabulary, and their matchers.
 
     ``load_tokenizer`` returns the checkpoint's ``tokenizers.Tokenizer`` (called once, in
     the pool); ``vocab_size`` is the width of the model's logits, which may exceed the
-    tokenizer's. ``on_done`` runs in a pool thread when a compile finishes (it wakes the
-    scheduler loop).
+    tokenizer's. ``on_ready`` runs when the one-time vocabulary setup ends.
     """
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
-                 timeout_s: float, on_done: Optional[Callable[[], None]] = None,
-                 cache_size: int = CACHE_SIZE,
-                 compile_fn: Optional[Callable[[StructuredSpec], object]] = None,
-                 stop_token_ids: Optional[list[int]] = None):
+                 stop_token_ids: Optional[list[int]] = None,
+                 on_ready: Optional[Callable[[], None]] = None):
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids or [])
+        self.on_ready = on_ready
+        # When the one-time vocabulary setup finished: no request's clock runs before it.
+        self.ready_at: Optional[float] = None
+        self._setup_lock = threading.Lock()
+        self._compiler = None
+
+    def compile(self, spec: StructuredSpec):
+        self._ensure_compiler()
+        return self._compiler.compile_grammar(to_grammar(spec))
+
+    def matcher(self, compiled, stop_ids: list[int]):
+        import xgrammar as xgr
+
+        # Once the grammar is complete only these may follow, and one of them ends the request.
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
+
+    def _ensure_compiler(self) -> None:
+        with self._setup_lock:
+            if self._compiler is not None:
+                return
+            import xgrammar as xgr
+            from transformers import PreTrainedTokenizerFast
+
+            # xgrammar reads the vocabulary's encoding (byte-level or byte-fallback) from
+            # the fast tokenizer's own description; GGUF vocabularies are `tokenizers` too.
+            hf = PreTrainedTokenizerFast(tokenizer_object=self._load_tokenizer())
+            # Stop ids are set per matcher (the request's own); these only silence a guess.
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self.ready_at = time.monotonic()
+            if self.on_ready is not None:  # the compile clocks start now: the loop must know
+                self.on_ready()
+
+
+class Grammars:
+    """Compiles specs in a pool, caching the results; one instance per scheduler.
+
+    ``compiler`` turns a spec into a compiled grammar (``compile``, in a pool thread) and
+    one into a request's matcher (``matcher``); its ``ready_at`` says when its one-time
+    setup ended (None: not yet). ``vocab_size`` is the width of the model's logits.
+    ``on_done`` runs in a pool thread when a compile finishes (it wakes the scheduler loop).
+    """
+
+    def __init__(self, compiler, vocab_size: int, timeout_s: float,
+                 on_done: Optional[Callable[[], None]] = None, cache_size: int = CACHE_SIZE):
+        self.compiler = compiler
+        self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.on_done = on_done
         self.cache_size = cache_size
-        self._load_tokenizer = load_tokenizer
-        self._compile_fn = compile_fn  # tests inject a stand-in (no xgrammar, no vocabulary)
-        self.custom = compile_fn is not None
         self._cache: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
-        # When the one-time vocabulary setup finished: no request's clock runs before it.
-        self.vocab_ready_at: Optional[float] = time.monotonic() if compile_fn else None
         self._lock = threading.Lock()  # the cache (the loop and pool threads both touch it)
-        self._setup_lock = threading.Lock()
-        self._compiler = None
         # Daemon threads, not a ThreadPoolExecutor: a compile past its time limit cannot be
         # interrupted, and exit must never wait for it.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,8 +155,7 @@ class Grammars:
 
     def _run(self, spec: StructuredSpec, future: Future, key: tuple) -> None:
         try:
-            self._ensure_compiler()
-            future.set_result((self._compile_fn or self._compile)(spec))
+            future.set_result(self.compiler.compile(spec))
         except BaseException as e:  # noqa: BLE001 - any failure is the request's error
             future.set_exception(e)
             with self._lock:
@@ -125,27 +163,6 @@ class Grammars:
                     self._cache.pop(key, None)
         if self.on_done is not None:
             self.on_done()
-
-    def _ensure_compiler(self) -> None:
-        with self._setup_lock:
-            if self._compiler is not None or self._compile_fn is not None:
-                return
-            import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
-
-            # xgrammar reads the vocabulary's encoding (byte-level or byte-fallback) from
-            # the fast tokenizer's own description; GGUF vocabularies are `tokenizers` too.
-            hf = PreTrainedTokenizerFast(tokenizer_object=self._load_tokenizer())
-            # Stop ids are set per matcher (the request's own); these only silence a guess.
-            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-            self.vocab_ready_at = time.monotonic()
-            if self.on_done is not None:  # the compile clocks start now: the loop must know
-                self.on_done()
-
-    def _compile(self, spec: StructuredSpec):
-        return self._compiler.compile_grammar(to_grammar(spec))
 
     def shutdown(self) -> None:
         for _ in range(2):
@@ -182,7 +199,7 @@ class RequestGrammar:
                     f"the {self.spec.kind.replace('_', ' ')} could not be compiled: "
                     f"{explain(error)}")
             try:
-                self.matcher = self._make_matcher(future.result())
+                self.matcher = self.grammars.compiler.matcher(future.result(), self.stop_ids)
             except Exception as e:  # noqa: BLE001 - this request fails, the scheduler goes on
                 return (f"the {self.spec.kind.replace('_', ' ')} could not be set up for "
                         f"this request: {explain(e)}")
@@ -196,18 +213,11 @@ class RequestGrammar:
 
     def deadline(self, now: float) -> Optional[float]:
         """Seconds until ``poll`` may time this request out (None when its clock has not started)."""
-        ready_at = self.grammars.vocab_ready_at  # the one-time vocabulary setup is not counted
+        ready_at = self.grammars.compiler.ready_at  # its one-time setup is not counted
         if self.matcher is not None or ready_at is None:
             return None
         return max(self.submitted, ready_at) + self.grammars.timeout_s - now
 
-    def _make_matcher(self, compiled):
-        if self.grammars.custom:  # a test's stand-in compiles to a matcher factory
-            return compiled(self.stop_ids)
-        import xgrammar as xgr
-
-        # Once the grammar is complete only these may follow, and one of them ends the request.
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)
 
     def fill(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
