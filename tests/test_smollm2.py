@@ -98,7 +98,7 @@ def test_greedy_matches_transformers(path, request):
 def test_chat_through_the_server(path, hf_model, hf_tokenizer):
     from server_process import ServerProcess
 
-    from pocketllm.tokenizer.gguf_vocab import _byte_alphabet
+    from pocketllm.protocol.byte_level import CHAR_TO_BYTE
 
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     # transformers renders the file's own template (it writes the default system prompt)
@@ -106,7 +106,7 @@ def test_chat_through_the_server(path, hf_model, hf_tokenizer):
                                                   return_dict=False)
     want = _hf_greedy(hf_model, prompt_ids, 48, stop=True)
     assert want[-1] == 2  # <|im_end|> ended the turn within the budget
-    spelled = {c: b for b, c in _byte_alphabet().items()}
+    spelled = CHAR_TO_BYTE
     want_bytes = [list(bytes(spelled[c] for c in hf_tokenizer.convert_ids_to_tokens(i))) for i in want[:-1]]
 
     srv = ServerProcess("--model", path, ready_timeout=400)

@@ -21,20 +21,9 @@ import json
 import re
 from typing import Optional
 
+from ..protocol.byte_level import CHAR_TO_BYTE
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _gpt2_unicode_to_byte() -> dict[str, int]:
-    """The inverse of GPT-2's table mapping each byte to a printable character."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
-                 + list(range(0xAE, 0xFF + 1)))
-    table: dict[str, int] = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
 
 
 def _flatten_decoders(decoder: Optional[dict]) -> list[dict]:
@@ -68,7 +57,7 @@ class TokenSurface:
         self.byte_fallback = "ByteFallback" in types
         if "ByteLevel" in types:
             self.convention = "byte_level"
-            self._unicode_to_byte = _gpt2_unicode_to_byte()
+            self._unicode_to_byte = CHAR_TO_BYTE
         elif self.byte_fallback or self._space_marks:
             self.convention = "sentencepiece"
         else:

@@ -28,6 +28,7 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 
 from ..errors import CheckpointError, UnsupportedFeatureError
 from ..gguf_meta import read_gguf_header
+from ..protocol.byte_level import BYTE_TO_CHAR
 from .gguf_pretokenizers import PRE_TOKENIZERS, REFUSED, PreTokenizer
 
 # llama.cpp token types
@@ -187,25 +188,12 @@ def _piece_hashes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ------------------------------------------------------------------ byte-level BPE
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to
-    themselves, the other 68 bytes to U+0100 onwards, in byte order."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(0x100 + extra)
-            extra += 1
-    return table
-
-
 def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
                     decode_only: bool = False) -> tuple[Tokenizer, list[str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise CheckpointError(f"{path!r}: a 'gpt2' GGUF tokenizer needs tokenizer.ggml.merges")
-    alphabet = _byte_alphabet()
+    alphabet = BYTE_TO_CHAR
     spelled = set(alphabet.values())
     # A token written outside the byte alphabet (rare) is respelled byte by byte.
     tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
@@ -228,7 +216,7 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
 
 def _add_special_tokens(tok: Tokenizer, meta: dict, tokens: list[str], types: list[int],
                         byte_level: bool) -> None:
-    spelled = set(_byte_alphabet().values()) if byte_level else None
+    spelled = set(BYTE_TO_CHAR.values()) if byte_level else None
     types_a = np.asarray(types)
     special_ids = set(np.flatnonzero(types_a == CONTROL).tolist())
     # the named special tokens are special even where a file forgets to mark them CONTROL
