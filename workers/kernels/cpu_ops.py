@@ -17,12 +17,13 @@ from typing import Optional
 
 import torch
 
+from ..layers.activation import ACTIVATION_KINDS
 from ..layers.attention import AttentionGroup, KVView, TorchAttention
 from . import cpu_quant
 
 # HF activation name -> ops.c's PQ_ACT_* (the forms ``layers/activation.py`` computes)
-ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1,
-               "gelu": 2}
+ACTIVATIONS = {name: {"silu": 0, "gelu_tanh": 1, "gelu": 2}[kind]
+               for name, kind in ACTIVATION_KINDS.items()}
 
 
 def available() -> bool:

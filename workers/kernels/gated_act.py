@@ -13,9 +13,10 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-# HF ``hidden_act`` name -> the kernel's activation.
-KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                      "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+from ..layers.activation import ACTIVATION_KINDS
+
+# HF ``hidden_act`` name -> the kernel's activation (every name the torch path knows).
+KERNEL_ACTIVATIONS = ACTIVATION_KINDS
 
 
 @triton.jit

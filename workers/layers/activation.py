@@ -14,21 +14,19 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_new": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu": F.gelu,
-}
+# HF ``hidden_act`` name -> the function it names: the one table of activation names (the
+# Triton and CPU kernels key their own forms on these kinds).
+ACTIVATION_KINDS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+_TORCH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_tanh": _gelu_tanh, "gelu": F.gelu}
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in ACTIVATIONS:
+    if name not in ACTIVATION_KINDS:
         raise UnsupportedFeatureError(
-            f"activation {name!r} is not supported; known: {', '.join(sorted(ACTIVATIONS))}")
-    return ACTIVATIONS[name]
+            f"activation {name!r} is not supported; known: {', '.join(sorted(ACTIVATION_KINDS))}")
+    return _TORCH[ACTIVATION_KINDS[name]]
 
 
 def act_and_mul(act: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
