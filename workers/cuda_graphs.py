@@ -20,7 +20,7 @@ from __future__ import annotations
 import array
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -52,6 +52,33 @@ def write_inputs(ids_buf: torch.Tensor, positions_buf: torch.Tensor, input_ids: 
     if pending is not None:
         ids_buf[pending[0]] = pending[1]
     positions_buf[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+
+
+def smallest_rung(rungs: Sequence[int], n: int) -> int:
+    """The smallest of the ascending ``rungs`` that holds ``n`` (0: none fits)."""
+    return next((r for r in rungs if r >= n), 0)
+
+
+def capture_cuda_graph(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    graph.replay()  # a graph's first replay uploads it: now, not in the first request
+    return graph
+
+
+def capture_ladder(rungs: Sequence[int], capture: Callable, started: float, budget_s: float,
+                   stopped_warning: str) -> dict:
+    """``capture(rung, pool) -> (captured, pool)`` for each rung, largest first, so the
+    smaller ones reuse its memory pool. Past ``budget_s`` since ``started`` the smaller
+    rungs are skipped: their steps pad up to the smallest captured one (slower, exact)."""
+    captured, pool = {}, None
+    for r in sorted(rungs, reverse=True):
+        if time.perf_counter() - started > budget_s:
+            logger.warning(stopped_warning, budget_s, r + 1)
+            break
+        captured[r], pool = capture(r, pool)
+    return captured
 
 
 class DecodeGraphs:
@@ -93,21 +120,16 @@ class DecodeGraphs:
         for b in {rungs[0], rungs[-1]}:
             self._forward(b)
         torch.cuda.synchronize(self.device)
-        pool = None
-        # Largest first, so the smaller graphs reuse the first one's memory pool.
-        # Past the budget the smaller rungs are skipped: their batches pad up to the
-        # smallest captured one, which is slower but exact.
-        for b in sorted(rungs, reverse=True):
-            if time.perf_counter() - started > CAPTURE_BUDGET_S:
-                logger.warning("CUDA graph capture stopped after %.0fs: batches under %d pad "
-                               "up to the next captured size", CAPTURE_BUDGET_S, b + 1)
-                break
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(b)
-            pool = graph.pool()
-            graph.replay()  # the first replay uploads the graph: now, not in a request
-            self.graphs[b] = (graph, logits)
+
+        def capture(b: int, pool):
+            out = []
+            graph = capture_cuda_graph(lambda: out.append(self._forward(b)), pool)
+            return (graph, out[0]), graph.pool()
+
+        self.graphs.update(capture_ladder(
+            rungs, capture, started, CAPTURE_BUDGET_S,
+            "CUDA graph capture stopped after %.0fs: batches under %d pad up to the next "
+            "captured size"))
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),
                     min(self.graphs, default=0), max(self.graphs, default=0),
@@ -123,10 +145,7 @@ class DecodeGraphs:
 
     def rung(self, batch: int) -> int:
         """The captured batch size a step of ``batch`` decodes replays (0: none fits)."""
-        for b in self.batch_sizes:
-            if b >= batch:
-                return b
-        return 0
+        return smallest_rung(self.batch_sizes, batch)
 
     def run(self, seqs: Sequence[ScheduledSeq], input_ids: list[int], positions: list[int],
             rung: int, pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None

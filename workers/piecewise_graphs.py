@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .cuda_graphs import write_inputs
+from .cuda_graphs import capture_cuda_graph, capture_ladder, smallest_rung, write_inputs
 from .models.base import CausalLM, Segment
 
 logger = logging.getLogger("pocketllm.worker")
@@ -40,14 +40,6 @@ def token_ladder(max_tokens: int) -> list[int]:
         t += 128 if t < 2048 else 256
         rungs.append(t)
     return sorted({min(r, max_tokens) for r in rungs})
-
-
-def capture_cuda_graph(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    graph.replay()  # a graph's first replay uploads it: now, not in the first request
-    return graph
 
 
 class MixedGraphs:
@@ -83,10 +75,7 @@ class MixedGraphs:
 
     def rung(self, tokens: int) -> int:
         """The captured token count a step of ``tokens`` rows pads to (0: none fits)."""
-        for t in self.token_counts:
-            if t >= tokens:
-                return t
-        return 0
+        return smallest_rung(self.token_counts, tokens)
 
     # ------------------------------------------------------------------ pieces
 
@@ -115,20 +104,18 @@ class MixedGraphs:
         started = time.perf_counter()
         for index in range(pieces):  # compiles the kernels before any capture
             self._piece(index, rungs[-1])
-        pool = None
-        # Largest first, so the smaller rungs reuse its memory pool. Past the budget the
-        # smaller rungs are skipped: their steps pad up to the smallest captured one.
-        for t in sorted(rungs, reverse=True):
-            if time.perf_counter() - started > CAPTURE_BUDGET_S:
-                logger.warning("piecewise CUDA graph capture stopped after %.0fs: steps under "
-                               "%d tokens pad up to the next captured size", CAPTURE_BUDGET_S,
-                               t + 1)
-                break
+
+        def capture_rung(t: int, pool):
             graphs = []
             for index in range(pieces):
                 graphs.append(capture(lambda index=index, t=t: self._piece(index, t), pool))
                 pool = graphs[-1].pool()
-            self.graphs[t] = graphs
+            return graphs, pool
+
+        self.graphs.update(capture_ladder(
+            rungs, capture_rung, started, CAPTURE_BUDGET_S,
+            "piecewise CUDA graph capture stopped after %.0fs: steps under %d tokens pad up "
+            "to the next captured size"))
         logger.info("captured %d x %d piecewise CUDA graphs (%d..%d tokens) in %.1fs",
                     len(self.graphs), pieces, min(self.graphs, default=0),
                     max(self.graphs, default=0), time.perf_counter() - started)
