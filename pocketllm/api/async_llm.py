@@ -12,7 +12,7 @@ from ..outputs import GenerationOutput, TokenEvent
 from ..proto.messages import GenerateRequest
 from ..sampling import SamplingParams
 from .client import EngineClient
-from .llm import event_or_raise
+from .lifecycle import Generation
 from .requests import Prompt, chat_request, prompt_request, sampling_list, split_prompts
 
 
@@ -58,7 +58,7 @@ class AsyncLLM:
         params = sampling_list(sampling_params, len(items))
         reqs = [prompt_request(p, sp, limits=self.client.limits)
                 for p, sp in zip(items, params)]
-        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+        return await self._run(reqs)
 
     async def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
                    *, request_id: Optional[str] = None, **chat_options: Any
@@ -66,7 +66,7 @@ class AsyncLLM:
         req = chat_request(messages, sampling_params or SamplingParams(),
                            request_id=request_id, limits=self.client.limits,
                            **chat_options)
-        return [await self._collect(req)]
+        return await self._run([req])
 
     def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                         *, request_id: Optional[str] = None) -> AsyncIterator[TokenEvent]:
@@ -85,30 +85,13 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- plumbing
 
-    def submit(self, req: GenerateRequest) -> asyncio.Queue:
-        """Submit now; the queue receives RequestOutput deltas or an exception."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        self.client.submit(req, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item))
-        return inbox
-
-    async def _collect(self, req: GenerateRequest) -> GenerationOutput:
-        result = GenerationOutput(req.request_id)
-        async for event in self._stream(req):
-            result.add(event)
-        return result
+    async def _run(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
+        return await Generation(self.client, reqs).run()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        inbox = self.submit(req)
-        finished = False
-        try:
-            while not finished:
-                event = event_or_raise(await inbox.get())
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:  # cancelled or abandoned by the caller
-                self.client.abort([req.request_id])
+        async with Generation(self.client, [req]) as gen:  # leaving it early aborts the request
+            while (item := await gen.next()) is not None:
+                yield item[1]
 
     # ---------------------------------------------------------------- lifecycle
 
