@@ -14,8 +14,9 @@ from ..outputs import GenerationOutput, TokenEvent
 from ..proto.messages import GenerateRequest
 from ..sampling import SamplingParams
 from .client import EngineClient
+from .frontend import Frontend, Params
 from .lifecycle import Generation
-from .requests import Prompt, chat_request, prompt_request, sampling_list, split_prompts
+from .requests import Prompt
 
 
 class LoopThread:
@@ -53,7 +54,7 @@ def _close(client: EngineClient, loop: LoopThread) -> None:
     loop.close()
 
 
-class LLM:
+class LLM(Frontend):
     """``LLM(EngineArgs(...))``; ``LLM()`` serves the embedded Gemma 3 270M on this machine."""
 
     def __init__(self, args: Optional[EngineArgs] = None, **kwargs: Any):
@@ -63,60 +64,26 @@ class LLM:
         # Stop the process group when this object is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, _close, self._client, self._loop)
 
-    # ---------------------------------------------------------------- info
-
-    @property
-    def capabilities(self):
-        """What the engine declared at startup (block size, KV blocks, max slots, ...)."""
-        return self._client.capabilities
-
-    def engine_caps(self):
-        return self._client.capabilities
-
-    def engine_stats(self):
-        """The scheduler's latest gauges and counters (``SchedulerStats``), as the server's
-        /metrics shows them; sent after steps (at most every 0.1 s) and when it goes idle."""
-        return self._client.stats
-
-    @property
-    def model_info(self):
-        return self._client.info
-
     # ---------------------------------------------------------------- generate
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 ) -> list[GenerationOutput]:
-        items = split_prompts(prompts)
-        params = sampling_list(sampling_params, len(items))
-        reqs = [prompt_request(p, sp, limits=self._client.limits)
-                for p, sp in zip(items, params)]
-        return self._run_all(reqs)
+                 sampling_params: Params = None) -> list[GenerationOutput]:
+        return self._run_all(self._generate_requests(prompts, sampling_params))
 
     def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
              *, request_id: Optional[str] = None, **chat_options: Any) -> list[GenerationOutput]:
-        req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, limits=self._client.limits,
-                           **chat_options)
-        return self._run_all([req])
+        return self._run_all([self._chat_request(messages, sampling_params, request_id,
+                                                 chat_options)])
 
     def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                         *, request_id: Optional[str] = None) -> Iterator[TokenEvent]:
-        req = prompt_request(prompt, sampling_params or SamplingParams(), request_id,
-                             self._client.limits)
-        return self._stream(req)
+        return self._stream(self._prompt_request(prompt, sampling_params, request_id))
 
     def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[str] = None, **chat_options: Any
                     ) -> Iterator[TokenEvent]:
-        req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, limits=self._client.limits,
-                           **chat_options)
-        return self._stream(req)
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel at the next step boundary. True only if the request was active."""
-        return bool(self._client.abort([request_id]))
+        return self._stream(self._chat_request(messages, sampling_params, request_id,
+                                               chat_options))
 
     # ---------------------------------------------------------------- plumbing
 
