@@ -8,7 +8,6 @@ shapes the answer and feeds the metrics.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Optional
