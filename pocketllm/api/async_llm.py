@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional
 
 from ..config import EngineArgs
 from ..outputs import GenerationOutput, TokenEvent
 from ..proto.messages import GenerateRequest
-from ..sampling import SamplingParams
 from .client import EngineClient
-from .frontend import Frontend, Params
+from .requests import Frontend
 from .lifecycle import Generation
-from .requests import Prompt
 
 
 class AsyncLLM(Frontend):
@@ -29,28 +27,10 @@ class AsyncLLM(Frontend):
             self._finalizer = weakref.finalize(self, self._client.close)
         return self
 
-    # ---------------------------------------------------------------- API
+    # ---------------------------------------------------------------- waiting
 
-    async def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                       sampling_params: Params = None) -> list[GenerationOutput]:
-        return await Generation(self.client,
-                                self._generate_requests(prompts, sampling_params)).run()
-
-    async def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-                   *, request_id: Optional[str] = None, **chat_options: Any
-                   ) -> list[GenerationOutput]:
-        req = self._chat_request(messages, sampling_params, request_id, chat_options)
-        return await Generation(self.client, [req]).run()
-
-    def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                        *, request_id: Optional[str] = None) -> AsyncIterator[TokenEvent]:
-        return self._stream(self._prompt_request(prompt, sampling_params, request_id))
-
-    def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-                    *, request_id: Optional[str] = None, **chat_options: Any
-                    ) -> AsyncIterator[TokenEvent]:
-        return self._stream(self._chat_request(messages, sampling_params, request_id,
-                                               chat_options))
+    async def _whole(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
+        return await Generation(self.client, reqs).run()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         async with Generation(self.client, [req]) as gen:  # leaving it early aborts the request

@@ -5,16 +5,15 @@ A caller's request is one or more engine requests submitted together: the prompt
 ``generate`` call, or an HTTP request's choices (n, best_of, several prompts). Their deltas
 arrive on one queue and each is added to its choice's ``GenerationOutput``. They share one
 deadline, a failure of any one ends them all with its typed error, and whatever ends the
-caller's interest (done, timeout, cancel, a caller that left) aborts what still runs.
-
-    async with Generation(client, reqs, timeout) as gen:   # submits; leaving aborts the rest
-        while (item := await gen.next()) is not None:
-            i, delta = item                                  # gen.outputs[i] already has it
+caller's interest (done, timeout, cancel, a caller that left) aborts what still runs:
+``async with Generation(...) as gen`` submits, and leaving it aborts the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from typing import Optional, Sequence, Union
 
@@ -47,20 +46,16 @@ class Generation:
     def submit(self) -> None:
         """Send every request; if one is refused, the ones already sent are aborted."""
         loop = asyncio.get_running_loop()
+
+        def sink(i: int, item: Union[RequestOutput, Exception]) -> None:  # receiver thread
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(self._queue.put_nowait, (i, item))
         try:
             for i, req in enumerate(self.reqs):
-                self.client.submit(req, self._sink(loop, i))
+                self.client.submit(req, functools.partial(sink, i))
         except BaseException:
             self.cancel()
             raise
-
-    def _sink(self, loop: asyncio.AbstractEventLoop, i: int):
-        def sink(item: Union[RequestOutput, Exception]) -> None:  # on the receiver thread
-            try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, (i, item))
-            except RuntimeError:  # the loop is closed: nobody waits for this request any more
-                pass
-        return sink
 
     def cancel(self) -> None:
         """Abort every unfinished request; their final deltas still arrive here."""

@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, Coroutine, Iterator, Optional, Sequence, Union
+from typing import Any, Coroutine, Iterator, Optional
 
 from ..config import EngineArgs
 from ..errors import EngineDeadError, PocketLLMError
 from ..outputs import GenerationOutput, TokenEvent
 from ..proto.messages import GenerateRequest
-from ..sampling import SamplingParams
 from .client import EngineClient
-from .frontend import Frontend, Params
+from .requests import Frontend
 from .lifecycle import Generation
-from .requests import Prompt
 
 
 class LoopThread:
@@ -41,11 +39,9 @@ class LoopThread:
             raise
 
     def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
             self.loop.close()
 
 
@@ -64,30 +60,9 @@ class LLM(Frontend):
         # Stop the process group when this object is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, _close, self._client, self._loop)
 
-    # ---------------------------------------------------------------- generate
+    # ---------------------------------------------------------------- waiting
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Params = None) -> list[GenerationOutput]:
-        return self._run_all(self._generate_requests(prompts, sampling_params))
-
-    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-             *, request_id: Optional[str] = None, **chat_options: Any) -> list[GenerationOutput]:
-        return self._run_all([self._chat_request(messages, sampling_params, request_id,
-                                                 chat_options)])
-
-    def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                        *, request_id: Optional[str] = None) -> Iterator[TokenEvent]:
-        return self._stream(self._prompt_request(prompt, sampling_params, request_id))
-
-    def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-                    *, request_id: Optional[str] = None, **chat_options: Any
-                    ) -> Iterator[TokenEvent]:
-        return self._stream(self._chat_request(messages, sampling_params, request_id,
-                                               chat_options))
-
-    # ---------------------------------------------------------------- plumbing
-
-    def _run_all(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
+    def _whole(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
         gen = Generation(self._client, reqs)
         try:
             return self._loop.run(gen.run())

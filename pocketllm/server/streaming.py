@@ -57,23 +57,11 @@ class ChoiceGroup:
         self.shutting_down = False  # the server is stopping: end now, with what there is
         self.prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
 
-    @property
-    def deadline(self) -> Optional[float]:
-        return self.gen.deadline
-
-    @property
-    def finished(self) -> bool:
-        return self.gen.finished
-
-    def cancel(self) -> None:
-        """Abort every running choice; their final deltas still reach this group."""
-        self.gen.cancel()
-
     def end_for_shutdown(self, now: bool = False) -> None:
         """The drain is over: abort what still runs, so each choice ends with the engine's
         own "abort" delta (and its usage); ``now``: do not wait for the engine either."""
         self.shutting_down = True
-        self.cancel()
+        self.gen.cancel()
         if now:
             self.gen.cut()
 
@@ -93,7 +81,7 @@ class ChoiceGroup:
 
     def close(self) -> None:
         """The exchange is over (done, timed out, or the client left): stop what still runs."""
-        self.cancel()
+        self.gen.cancel()
         self._finish_unfinished(count_seen=False)
 
     async def _next(self) -> Optional[tuple[int, RequestOutput]]:
