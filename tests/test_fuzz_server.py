@@ -67,7 +67,7 @@ def known(kind: str):
 
 
 @pytest.fixture(scope="module")
-def live():
+def live(default_model_path):
     server = LiveServer()
     yield server
     server.stop()

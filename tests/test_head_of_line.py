@@ -21,8 +21,8 @@ import pytest
 from server_process import ServerProcess
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
+def server(default_model_path):
+    srv = ServerProcess()  # no --model: the embedded default
     yield srv
     assert srv.stop() == 0
 

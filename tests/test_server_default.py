@@ -20,7 +20,7 @@ README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model_path):
     srv = ServerProcess()  # no --model: the embedded Gemma 3 270M
     yield srv
     assert srv.stop() == 0

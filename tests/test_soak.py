@@ -100,8 +100,8 @@ def one_request(url: str, port: int, rng: random.Random) -> str:
 
 
 @pytest.mark.slow
-def test_soak_with_disconnects_leaks_nothing():
-    srv = ServerProcess()
+def test_soak_with_disconnects_leaks_nothing(default_model_path):
+    srv = ServerProcess()  # no --model: the embedded default
     try:
         _soak(srv)
     finally:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from pocketllm.config import EngineArgs
+from pocketllm.errors import UnsupportedFeatureError
 
 MIN_COLLECTIVE_TIMEOUT_S = 600  # a collective may wait this long for a rank still loading
 
@@ -88,6 +89,7 @@ def init_from_env(args: EngineArgs, rank: int, world: int) -> TPGroup:
     local_rank = int(env.get("LOCAL_RANK", rank))
     cuda = wants_cuda(args) and torch.cuda.is_available()
     if cuda:
+        check_gpu_count(int(env.get("LOCAL_WORLD_SIZE", ranks_on_this_host(args))), world)
         torch.cuda.set_device(local_rank)
     addr = env.get("MASTER_ADDR", args.master_addr)
     port = env.get("MASTER_PORT") or str(args.master_port)
@@ -104,6 +106,18 @@ def init_from_env(args: EngineArgs, rank: int, world: int) -> TPGroup:
         world_size=world, timeout=timeout,
         device_id=torch.device("cuda", local_rank) if cuda else None)
     return TPGroup(rank, world)
+
+
+def check_gpu_count(local_ranks: int, world: int) -> None:
+    """Refuse more CUDA ranks on this host than it has GPUs (one GPU a rank). Every rank
+    checks before the rendezvous, so none is left waiting for a rank that cannot start."""
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise UnsupportedFeatureError(
+            f"tensor_parallel_size={world} puts {local_ranks} ranks on this host, one GPU "
+            f"each, but {gpus} CUDA device(s) are visible: lower tensor_parallel_size, make "
+            "more GPUs visible (CUDA_VISIBLE_DEVICES), or run the ranks on the CPU "
+            "(device='cpu', over gloo)", "tensor_parallel_size")
 
 
 def current_group(world: int) -> TPGroup:

@@ -18,7 +18,10 @@ from aiohttp import web
 
 log = logging.getLogger("pocketllm.access")
 
-GROUP = "pocketllm.group"  # request key under which a generation route leaves its ChoiceGroup
+# The request key under which a generation route leaves its ChoiceGroup: a typed key where
+# aiohttp has them (it warns, NotAppKeyWarning, on a plain string there).
+GROUP = (web.RequestKey("pocketllm.group", object) if hasattr(web, "RequestKey")
+         else "pocketllm.group")
 QUIET_PATHS = ("/health", "/alive", "/ready", "/metrics")
 
 

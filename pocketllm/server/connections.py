@@ -1,7 +1,9 @@
 """Connection hygiene: no client may hold the server's sockets or file descriptors.
 
-- **Idle / keep-alive**: aiohttp closes a connection that has no complete request head
-  ``keepalive_timeout`` seconds after it opened or after its previous response.
+- **Idle / keep-alive**: a connection that sends nothing is closed ``keepalive_timeout``
+  seconds after it opened (here: aiohttp releases before aio-libs/aiohttp#13681 never close
+  one that has sent no request), and one that sends no new request head, that long after
+  its previous response (aiohttp's keep-alive).
 - **Request head**: once the first byte of a head arrives, the whole head must follow
   within ``header_timeout`` seconds (a slowloris sending a byte a second is closed).
 - **Body**: a request's whole body must arrive within ``body_timeout`` seconds (408).
@@ -67,8 +69,10 @@ def _refusal() -> bytes:
 class ConnectionGuard:
     """Counts the open connections and enforces the cap and the head and body timeouts."""
 
-    def __init__(self, max_connections: int, header_timeout: float, body_timeout: float):
+    def __init__(self, max_connections: int, header_timeout: float, body_timeout: float,
+                 idle_timeout: float):
         self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.open: dict[object, _Conn] = {}  # aiohttp's handler -> our wrapper
@@ -116,6 +120,7 @@ class _Conn(asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.busy = False  # a request is being handled
         self.head_timer: Optional[asyncio.TimerHandle] = None
+        self.idle_timer: Optional[asyncio.TimerHandle] = None  # until the first byte
         self.linger_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport) -> None:
@@ -138,10 +143,12 @@ class _Conn(asyncio.Protocol):
         self.inner = self.make_handler()
         g.open[self.inner] = self
         self.inner.connection_made(transport)
+        self.idle_timer = asyncio.get_running_loop().call_later(g.idle_timeout, self._idle)
 
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
             return  # refused: discard
+        self._cancel_idle_timer()
         if not self.busy and self.head_timer is None and data:
             self.head_timer = asyncio.get_running_loop().call_later(
                 self.guard.header_timeout, self._head_too_slow)
@@ -162,6 +169,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
+        self._cancel_idle_timer()
         if self.linger_timer is not None:
             self.linger_timer.cancel()
             self.guard.lingering -= 1
@@ -181,6 +189,16 @@ class _Conn(asyncio.Protocol):
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
+
+    def _cancel_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle(self) -> None:
+        self.idle_timer = None
+        if self.inner is not None:
+            self.inner.force_close()
 
     def _head_too_slow(self) -> None:
         self.head_timer = None

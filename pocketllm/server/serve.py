@@ -135,7 +135,7 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
                         log_requests=opts.access_log,
                         admission=Admission(opts.admission))
     guard = ConnectionGuard(connection_cap(opts.max_connections, raise_fd_limit()),
-                            opts.header_timeout, opts.body_timeout)
+                            opts.header_timeout, opts.body_timeout, opts.keepalive_timeout)
     app = build_app(state, opts.max_body_bytes)
     app.middlewares.append(guard.middleware)
     # OpenAIAppRunner: aiohttp's own parser errors answer in the OpenAI shape too. The drain
