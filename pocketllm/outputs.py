@@ -1,59 +1,22 @@
-"""What the offline API hands back: whole results, stream events, usage."""
+"""What the offline API hands back: a request's whole result, accumulated from its deltas.
+
+A streamed event is the engine's own ``RequestOutput`` delta (exported as ``TokenEvent``),
+and usage is the wire ``Usage``: one shape from the detokenizer to the caller.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .proto.messages import LogprobEntry, RequestOutput, ToolCallOut
+from .proto.messages import LogprobEntry, RequestOutput, ToolCallOut, Usage
 
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-@dataclass
-class TokenEvent:
-    """One streamed step of one request: the text and token ids it gained."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: Optional[str] = None
-    usage: Optional[Usage] = None
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-    # chat with a thinking block: its text and its tokens' entries (``text`` is the answer)
-    reasoning_text: str = ""
-    reasoning_logprobs: list[LogprobEntry] = field(default_factory=list)
-    # chat with tools: whole parsed calls (id, name, arguments as JSON text), on the last event
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
-
-    @classmethod
-    def from_wire(cls, out: RequestOutput) -> "TokenEvent":
-        usage = None if out.usage is None else Usage(
-            out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens)
-        return cls(out.request_id, out.text, list(out.token_ids), out.finished,
-                   out.finish_reason, usage, list(out.logprobs), out.reasoning_text,
-                   list(out.reasoning_logprobs), list(out.tool_calls))
+TokenEvent = RequestOutput  # one streamed step of one request: the text and tokens it gained
 
 
 @dataclass
 class GenerationOutput:
-    """The whole result of one request."""
+    """The whole result of one request (one choice)."""
 
     request_id: str
     text: str = ""
@@ -70,14 +33,17 @@ class GenerationOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, event: TokenEvent) -> None:
-        self.text += event.text
-        self.token_ids.extend(event.token_ids)
-        self.logprobs.extend(event.logprobs)
-        self.reasoning_text += event.reasoning_text
-        self.reasoning_logprobs.extend(event.reasoning_logprobs)
-        self.tool_calls.extend(event.tool_calls)
-        if event.usage is not None:
-            self.usage = event.usage
-        if event.finished:
-            self.finish_reason = event.finish_reason
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.reasoning_text += out.reasoning_text
+        self.reasoning_logprobs.extend(out.reasoning_logprobs)
+        self.tool_calls.extend(out.tool_calls)
+        if out.usage is not None:
+            self.usage = out.usage
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
+
+
+__all__ = ["GenerationOutput", "TokenEvent", "Usage"]

@@ -292,9 +292,20 @@ class LogprobEntry(msgspec.Struct, array_like=True):
 
 
 class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict:
+        """The OpenAI ``usage`` object."""
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 class ToolCallOut(msgspec.Struct, array_like=True):

@@ -165,7 +165,7 @@ def test_request_timeout_defaults_to_600_s_and_0_means_none():
     for timeout, bounded in ((600.0, True), (0.0, False)):
         state = SimpleNamespace(metrics=None, request_timeout=timeout)
         group = ChoiceGroup(state, None, parsed, "completion", "r")
-        assert (group.deadline is not None) is bounded
+        assert (group.gen.deadline is not None) is bounded
 
 
 # ---------------------------------------------------------------- over HTTP

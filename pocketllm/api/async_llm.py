@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional
 
 from ..config import EngineArgs
-from ..errors import EngineDeadError
 from ..outputs import GenerationOutput, TokenEvent
 from ..proto.messages import GenerateRequest
-from ..sampling import SamplingParams
 from .client import EngineClient
-from .llm import event_or_raise
-from .requests import Prompt, chat_request, prompt_request, sampling_list, split_prompts
+from .requests import Frontend
+from .lifecycle import Generation
 
 
-class AsyncLLM:
+class AsyncLLM(Frontend):
     """``async with AsyncLLM(EngineArgs(...)) as llm:`` — startup runs off the event loop."""
 
     def __init__(self, args: Optional[EngineArgs] = None, **kwargs: Any):
         self.args = args if args is not None else EngineArgs(**kwargs)
-        self._client: Optional[EngineClient] = None
         self._finalizer: Optional[weakref.finalize] = None
 
     async def start(self) -> "AsyncLLM":
@@ -30,85 +27,15 @@ class AsyncLLM:
             self._finalizer = weakref.finalize(self, self._client.close)
         return self
 
-    @property
-    def client(self) -> EngineClient:
-        if self._client is None:
-            raise EngineDeadError("the engine is not started: use 'async with AsyncLLM(...)' "
-                                  "or 'await llm.start()'")
-        return self._client
+    # ---------------------------------------------------------------- waiting
 
-    @property
-    def capabilities(self):
-        return self.client.capabilities
-
-    def engine_caps(self):
-        return self.client.capabilities
-
-    def engine_stats(self):
-        """See ``LLM.engine_stats``."""
-        return self.client.stats
-
-    # ---------------------------------------------------------------- API
-
-    async def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                       sampling_params: Union[None, SamplingParams,
-                                              Sequence[SamplingParams]] = None,
-                       ) -> list[GenerationOutput]:
-        items = split_prompts(prompts)
-        params = sampling_list(sampling_params, len(items))
-        reqs = [prompt_request(p, sp, limits=self.client.limits)
-                for p, sp in zip(items, params)]
-        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
-
-    async def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-                   *, request_id: Optional[str] = None, **chat_options: Any
-                   ) -> list[GenerationOutput]:
-        req = chat_request(messages, sampling_params or SamplingParams(),
-                           request_id=request_id, limits=self.client.limits,
-                           **chat_options)
-        return [await self._collect(req)]
-
-    def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                        *, request_id: Optional[str] = None) -> AsyncIterator[TokenEvent]:
-        return self._stream(prompt_request(prompt, sampling_params or SamplingParams(),
-                                           request_id, self.client.limits))
-
-    def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-                    *, request_id: Optional[str] = None, **chat_options: Any
-                    ) -> AsyncIterator[TokenEvent]:
-        return self._stream(chat_request(messages, sampling_params or SamplingParams(),
-                                         request_id=request_id, limits=self.client.limits,
-                                         **chat_options))
-
-    def cancel(self, request_id: str) -> bool:
-        return bool(self.client.abort([request_id]))
-
-    # ---------------------------------------------------------------- plumbing
-
-    def submit(self, req: GenerateRequest) -> asyncio.Queue:
-        """Submit now; the queue receives RequestOutput deltas or an exception."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        self.client.submit(req, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item))
-        return inbox
-
-    async def _collect(self, req: GenerateRequest) -> GenerationOutput:
-        result = GenerationOutput(req.request_id)
-        async for event in self._stream(req):
-            result.add(event)
-        return result
+    async def _whole(self, reqs: list[GenerateRequest]) -> list[GenerationOutput]:
+        return await Generation(self.client, reqs).run()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        inbox = self.submit(req)
-        finished = False
-        try:
-            while not finished:
-                event = event_or_raise(await inbox.get())
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:  # cancelled or abandoned by the caller
-                self.client.abort([req.request_id])
+        async with Generation(self.client, [req]) as gen:  # leaving it early aborts the request
+            while (item := await gen.next()) is not None:
+                yield item[1]
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -1,4 +1,7 @@
-"""Turning offline-API calls into GenerateRequests: one builder for LLM and AsyncLLM."""
+"""The offline API that LLM and AsyncLLM share: calls made into GenerateRequests (checked
+as the HTTP edge checks them), the engine's declarations, cancel. The two differ only in
+how they wait on the one request lifecycle (api/lifecycle.py): ``_whole`` and
+``_stream``, blocking or async."""
 
 from __future__ import annotations
 
@@ -6,13 +9,14 @@ import dataclasses
 import uuid
 from typing import Any, Optional, Sequence, Union
 
-from ..errors import InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError
 from ..proto.messages import GenerateRequest
 from ..protocol import limits as L
 from ..protocol.chat import normalize_messages
 from ..protocol.limits import DEFAULT_LIMITS, RequestLimits
 from ..protocol.tool_choice import tool_options
 from ..sampling import SamplingParams
+from .client import EngineClient
 
 Prompt = Union[str, Sequence[int]]
 
@@ -110,3 +114,70 @@ def chat_request(messages: Any, params: SamplingParams, *, request_id: Optional[
     normalized = normalize_messages(messages)
     L.check_message_chars(normalized, limits)
     return GenerateRequest(rid, params.to_spec(), messages=normalized, chat_options=opts)
+
+
+Params = Union[None, SamplingParams, Sequence[SamplingParams]]
+
+
+class Frontend:
+    _client: Optional[EngineClient] = None
+
+    @property
+    def client(self) -> EngineClient:
+        if self._client is None:
+            raise EngineDeadError("the engine is not started: use 'async with AsyncLLM(...)' "
+                                  "or 'await llm.start()'")
+        return self._client
+
+    @property
+    def capabilities(self):
+        """What the engine declared at startup (block size, KV blocks, max slots, ...)."""
+        return self.client.capabilities
+
+    def engine_caps(self):
+        return self.client.capabilities
+
+    def engine_stats(self):
+        """The scheduler's latest gauges and counters (``SchedulerStats``), as the server's
+        /metrics shows them; sent after steps (at most every 0.1 s) and when it goes idle."""
+        return self.client.stats
+
+    @property
+    def model_info(self):
+        return self.client.info
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel at the next step boundary. True only if the request was active."""
+        return bool(self.client.abort([request_id]))
+
+    # ---------------------------------------------------------------- generate
+    # LLM returns the outputs and yields events; AsyncLLM returns a coroutine of the outputs
+    # and an async iterator of events.
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Params = None):
+        """A string, a token-id list, or a batch of either; one SamplingParams or one each."""
+        items = split_prompts(prompts)
+        params = sampling_list(sampling_params, len(items))
+        return self._whole([prompt_request(p, sp, limits=self.client.limits)
+                            for p, sp in zip(items, params)])
+
+    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
+             *, request_id: Optional[str] = None, **chat_options: Any):
+        """A one-element list of outputs."""
+        return self._whole([self._chat_request(messages, sampling_params, request_id,
+                                               chat_options)])
+
+    def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
+                        *, request_id: Optional[str] = None):
+        return self._stream(prompt_request(prompt, sampling_params or SamplingParams(),
+                                           request_id, self.client.limits))
+
+    def chat_stream(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
+                    *, request_id: Optional[str] = None, **chat_options: Any):
+        return self._stream(self._chat_request(messages, sampling_params, request_id,
+                                               chat_options))
+
+    def _chat_request(self, messages: list[dict], sampling_params: Optional[SamplingParams],
+                      request_id: Optional[str], options: dict[str, Any]) -> GenerateRequest:
+        return chat_request(messages, sampling_params or SamplingParams(),
+                            request_id=request_id, limits=self.client.limits, **options)

@@ -244,10 +244,10 @@ async def cancel_request(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     rid = request.match_info["request_id"]
     group = state.groups.get((_scope(request), rid))  # only the caller's own requests
-    if group is None or group.finished:
+    if group is None or group.gen.finished:
         return error_answer(RequestNotFoundError(
             f"no active request {rid!r} of yours (unknown, already finished, or sent with "
             "other credentials)"))
-    group.cancel()
+    group.gen.cancel()  # each choice still ends with the engine's own "abort" delta
     return web.json_response({"id": rid, "object": "request.cancelled", "cancelled": True})
 

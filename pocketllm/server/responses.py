@@ -28,12 +28,6 @@ def exception_body(e: BaseException) -> tuple[int, dict]:
                                    spec.code)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
 def _entry(e: LogprobEntry) -> dict:
     return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
 

@@ -1,13 +1,13 @@
-"""One HTTP request's choices: submit them, merge their deltas, answer whole or as SSE.
+"""One HTTP request's answer, whole or as SSE, over the shared request lifecycle.
 
-Each choice is its own scheduler request. The group shares one deadline (the
-request's), and whatever ends the HTTP exchange — completion, timeout, DELETE
-or a client that hung up — aborts every choice still running.
+Each choice is its own engine request; ``api/lifecycle.Generation`` submits them, merges
+their deltas, holds the request's deadline and aborts what still runs when the HTTP
+exchange ends (completion, timeout, DELETE or a client that hung up). This module only
+shapes the answer and feeds the metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Optional
@@ -15,16 +15,15 @@ from typing import Optional
 from aiohttp import web
 
 from ..api.client import EngineClient
+from ..api.lifecycle import Generation
 from ..errors import PocketLLMError, RequestFailedError, RequestTimeoutError
-from ..proto.messages import LogprobEntry, RequestOutput, ToolCallOut
+from ..outputs import GenerationOutput
+from ..proto.messages import RequestOutput
 from ..protocol.openai_fields import ParsedRequest
 from . import responses as R
 from .metrics import RequestTimer
 
 log = logging.getLogger("pocketllm.server")
-
-
-_SHUTDOWN = object()  # queued by end_for_shutdown(now=True): end without the engine
 
 
 def _shutting_down() -> web.Response:
@@ -33,137 +32,80 @@ def _shutting_down() -> web.Response:
 
 
 class _Choice:
+    """What answering one choice needs beyond its result (``Generation.outputs``)."""
+
     def __init__(self, timer: RequestTimer):
-        self.text = ""
-        self.logprobs: list[LogprobEntry] = []
-        self.reasoning = ""  # the thinking block's text (chat), when not dropped
-        self.reasoning_logprobs: list[LogprobEntry] = []
-        self.text_offset = 0  # completions stream: where the next chunk's entries start
-        self.tool_calls: list[ToolCallOut] = []  # parsed calls (they arrive whole, at finish)
-        self.finish_reason: Optional[str] = None
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-        self.started = False
-        self.closed = False  # its closing chunk (the one with finish_reason) was streamed
-        self.tokens_seen = 0  # usage for a choice the server had to cut (it never got one)
         self.timer = timer
+        self.text_offset = 0  # completions stream: where the next chunk's entries start
+        self.started = False  # chat stream: its first chunk (with the role) was sent
+        self.closed = False  # its closing chunk (the one with finish_reason) was streamed
 
 
 class ChoiceGroup:
+    """One HTTP request's answer over its ``Generation`` (api/lifecycle.py)."""
+
     def __init__(self, state, client: EngineClient, parsed: ParsedRequest, kind: str, rid: str):
         self.state = state
-        self.client = client
         self.parsed = parsed
         self.kind = kind
         self.rid = rid
-        self.ids = [c.request_id for c in parsed.choices]
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.gen = Generation(client, parsed.choices, state.request_timeout)
         start = time.monotonic()
-        self.choices = [_Choice(RequestTimer(state.metrics, start)) for _ in self.ids]
+        self.choices = [_Choice(RequestTimer(state.metrics, start)) for _ in parsed.choices]
+        self.outputs = self.gen.outputs
         self.created = int(time.time())
-        self.deadline = None if not state.request_timeout else start + state.request_timeout
-        self.timed_out = False
         self.shutting_down = False  # the server is stopping: end now, with what there is
         self.prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
-    def cancel(self) -> None:
-        """Abort every running choice; their final deltas still reach this group."""
-        live = [rid for rid, c in zip(self.ids, self.choices) if c.finish_reason is None]
-        if live:
-            self.client.abort(live)
 
     def end_for_shutdown(self, now: bool = False) -> None:
         """The drain is over: abort what still runs, so each choice ends with the engine's
         own "abort" delta (and its usage); ``now``: do not wait for the engine either."""
         self.shutting_down = True
-        self.cancel()
+        self.gen.cancel()
         if now:
-            self.queue.put_nowait((-1, _SHUTDOWN))
+            self.gen.cut()
 
-    def _cut_unfinished(self) -> None:
+    def _finish_unfinished(self, count_seen: bool) -> None:
+        """Count what never got its last delta as aborted (nobody will read it);
+        ``count_seen``: its usage, which never came, counts the tokens seen so far."""
         now = time.monotonic()
-        for c in self.choices:
-            if c.finish_reason is None:
-                c.finish_reason = "abort"
-                c.completion_tokens = c.completion_tokens or c.tokens_seen
-                c.timer.on_finish(now, "abort", c.prompt_tokens, c.completion_tokens)
+        for c, o in zip(self.choices, self.outputs):
+            if o.finish_reason is None:
+                o.finish_reason = "abort"
+                if count_seen:
+                    o.usage.completion_tokens = o.usage.completion_tokens or len(o.token_ids)
+                c.timer.on_finish(now, "abort", o.usage.prompt_tokens, o.usage.completion_tokens)
 
     def _produced_nothing(self) -> bool:
-        return all(c.tokens_seen == 0 and not c.text for c in self.choices)
+        return all(not o.token_ids and not o.text for o in self.outputs)
 
     def close(self) -> None:
-        """The exchange is over (done, timed out, or the client left): stop what still runs
-        and count it as aborted, since nobody will read its last delta."""
-        self.cancel()
-        now = time.monotonic()
-        for c in self.choices:
-            if c.finish_reason is None:
-                c.finish_reason = "abort"
-                c.timer.on_finish(now, "abort", c.prompt_tokens, c.completion_tokens)
-
-    def _submit(self) -> None:
-        loop = asyncio.get_running_loop()
-        for i, req in enumerate(self.parsed.choices):
-            self.client.submit(req, lambda item, i=i: loop.call_soon_threadsafe(
-                self.queue.put_nowait, (i, item)))
+        """The exchange is over (done, timed out, or the client left): stop what still runs."""
+        self.gen.cancel()
+        self._finish_unfinished(count_seen=False)
 
     async def _next(self) -> Optional[tuple[int, RequestOutput]]:
         """The next delta of any choice; None when the deadline passed or all finished."""
-        while not self.finished:
-            timeout = None if self.deadline is None else self.deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                self.timed_out = True
-                return None
-            try:
-                i, item = await asyncio.wait_for(self.queue.get(), timeout)
-            except asyncio.TimeoutError:
-                self.timed_out = True
-                return None
-            if item is _SHUTDOWN:
-                self._cut_unfinished()
-                return None
-            if isinstance(item, Exception):
-                self.choices[i].finish_reason = "error"
-                raise item
-            self._account(i, item)
-            return i, item
-        return None
-
-    def _account(self, i: int, out: RequestOutput) -> None:
-        c = self.choices[i]
+        item = await self.gen.next()
         now = time.monotonic()
-        c.text += out.text
-        c.logprobs.extend(out.logprobs)
-        c.reasoning += out.reasoning_text
-        c.reasoning_logprobs.extend(out.reasoning_logprobs)
-        c.tool_calls.extend(out.tool_calls)
-        c.tokens_seen += len(out.token_ids)
-        c.timer.on_delta(now, len(out.token_ids))
-        if out.usage is not None:
-            c.prompt_tokens = out.usage.prompt_tokens
-            c.completion_tokens = out.usage.completion_tokens
-            c.cached_tokens = out.usage.cached_tokens
+        if item is None:
+            if self.gen.was_cut:  # the shutdown ends it: the server answers with what it has
+                self._finish_unfinished(count_seen=True)
+            return None
+        i, out = item
+        timer, o = self.choices[i].timer, self.outputs[i]
+        timer.on_delta(now, len(out.token_ids))
         if out.finished:
-            c.finish_reason = out.finish_reason or "stop"
-            c.timer.on_finish(now, c.finish_reason, c.prompt_tokens, c.completion_tokens)
+            timer.on_finish(now, o.finish_reason, o.usage.prompt_tokens, o.usage.completion_tokens)
+        return item
 
     def usage(self) -> dict:
-        n = len(self.ids) // self.parsed.prompt_count
-        prompt = cached = 0
-        for p in range(self.parsed.prompt_count):  # each prompt counted once
-            first = next((c for c in self.choices[p * n:(p + 1) * n] if c.prompt_tokens), None)
-            if first is not None:
-                prompt += first.prompt_tokens
-                cached += first.cached_tokens
-        return R.usage_dict(prompt, sum(c.completion_tokens for c in self.choices), cached)
+        return self.gen.usage(self.parsed.prompt_count).as_dict()
 
     # ---------------------------------------------------------------- answers
 
     async def respond(self, request: web.Request) -> web.StreamResponse:
-        self._submit()
+        self.gen.submit()  # the caller's close() aborts what still runs, however it ends
         if self.parsed.stream:
             return await self._stream(request)
         return await self._whole()
@@ -173,22 +115,22 @@ class ChoiceGroup:
             pass
         if self.shutting_down and self._produced_nothing():
             return _shutting_down()
-        done = [(i, c) for i, c in enumerate(self.choices)
-                if c.finish_reason is not None and c.finish_reason != "error"]
+        done = [(i, o) for i, o in enumerate(self.outputs)
+                if o.finish_reason is not None and o.finish_reason != "error"]
         if not done:
-            if self.timed_out:
+            if self.gen.timed_out:
                 raise RequestTimeoutError("the request timed out before any choice finished")
             raise RequestFailedError("no choice finished")
         if self.parsed.best_of > self.parsed.n:
             done = self._best(done)
         lp = self.parsed.logprobs
         if self.kind == "chat":
-            choices = [R.chat_choice(i, c.text, c.finish_reason, c.logprobs if lp else None,
-                                     c.reasoning, c.reasoning_logprobs, c.tool_calls)
-                       for i, c in done]
+            choices = [R.chat_choice(i, o.text, o.finish_reason, o.logprobs if lp else None,
+                                     o.reasoning_text, o.reasoning_logprobs, o.tool_calls)
+                       for i, o in done]
         else:
-            choices = [R.completion_choice(i, c.text, c.finish_reason,
-                                           c.logprobs if lp else None) for i, c in done]
+            choices = [R.completion_choice(i, o.text, o.finish_reason,
+                                           o.logprobs if lp else None) for i, o in done]
         return web.json_response({
             "id": self.prefix + self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -196,7 +138,8 @@ class ChoiceGroup:
             "choices": choices,
             "usage": self.usage()}, headers={"X-Request-Id": self.rid})
 
-    def _best(self, done: list[tuple[int, _Choice]]) -> list[tuple[int, _Choice]]:
+    def _best(self, done: list[tuple[int, GenerationOutput]]
+              ) -> list[tuple[int, GenerationOutput]]:
         """best_of: per prompt, the n finished candidates of highest cumulative logprob
         (sum over the tokens of the returned text), re-indexed 0..n-1 per prompt."""
         n, best_of = self.parsed.n, self.parsed.best_of
@@ -236,7 +179,7 @@ class ChoiceGroup:
         if out is not None and out.reasoning_text:
             delta["reasoning_content"] = out.reasoning_text
         if out is not None and out.tool_calls:  # indexed across the choice's calls
-            first = len(c.tool_calls) - len(out.tool_calls)
+            first = len(self.outputs[i].tool_calls) - len(out.tool_calls)
             delta["tool_calls"] = [R.tool_call(call, first + k)
                                    for k, call in enumerate(out.tool_calls)]
         if text or (finish is None and "reasoning_content" not in delta
@@ -264,10 +207,10 @@ class ChoiceGroup:
                 if out.finished:
                     self.choices[i].closed = True
                     await resp.write(self._chunk([self._delta_choice(
-                        i, "", self.choices[i].finish_reason)]))
+                        i, "", self.outputs[i].finish_reason)]))
                 item = await self._next()
             for i, c in enumerate(self.choices):  # cut by the shutdown: close each one
-                if c.finish_reason == "abort" and not c.closed:
+                if self.outputs[i].finish_reason == "abort" and not c.closed:
                     await resp.write(self._chunk([self._delta_choice(i, "", "abort")]))
         except ConnectionError:
             raise  # the client left
@@ -275,7 +218,7 @@ class ChoiceGroup:
             if not isinstance(e, PocketLLMError):
                 log.error("a stream failed in the server", exc_info=e)  # a bug: its traceback
             await resp.write(R.sse(R.exception_body(e)[1]))
-        if self.parsed.include_usage and not self.timed_out:
+        if self.parsed.include_usage and not self.gen.timed_out:
             await resp.write(self._chunk([], self.usage()))
         await resp.write(R.sse("[DONE]"))
         await resp.write_eof()
