@@ -58,8 +58,10 @@ def _linear(module) -> Optional[_Linear]:
 class CpuDecoderLayer:
     """One decoder layer bound for ``pq_decoder_layer``; ``bind`` says None where it cannot."""
 
-    def __init__(self, layer, desc: _Layer, keep: list):
-        self.attn, self.desc, self._keep = layer.self_attn, desc, keep  # keep: what desc points to
+    def __init__(self, desc: _Layer):
+        # desc points into the layer's own tensors and bound parts, which outlive it (the
+        # model binds again after loading new weights)
+        self.desc = desc
 
     @classmethod
     def bind(cls, layer) -> Optional["CpuDecoderLayer"]:
@@ -78,7 +80,7 @@ class CpuDecoderLayer:
             _ptr(layer.input_layernorm.weight), _ptr(qn.weight if qn else None),
             _ptr(kn.weight if kn else None), _ptr(post_attn.weight if post_attn else None),
             _ptr(ff.weight), _ptr(post_ff.weight if post_ff else None), *linears)
-        return cls(layer, desc, [linears])
+        return cls(desc)
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
