@@ -22,6 +22,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # GGUF general.architecture -> HF architecture name.
@@ -30,6 +31,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 # The longest context PocketLLM budgets for when the caller names none; a
@@ -42,7 +44,7 @@ class ModelInfo:
     path: str  # checkpoint directory, or the .gguf file
     format: str  # "safetensors" | "gguf" | "dummy"
     architecture: str  # HF class name, e.g. "Gemma3ForCausalLM"
-    family: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3_moe"
     hf_config: dict  # config.json keys (for GGUF: translated from its metadata)
     vocab_size: int
     max_model_len: int
@@ -240,7 +242,8 @@ def gguf_to_hf_config(garch: str, meta: dict) -> dict:
         "model_type": garch if garch != "gemma3" else "gemma3_text",
         "hidden_size": hidden,
         "num_hidden_layers": int(g("block_count")),
-        "intermediate_size": int(g("feed_forward_length")),
+        # an all-MoE GGUF (qwen3moe) may carry no dense width
+        "intermediate_size": int(g("feed_forward_length", g("expert_feed_forward_length", 0))),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(g("attention.head_count_kv", n_heads)),
         "head_dim": int(g("attention.key_length", hidden // n_heads)),
@@ -256,10 +259,26 @@ def gguf_to_hf_config(garch: str, meta: dict) -> dict:
     if garch == "gemma3":
         cfg["sliding_window"] = int(g("attention.sliding_window", 4096))
         cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    if garch == "qwen3moe":
+        _gguf_moe_config(cfg, g)
     scaling_type = g("rope.scaling.type")
     if scaling_type in ("linear", "yarn"):
         cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(g("rope.scaling.factor"))}
     return cfg
+
+
+def _gguf_moe_config(cfg: dict, g) -> None:
+    """Qwen3-MoE's expert keys. llama.cpp always renormalises the chosen experts' weights
+    for qwen3moe (and writes no key for it), so norm_topk_prob is true unless said."""
+    def need(key: str) -> int:
+        if g(key) is None:
+            raise CheckpointError(f"GGUF qwen3moe file lacks the metadata key qwen3moe.{key}")
+        return int(g(key))
+
+    cfg.update(model_type="qwen3_moe", num_experts=need("expert_count"),
+               num_experts_per_tok=need("expert_used_count"),
+               moe_intermediate_size=need("expert_feed_forward_length"),
+               norm_topk_prob=bool(g("expert_weights_norm", True)))
 
 
 # ------------------------------------------------------------------ EOS

@@ -1,7 +1,7 @@
 """Tiny random HF checkpoints (with a real tokenizer) for tests, plus a hand scheduler.
 
 ``make_tiny_checkpoint(family, path)`` writes a transformers model of the family
-("llama", "qwen2", "qwen3", "gemma3") with random weights, a byte-level BPE
+("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
 
@@ -52,6 +52,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
                   tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, head_dim=32,
                   rope_theta=1e6, tie_word_embeddings=False),
+    # 8 experts, 2 per token, renormalised; layer 1 keeps a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=3, head_dim=32,
+                      rope_theta=1e6, tie_word_embeddings=False, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
     # Two sliding layers (window 8) and one global layer, with Gemma's own scalars.
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -90,7 +95,8 @@ def _build(family: str, path: str, overrides: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
-    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                  "qwen3_moe": "qwen3_moe"}
     config = AutoConfig.for_model(model_type[family], **cfg_dict)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

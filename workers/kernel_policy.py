@@ -7,6 +7,8 @@ Default mode, tuned for speed:
 - attention is ``TritonAttention`` on CUDA: decode splits chosen from the batch,
   SDPA for a lone long fresh prompt; the torch reference on CPU;
 - the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
+- routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
+  expert (``kernels/fused_moe.py``); the torch reference on CPU (``moe_experts``);
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
@@ -105,6 +107,20 @@ class KernelPolicy:
             return linear(x, weight, bias, out_dtype)
         y = F.linear(x, weight, bias)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+    def moe_experts(self):
+        """The experts' computation of ``layers/moe.FusedMoE`` (its signature is
+        ``torch_experts``'): on the GPU path the Triton grouped GEMM of
+        ``kernels/fused_moe.py`` (tokens sorted by expert into block-aligned groups, one
+        launch for gate/up and the activation, one for down; its tile fixed in
+        batch-invariant mode), else the torch reference, one product per expert hit."""
+        if not self.triton:
+            from .layers.moe import torch_experts
+
+            return torch_experts
+        from .kernels.fused_moe import fused_experts, fused_experts_fixed_tile
+
+        return fused_experts_fixed_tile if self.batch_invariant else fused_experts
 
     def attention_backend(self):
         if not self.triton:

@@ -12,6 +12,8 @@
 |                            | before it, the rotary after q/k/v)                |
 | ``bi_matmul``              | ``F.linear``, each row as in any other batch      |
 |                            | (the batch-invariant mode)                        |
+| ``fused_moe``              | ``layers.moe.torch_experts`` (routed experts:     |
+|                            | a grouped GEMM, one launch for all experts)       |
 
 ``attention_backend.TritonAttention`` puts the first three behind the
 ``AttentionBackend`` interface; ``bench`` checks and times them all on a GPU

@@ -67,6 +67,8 @@ class CpuDecoderLayer:
     def bind(cls, layer) -> Optional["CpuDecoderLayer"]:
         attn, mlp = layer.self_attn, layer.mlp
         norms = layer.mlp_norms()
+        if norms is None:  # a family with no fused form (an MoE layer has no gate_up_proj)
+            return None
         linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if (norms is None or None in linears or mlp.hidden_act not in cpu_ops.ACTIVATIONS
                 or attn.o_proj.tp.world != 1):

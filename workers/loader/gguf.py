@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
@@ -63,6 +63,13 @@ _GEMMA3_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# Qwen3-MoE: the router, and every expert's matrix of a layer stacked in one 3-D tensor
+# [E, rows, cols], which is split here into HF's per-expert tensors (views, not copies).
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
+_EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+
 # Tensors llama.cpp derives from the config and HF does not store as parameters.
 # rope_freqs holds Llama 3.1's rope scaling factors; the HF model recomputes them
 # from config["rope_scaling"].
@@ -76,11 +83,34 @@ def hf_name(gguf_name: str, family: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_NAME.fullmatch(gguf_name)
-    names = _GEMMA3_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+    names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3_moe": _MOE_LAYER_NAMES}.get(family,
+                                                                            _LAYER_NAMES)
     if m is None or m.group(2) not in names:
         raise CheckpointError(f"GGUF tensor {gguf_name!r} is not part of a {family} model")
     layer, part, kind = m.groups()
     return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def expert_tensors(gguf_name: str, w: "torch.Tensor | BlockTensor"
+                   ) -> Optional[list[tuple[str, "torch.Tensor | BlockTensor"]]]:
+    """A stacked expert tensor split into (HF name, one expert's matrix); None if
+    ``gguf_name`` is not one."""
+    m = _EXPERTS.fullmatch(gguf_name)
+    if m is None:
+        return None
+    layer, part = m.groups()
+    if len(w.shape) != 3:
+        raise CheckpointError(f"GGUF tensor {gguf_name!r} has shape {tuple(w.shape)}, "
+                              "expected [experts, rows, cols]")
+    experts, rows = w.shape[0], w.shape[1]
+    prefix = f"model.layers.{layer}.mlp.experts."
+    suffix = f".{_EXPERT_NAMES[part]}.weight"
+    if isinstance(w, BlockTensor):
+        return [(f"{prefix}{e}{suffix}", BlockTensor(w.ggml_type, tuple(w.shape[1:]),
+                                                      w.blocks[e * rows:(e + 1) * rows],
+                                                      f"{w.name}[{e}]"))
+                for e in range(experts)]
+    return [(f"{prefix}{e}{suffix}", w[e]) for e in range(experts)]
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -131,8 +161,19 @@ def _unpermuted(w: "torch.Tensor | BlockTensor", n_heads: int) -> "torch.Tensor 
 def gguf_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
     """HF name -> GGML type of every block-quantized tensor of the file (before any read)."""
     header = read_gguf_header(path)
-    return {hf_name(name, info.family): t.ggml_type for name, t in header.tensors.items()
-            if name not in _DERIVED and t.ggml_type not in FLOAT_TYPES}
+    types = {}
+    for name, t in header.tensors.items():
+        if name in _DERIVED or t.ggml_type in FLOAT_TYPES:
+            continue
+        m = _EXPERTS.fullmatch(name)
+        if m is None:
+            types[hf_name(name, info.family)] = t.ggml_type
+            continue
+        experts = t.shape[-1]  # GGUF lists the expert dimension last
+        part = _EXPERT_NAMES[m.group(2)]
+        types.update({f"model.layers.{m.group(1)}.mlp.experts.{e}.{part}.weight": t.ggml_type
+                      for e in range(experts)})
+    return types
 
 
 def load_gguf_weights(path: str, info: "ModelInfo"
@@ -150,6 +191,9 @@ def load_gguf_weights(path: str, info: "ModelInfo"
         if gguf_name in _DERIVED:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
                            path, gguf_name)
+            continue
+        if _EXPERTS.fullmatch(gguf_name):
+            yield from expert_tensors(gguf_name, _read_tensor(data, t, path))
             continue
         name = hf_name(gguf_name, family)
         w = _read_tensor(data, t, path)

@@ -49,9 +49,9 @@ def check_tensor_parallel(cfg: ArchConfig, world: int) -> None:
     if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} neither divides nor is "
                         f"divisible by tensor_parallel_size={world}")
-    if cfg.intermediate_size % world:
-        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by "
-                        f"tensor_parallel_size={world}")
+    for key, size in cfg.tp_splits().items():  # the MLP widths split across ranks
+        if size % world:
+            problems.append(f"{key}={size} is not divisible by tensor_parallel_size={world}")
     if problems:
         raise UnsupportedFeatureError(
             f"{cfg.architecture} cannot be split across {world} tensor-parallel ranks: "
@@ -158,6 +158,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._down(self.gate_up_proj(x))
+
+    def weight_targets(self, prefix: str) -> dict[str, "WeightTarget"]:
+        """HF name (under ``prefix``, e.g. ``model.layers.3.mlp.``) -> its place here."""
+        t: dict[str, WeightTarget] = {}
+        _stacked_targets(t, prefix, ("gate_proj", "up_proj"), self.gate_up_proj)
+        _row_parallel_targets(t, f"{prefix}down_proj.", self.down_proj)
+        return t
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,8 +372,7 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None:
                 t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            _stacked_targets(t, f"{p}mlp.", ("gate_proj", "up_proj"), mlp.gate_up_proj)
-            _row_parallel_targets(t, f"{p}mlp.down_proj.", mlp.down_proj)
+            t.update(mlp.weight_targets(f"{p}mlp."))
             for norm in layer.norm_names:
                 t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)
         return t

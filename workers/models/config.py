@@ -43,6 +43,10 @@ class ArchConfig:
     # dummy quantizations); absent: a float type. Layers choose their storage from it.
     weight_types: dict[str, int] = field(default_factory=dict)
 
+    def tp_splits(self) -> dict[str, int]:
+        """Config key -> an MLP width that tensor parallelism splits evenly across ranks."""
+        return {"intermediate_size": self.intermediate_size}
+
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
@@ -100,3 +104,46 @@ def rope_params(hf: dict, kind: Optional[str], default_theta: float,
     params.setdefault("rope_theta", get(hf, theta_key, default_theta))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The routed experts of an MoE family's sparse layers (``layers/moe.FusedMoE``)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's, before the tensor-parallel split
+    hidden_act: str = "silu"
+    norm_topk_prob: bool = False  # renormalise the k chosen weights to sum to 1
+
+
+@dataclass
+class MoeArchConfig(ArchConfig):
+    """An ArchConfig whose layers ``sparse_layers[i]`` route to experts; the others keep
+    a dense MLP of ``intermediate_size``."""
+
+    moe: Optional[MoeSpec] = None
+    sparse_layers: list[bool] = field(default_factory=list)
+
+    def tp_splits(self) -> dict[str, int]:
+        splits = {}
+        if not all(self.sparse_layers):
+            splits["intermediate_size"] = self.intermediate_size
+        if any(self.sparse_layers):
+            splits["moe_intermediate_size"] = self.moe.intermediate_size
+        return splits
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.sparse_layers) != self.num_layers:
+            raise CheckpointError(f"config: {len(self.sparse_layers)} MoE layer flags for "
+                                  f"{self.num_layers} layers")
+        if any(self.sparse_layers):
+            m = self.moe
+            for name in ("num_experts", "top_k", "intermediate_size"):
+                if not isinstance(getattr(m, name), int) or getattr(m, name) < 1:
+                    raise CheckpointError(f"config: MoE {name}={getattr(m, name)!r} must be "
+                                          "a positive integer")
+            if m.top_k > m.num_experts:
+                raise CheckpointError(f"config: num_experts_per_tok={m.top_k} exceeds "
+                                      f"num_experts={m.num_experts}")

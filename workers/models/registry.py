@@ -15,6 +15,7 @@ from .base import CausalLM
 from .config import ArchConfig
 from .gemma3 import Gemma3ForCausalLM, gemma3_arch_config
 from .llama import LlamaForCausalLM, llama_arch_config
+from .qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_arch_config
 
 ConfigParser = Callable[[dict, str], ArchConfig]
 
@@ -25,6 +26,7 @@ MODELS: dict[str, tuple[type[CausalLM], ConfigParser]] = {
     "Qwen3ForCausalLM": (LlamaForCausalLM, llama_arch_config),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, gemma3_arch_config),
     "Gemma3ForConditionalGeneration": (Gemma3ForCausalLM, gemma3_arch_config),
+    "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, qwen3_moe_arch_config),
 }
 
 

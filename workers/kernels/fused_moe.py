@@ -1,0 +1,165 @@
+"""Routed experts on the GPU: a grouped GEMM, one launch for every expert.
+
+Reference: ``layers.moe.torch_experts``.
+
+A step's T*k (token, expert) pairs are sorted by expert and each expert's group padded
+to a multiple of BLOCK_M (``align``), so every tile of BLOCK_M sorted rows belongs to
+one expert: a program reads its tile's expert and multiplies the tile's rows by that
+expert's matrix. Padding slots hold the sentinel T*k and are masked off. The layout's
+size depends on the token count alone (the worst case: every expert's group one row
+past a tile), and tiles past the real end return at once, so nothing is read back to
+the host and a step replays under CUDA graphs.
+
+Launch 1 (gated): each pair's token row times its expert's gate and up columns, both
+accumulated in the same program, ``act(gate) * up`` stored per pair [T*k, I]. Launch 2:
+those rows times the expert's down matrix, scaled by the pair's routing weight
+[T*k, H]. A token's k rows are then summed (a fixed order: no atomics).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pocketllm.errors import UnsupportedFeatureError
+
+from .gated_act import KERNEL_ACTIVATIONS, activate
+
+
+@triton.jit
+def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale,
+              num_pairs, n_out, k_in, a_div, w_half,
+              stride_am, stride_we, stride_wn, stride_om,
+              GATED: tl.constexpr, ACT: tl.constexpr, SCALE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumRows):
+        return  # past the last expert's group: the layout's spare tiles
+    expert = tl.load(TileExpert + pid_m).to(tl.int64)
+    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    a_rows = (pairs // a_div).to(tl.int64)  # gated: a pair reads its token's row
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = A + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptr = W + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = offs_k + k0 < k_in
+        a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = col_ok[None, :] & k_ok[:, None]
+        acc = tl.dot(a, tl.load(w_ptr, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+        if GATED:  # the up columns sit w_half rows below the gate columns
+            w_up = tl.load(w_ptr + w_half * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if GATED:
+        acc = activate(acc, ACT) * acc_up
+    if SCALE:
+        acc = acc * tl.load(Scale + pairs, mask=valid, other=0.0)[:, None]
+    out = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the aligned layout: each expert hit adds at most block_m - 1 padding rows."""
+    rows = pairs + min(num_experts, pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs int32 [R]: pair indices grouped by expert, each group
+    padded to a multiple of block_m with the sentinel T*k; tile_expert int32 [R/block_m];
+    num_rows int32 [1]: the padded rows in use). Device ops only (graph-capturable)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start, unpadded
+    slot = (ends - padded)[expert] + torch.arange(pairs, device=device) - first[expert]
+    rows = capacity(pairs, num_experts, block_m)
+    sorted_pairs = torch.full((rows,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, slot, order.to(torch.int32))
+    starts = torch.arange(0, rows, block_m, device=device)
+    tile_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, tile_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def tiles(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype
+          ) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): tall tiles once experts get many rows (prefill), short
+    ones for decode, where a tile holds one or two real rows and the weights dominate."""
+    per_expert = pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    block_n = _pow2(n, 16, 64 if block_m == 64 else 32)
+    block_k = _pow2(k, 16, 32 if dtype == torch.float32 else 128 if block_m <= 32 else 64)
+    return block_m, block_n, block_k
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, hidden_act: str,
+                  block: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """``torch_experts``' contract: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights
+    [T, k] float32; ids [T, k] -> [T, H]. ``block``: (BLOCK_M, BLOCK_N, BLOCK_K) for
+    both launches (default: ``tiles``)."""
+    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    if act is None:
+        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    pairs = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("expert weights must be contiguous")
+    x = x.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    bm, bn1, bk1 = block or tiles(pairs, num_experts, inter, hidden, x.dtype)
+    _, bn2, bk2 = block or tiles(pairs, num_experts, hidden, inter, x.dtype)
+    sorted_pairs, tile_expert, num_rows = align(ids, num_experts, bm)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    inner = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    grid_m = tile_expert.numel()
+    _moe_gemm[(grid_m, triton.cdiv(inter, bn1))](
+        x, w13, inner, sorted_pairs, tile_expert, num_rows, weights,
+        pairs, inter, hidden, top_k, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), inner.stride(0),
+        GATED=True, ACT=act, SCALE=False, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
+        PRECISION=precision, num_warps=4)
+    rows = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm[(grid_m, triton.cdiv(hidden, bn2))](
+        inner, w2, rows, sorted_pairs, tile_expert, num_rows, weights,
+        pairs, hidden, inter, 1, 0,
+        inner.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+        GATED=False, ACT=act, SCALE=True, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2,
+        PRECISION=precision, num_warps=4)
+    return rows.view(tokens, top_k, hidden).sum(dim=1)
+
+
+FIXED_TILE = (16, 32, 32)
+
+
+def fused_experts_fixed_tile(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                             weights: torch.Tensor, ids: torch.Tensor, hidden_act: str
+                             ) -> torch.Tensor:
+    """The batch-invariant mode's: one tile whatever the batch, so a row's products are
+    computed the same way in any step."""
+    return fused_experts(x, w13, w2, weights, ids, hidden_act, block=FIXED_TILE)

@@ -1,0 +1,139 @@
+"""Mixture-of-experts: routing, and the experts' computation over the routed tokens.
+
+The seam every MoE family shares (Qwen3-MoE now; DeepSeek-V3's routed experts and
+gpt-oss next):
+
+* a **routing function** turns router logits [T, E] into ``(weights [T, k] float32,
+  ids [T, k])``. ``softmax_topk`` is Qwen's (optionally renormalised over the k
+  chosen); a family with another rule (DeepSeek's grouped sigmoid top-k with a bias)
+  passes its own function to ``FusedMoE``;
+* ``FusedMoE`` holds every expert's gate/up and down matrices stacked
+  (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]) and computes
+  ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts.
+  Which kernel does that is the kernel policy's call (``KernelPolicy.moe_experts``):
+  ``torch_experts`` below (the CPU path and the reference) or the Triton grouped GEMM
+  of ``kernels/fused_moe.py`` on CUDA.
+
+Tensor parallelism splits each expert's intermediate dimension across ranks, as the
+dense MLP splits its own (column-parallel gate/up, row-parallel down), so one
+all-reduce follows the down projection; ``reduce=False`` leaves it to the caller (a
+family with shared experts sums both first and reduces once). Every rank holds every
+expert: expert parallelism (a slice of the experts per rank, tokens exchanged
+all-to-all) would narrow ``experts`` below and is not built.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import SINGLE, TPGroup
+from ..kernel_policy import policy_for
+from .activation import act_and_mul, get_activation
+from .linear import Shard, even_shard
+from ..models.config import MoeSpec
+
+Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def softmax_topk(renormalize: bool) -> Routing:
+    """Softmax over all experts in float32, keep the k largest; ``renormalize`` (HF
+    ``norm_topk_prob``): divide those k by their sum."""
+
+    def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    return route
+
+
+def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """The reference: rows sorted by expert, one pair of products per expert that received
+    any (no per-token loop), each row scaled by its routing weight, summed per token.
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k] float32; ids [T, k] -> [T, H]."""
+    tokens, k = ids.shape
+    act = get_activation(hidden_act)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: a token's rows keep expert order
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token_of = order // k
+    rows = torch.empty(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)
+    picked = x[token_of]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        part = slice(start, start + count)
+        h = act_and_mul(act, F.linear(picked[part], w13[expert]))
+        rows[part] = F.linear(h, w2[expert])
+        start += count
+    # Scaled in the model dtype and added in expert order, as transformers does.
+    rows *= weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+    return torch.zeros(tokens, w2.shape[1], dtype=x.dtype, device=x.device).index_add_(
+        0, token_of, rows)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one layer: a replicated router and the stacked expert weights,
+    each expert's intermediate columns split across ranks."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, routing: Routing,
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
+        super().__init__()
+        if spec.top_k > spec.num_experts or spec.top_k < 1:
+            raise ValueError(f"num_experts_per_tok={spec.top_k} must be in "
+                             f"[1, num_experts={spec.num_experts}]")
+        get_activation(spec.hidden_act)  # refuses an unknown activation now
+        self.spec, self.routing, self.tp = spec, routing, tp
+        self.inter: Shard = even_shard(spec.intermediate_size, tp)
+        local = self.inter.size
+        e = spec.num_experts
+
+        def param(*shape):  # filled by a loader
+            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype),
+                                requires_grad=False)
+
+        self.gate = param(e, hidden_size)  # the router, HF ``mlp.gate.weight``
+        self.w13 = param(e, 2 * local, hidden_size)
+        self.w2 = param(e, hidden_size, local)
+        self.policy = policy_for(device)
+        self.compute = self.policy.moe_experts()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.routing(self.policy.linear(x, self.gate), self.spec.top_k)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.compute(x, self.w13, self.w2, weights, ids, self.spec.hidden_act)
+        return self.tp.all_reduce(out) if reduce else out
+
+    def weight_targets(self, prefix: str) -> dict:
+        """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``)
+        -> their places in the stacked tensors: one checkpoint tensor at a time, so a
+        loader never holds more than one expert's matrix."""
+        from ..models.base import WeightTarget
+
+        local, part = self.inter.size, None if self.inter.whole else self.inter
+        down = None if self.inter.whole else Shard(1, self.inter.start, self.inter.stop,
+                                                   self.inter.full)
+        t = {f"{prefix}gate.weight": WeightTarget(self.gate)}
+        for e in range(self.spec.num_experts):
+            p = f"{prefix}experts.{e}."
+            t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local), shard=part)
+            t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
+                                                   shard=part)
+            t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
+        return t
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"experts={s.num_experts}, top_k={s.top_k}, intermediate={self.inter.size}"
+                f"/{s.intermediate_size}, act={s.hidden_act}")
