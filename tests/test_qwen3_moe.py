@@ -1,0 +1,380 @@
+"""Qwen3-MoE on the torch path against transformers, on a tiny random checkpoint saved by
+transformers (8 experts, top-2 renormalised; layers 0 and 2 route to experts, layer 1 keeps
+a dense MLP through mlp_only_layers): greedy tokens and log probabilities, with chunked
+prefill, a prefix-cache hit and preemption; through the engine; at TP=2 over gloo; the
+MoE layer against a naive per-token loop; config refusals; GGUF qwen3moe."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pocketllm import LLM, EngineArgs, SamplingParams  # noqa: E402
+from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E402
+from pocketllm.model_info import load_model_info  # noqa: E402
+from pocketllm.proto.messages import NewRequestData, SamplingSpec, StepPlan  # noqa: E402
+from pocketllm.workers.distributed import TPGroup  # noqa: E402
+from pocketllm.workers.layers.activation import get_activation  # noqa: E402
+from pocketllm.workers.layers.moe import FusedMoE, softmax_topk, torch_experts  # noqa: E402
+from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noqa: E402
+from pocketllm.workers.models.config import MoeSpec  # noqa: E402
+from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E402
+from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
+from tiny_checkpoints import PlanDriver, make_tiny_checkpoint  # noqa: E402
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    return make_tiny_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("qwen3-moe")))
+
+
+@pytest.fixture(scope="module")
+def reference(moe_path):
+    return hf_greedy(moe_path, PROMPT, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def runner(moe_path):
+    return make_runner(moe_path)
+
+
+def run(runner, prompts: dict, new_tokens=NEW_TOKENS, chunk=None, preempt_after=None):
+    driver = PlanDriver(runner, chunk=chunk, shuffle_blocks=1)
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt, GREEDY_LP, new_tokens)
+    if preempt_after is not None:
+        for _ in range(preempt_after):
+            driver.step_once()
+        driver.preempt(next(iter(prompts)))  # drops its KV: recomputed from its tokens
+    return driver.run(), driver
+
+
+def assert_matches(tokens, logprobs, reference):
+    ref_tokens, ref_logprobs = reference
+    assert tokens == ref_tokens
+    for step, lp in enumerate(logprobs):
+        ref = ref_logprobs[step]
+        assert lp.logprob == pytest.approx(ref[tokens[step]].item(), abs=LOGPROB_TOL)
+        top_vals, top_ids = ref.topk(5)
+        assert lp.top_token_ids == top_ids.tolist()
+        assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=LOGPROB_TOL)
+
+
+def test_sparse_and_dense_layers_follow_the_config(runner):
+    kinds = [type(layer.mlp) for layer in runner.model.layers]
+    assert kinds == [FusedMoE, GatedMLP, FusedMoE]  # mlp_only_layers=[1]
+    moe = runner.model.layers[0].mlp
+    assert moe.w13.shape == (8, 2 * 64, 64) and moe.w2.shape == (8, 64, 64)
+    assert moe.compute is torch_experts  # the CPU path
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(runner, reference):
+    out, driver = run(runner, {"r": PROMPT})
+    assert len(set(out["r"])) > 3, "a degenerate reference would prove little"
+    assert_matches(out["r"], driver.reqs["r"].logprobs, reference)
+
+
+@pytest.mark.parametrize("chunk, preempt_after", [(5, None), (3, None), (None, 6), (7, 9)])
+def test_chunked_prefill_and_preemption_keep_the_tokens(runner, reference, chunk, preempt_after):
+    out, driver = run(runner, {"r": PROMPT}, chunk=chunk, preempt_after=preempt_after)
+    assert_matches(out["r"], driver.reqs["r"].logprobs, reference)
+
+
+def test_prefix_cache_hit_computes_only_the_rest(runner, moe_path):
+    """A second request whose first two blocks the first one wrote computes only the rest."""
+    other = [random.Random(11).randrange(3, 512) for _ in range(9)]
+    tokens = PROMPT[:8] + other
+    ref_tokens, _ = hf_greedy(moe_path, tokens, 1)
+    shared = [40, 41]  # block_size 4: positions 0..7 of both requests
+    first = StepPlan(step_id=0, new_requests=[
+        NewRequestData("a", PROMPT, shared + [50, 51, 52, 53], 0, GREEDY_LP)],
+        num_scheduled_tokens=[len(PROMPT)])
+    assert runner.execute(first).error is None
+    plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
+        NewRequestData("b", tokens, shared + [60, 61, 62], 8, GREEDY_LP)],
+        num_scheduled_tokens=[len(tokens) - 8])
+    result = runner.execute(plan)
+    assert result.error is None and result.token_ids == ref_tokens
+    runner.execute(StepPlan(step_id=2, finished_request_ids=["b"]))
+
+
+def test_batched_requests_equal_each_alone(runner):
+    prompts = {f"p{i}": [random.Random(20 + i).randrange(3, 512) for _ in range(n)]
+               for i, n in enumerate((3, 11, 26))}
+    alone = {rid: run(runner, {rid: p}, new_tokens=10)[0][rid] for rid, p in prompts.items()}
+    assert run(runner, prompts, new_tokens=10, chunk=6)[0] == alone
+
+
+def test_engine_with_prefix_caching_chunked_prefill_and_preemption(moe_path, runner):
+    """The scheduler's own paths (a KV cache too small for the batch, shared prefixes, an
+    8-token step budget): every output equals that request's alone."""
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 512) for _ in range(12)]
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 15))]
+               if i % 2 else [rng.randrange(3, 512) for _ in range(rng.randrange(4, 25))]
+               for i in range(8)]
+    alone = [run(runner, {"x": p}, new_tokens=24)[0]["x"] for p in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    from pocketllm.bench.throughput import settled_stats
+
+    with LLM(EngineArgs(model=moe_path, device="cpu", block_size=4, num_kv_blocks=24,
+                        max_num_batched_tokens=8, enable_prefix_caching=True,
+                        enable_chunked_prefill=True, shutdown_timeout=3)) as llm:
+        outs = llm.generate(prompts, params)
+        stats = settled_stats(llm)
+    assert [o.token_ids for o in outs] == alone
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0  # both were exercised
+
+
+def test_tp2_over_gloo_equals_one_rank(moe_path, runner):
+    prompts = [[2] + [random.Random(i).randrange(3, 512) for _ in range(n)]
+               for i, n in enumerate((5, 19))]
+    ref = []
+    for p in prompts:
+        out, driver = run(runner, {"x": p}, new_tokens=12)
+        ref.append((out["x"], [lp.logprob for lp in driver.reqs["x"].logprobs]))
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+    with LLM(EngineArgs(model=moe_path, tensor_parallel_size=2, device="cpu",
+                        max_num_batched_tokens=8, shutdown_timeout=3)) as llm:
+        assert llm.engine_caps().tensor_parallel_size == 2
+        outs = llm.generate(prompts, params)
+    for out, (tokens, logprobs) in zip(outs, ref):
+        assert out.token_ids == tokens
+        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) < LOGPROB_TOL
+
+
+# ---------------------------------------------------------------------- the MoE layer
+
+
+def naive_experts(x, w13, w2, weights, ids, act_name):
+    """One token and one chosen expert at a time: the definition."""
+    act = get_activation(act_name)
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t]
+            out[t] += weights[t, j] * (w2[e] @ (act(h[:inter]) * h[inter:]))
+    return out
+
+
+def random_experts(tokens, experts=6, top_k=3, hidden=24, inter=20, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    return x, w13, w2, logits
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 9, 40])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_torch_experts_equal_a_naive_per_token_loop(tokens, act):
+    x, w13, w2, logits = random_experts(tokens, seed=tokens)
+    weights, ids = softmax_topk(True)(logits, 3)
+    torch.testing.assert_close(torch_experts(x, w13, w2, weights, ids, act),
+                               naive_experts(x, w13, w2, weights, ids, act),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_softmax_topk_renormalises_only_when_asked():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 0.0, 1.0]])
+    probs = torch.softmax(logits, -1)
+    raw, ids = softmax_topk(False)(logits, 2)
+    assert ids.tolist() == [[0, 1], [1, 3]]
+    torch.testing.assert_close(raw, probs.gather(1, ids))
+    normed, same = softmax_topk(True)(logits, 2)
+    assert torch.equal(same, ids) and raw.dtype == normed.dtype == torch.float32
+    torch.testing.assert_close(normed, raw / raw.sum(-1, keepdim=True))
+
+
+def _moe_layer(spec, rank, world, state):
+    layer = FusedMoE(24, spec, softmax_topk(spec.norm_topk_prob), torch.device("cpu"),
+                     torch.float32, TPGroup(rank, world))
+    with torch.no_grad():
+        for name, target in layer.weight_targets("mlp.").items():
+            value = state[name] if target.shard is None else target.shard.take(state[name])
+            target.dest.copy_(value)
+    return layer
+
+
+def test_tensor_parallel_parts_sum_to_the_whole_layer():
+    """Each rank holds its slice of every expert's intermediate columns; the ranks' partial
+    outputs (before the all-reduce) sum to one rank's, which equals the definition."""
+    spec = MoeSpec(num_experts=6, top_k=2, intermediate_size=20, norm_topk_prob=False)
+    gen = torch.Generator().manual_seed(3)
+    state = {"mlp.gate.weight": torch.randn(6, 24, generator=gen)}
+    for e in range(6):
+        for proj, shape in (("gate_proj", (20, 24)), ("up_proj", (20, 24)),
+                            ("down_proj", (24, 20))):
+            state[f"mlp.experts.{e}.{proj}.weight"] = torch.randn(*shape, generator=gen)
+    x = torch.randn(7, 24, generator=gen)
+    whole = _moe_layer(spec, 0, 1, state)
+    with torch.no_grad():
+        full = whole(x)
+        parts = sum(_moe_layer(spec, r, 2, state)(x, reduce=False) for r in range(2))
+        weights, ids = whole.route(x)
+    torch.testing.assert_close(parts, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full, naive_experts(x, whole.w13, whole.w2, weights, ids, "silu"),
+                               atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- config
+
+
+BASE = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def test_decoder_sparse_step_and_mlp_only_layers():
+    cfg = qwen3_moe_arch_config({**BASE, "decoder_sparse_step": 2}, "Qwen3MoeForCausalLM")
+    assert cfg.sparse_layers == [False, True, False, True]
+    cfg = qwen3_moe_arch_config({**BASE, "mlp_only_layers": [0, 3]}, "Qwen3MoeForCausalLM")
+    assert cfg.sparse_layers == [False, True, True, False]
+    # transformers writes num_local_experts for num_experts
+    hf = {k: v for k, v in BASE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert qwen3_moe_arch_config(hf, "Qwen3MoeForCausalLM").moe.num_experts == 4
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_experts=8"),
+    ({"moe_intermediate_size": 0}, "intermediate_size=0"),
+])
+def test_bad_moe_configs_are_refused(overrides, match):
+    with pytest.raises(CheckpointError, match=match):
+        qwen3_moe_arch_config({**BASE, **overrides}, "Qwen3MoeForCausalLM").validate()
+
+
+def test_experts_that_do_not_split_are_refused():
+    cfg = qwen3_moe_arch_config({**BASE, "moe_intermediate_size": 66}, "Qwen3MoeForCausalLM")
+    with pytest.raises(UnsupportedFeatureError, match="moe_intermediate_size=66 is not "
+                                                      "divisible by tensor_parallel_size=4"):
+        check_tensor_parallel(cfg, 4)
+    # with no dense layer, the dense width need not split
+    cfg = qwen3_moe_arch_config({**BASE, "intermediate_size": 6}, "Qwen3MoeForCausalLM")
+    check_tensor_parallel(cfg, 4)
+
+
+# ---------------------------------------------------------------------- GGUF
+
+
+def write_qwen3moe_gguf(path: str, model, expert_type) -> None:
+    """``model`` as llama.cpp's converter writes a qwen3moe file: each layer's experts
+    stacked in one [E, rows, cols] tensor per projection, the router as ffn_gate_inp."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(1e6)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types([1] * cfg.vocab_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    inter = cfg.moe_intermediate_size
+    for name, value in model.state_dict().items():
+        value = value.numpy().astype(np.float32)
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            if rest == "mlp.experts.gate_up_proj":  # transformers keeps [E, 2I, H]
+                for part, rows in (("gate", value[:, :inter]), ("up", value[:, inter:])):
+                    data = gguf.quants.quantize(np.ascontiguousarray(rows), expert_type)
+                    w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data, raw_dtype=expert_type)
+                continue
+            if rest == "mlp.experts.down_proj":
+                data = gguf.quants.quantize(value, expert_type)
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data, raw_dtype=expert_type)
+                continue
+            part, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{names[part]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, value, raw_dtype=gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def sparse_path(tmp_path_factory) -> str:
+    """Every layer routed to experts, as llama.cpp's qwen3moe requires (and its files carry
+    no mlp_only_layers)."""
+    return make_tiny_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("all-sparse")),
+                                overrides={"mlp_only_layers": []})
+
+
+@pytest.fixture(scope="module")
+def hf_moe(sparse_path):
+    return transformers.AutoModelForCausalLM.from_pretrained(sparse_path, dtype=torch.float32)
+
+
+def test_gguf_qwen3moe_in_float_gives_transformers_tokens(hf_moe, sparse_path, tmp_path):
+    reference = hf_greedy(sparse_path, PROMPT, NEW_TOKENS)
+    path = str(tmp_path / "tiny-qwen3moe.gguf")
+    write_qwen3moe_gguf(path, hf_moe, 0)  # F32 everywhere
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    info = load_model_info(args)
+    assert info.architecture == "Qwen3MoeForCausalLM" and info.hf_config["norm_topk_prob"]
+    from pocketllm.workers.runner import ModelRunner
+
+    out, driver = run(ModelRunner(info, args), {"r": PROMPT})
+    assert_matches(out["r"], driver.reqs["r"].logprobs, reference)
+
+
+def test_gguf_stacked_quantized_experts_split_per_expert(hf_moe, tmp_path):
+    import gguf
+
+    from pocketllm.workers.loader.block_tensor import BlockTensor
+    from pocketllm.workers.loader.gguf import gguf_block_types, load_gguf_weights
+
+    path = str(tmp_path / "q8.gguf")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_qwen3moe_gguf(path, hf_moe, q8)
+    info = load_model_info(EngineArgs(model=path))
+    types = gguf_block_types(path, info)
+    tensors = dict(load_gguf_weights(path, info))
+    state = hf_moe.state_dict()
+    for layer in range(3):
+        gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
+        down = state[f"model.layers.{layer}.mlp.experts.down_proj"]
+        for e in range(8):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            for proj, want in (("gate_proj", gate_up[e, :64]), ("up_proj", gate_up[e, 64:]),
+                               ("down_proj", down[e])):
+                got = tensors[p + proj + ".weight"]
+                assert isinstance(got, BlockTensor) and types[p + proj + ".weight"] == q8
+                expected = gguf.quants.dequantize(
+                    gguf.quants.quantize(want.numpy(), q8), q8)
+                assert np.array_equal(got.read().numpy(), expected), p + proj
+    assert tensors["model.layers.0.mlp.gate.weight"].shape == (8, 64)  # the router, float
