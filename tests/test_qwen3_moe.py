@@ -235,6 +235,22 @@ BASE = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_
             vocab_size=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
+def test_defaults_match_transformers():
+    ref = transformers.Qwen3MoeConfig()
+    cfg = qwen3_moe_arch_config({"architectures": ["Qwen3MoeForCausalLM"]},
+                                "Qwen3MoeForCausalLM")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+            cfg.num_heads, cfg.num_kv_heads, cfg.max_position_embeddings,
+            cfg.tie_word_embeddings) == (
+        ref.vocab_size, ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers,
+        ref.num_attention_heads, ref.num_key_value_heads, ref.max_position_embeddings,
+        ref.tie_word_embeddings)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size,
+            cfg.moe.norm_topk_prob) == (ref.num_experts, ref.num_experts_per_tok,
+                                        ref.moe_intermediate_size, ref.norm_topk_prob)
+    assert all(cfg.sparse_layers) and set(cfg.layer_windows) == {None} and cfg.qk_norm
+
+
 def test_decoder_sparse_step_and_mlp_only_layers():
     cfg = qwen3_moe_arch_config({**BASE, "decoder_sparse_step": 2}, "Qwen3MoeForCausalLM")
     assert cfg.sparse_layers == [False, True, False, True]
