@@ -73,6 +73,10 @@ def test_sparse_and_dense_layers_follow_the_config(runner):
     moe = runner.model.layers[0].mlp
     assert moe.w13.shape == (8, 2 * 64, 64) and moe.w2.shape == (8, 64, 64)
     assert moe.compute is torch_experts  # the CPU path
+    # the decode roofline counts the 2 experts a token reads, not all 8
+    params = sum(p.numel() for p in runner.model.parameters())
+    unread = 2 * 6 * (2 * 64 * 64 + 64 * 64)  # two sparse layers, 6 experts left unread each
+    assert runner.capabilities().weight_bytes == 4 * (params - unread)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(runner, reference):
@@ -394,3 +398,28 @@ def test_gguf_stacked_quantized_experts_split_per_expert(hf_moe, tmp_path):
                     gguf.quants.quantize(want.numpy(), q8), q8)
                 assert np.array_equal(got.read().numpy(), expected), p + proj
     assert tensors["model.layers.0.mlp.gate.weight"].shape == (8, 64)  # the router, float
+
+
+# ---------------------------------------------------------------------- dummy weights
+
+
+def test_shipped_qwen3_30b_a3b_shape():
+    from pocketllm.workers.models.registry import checkpoint_shapes
+
+    info = load_model_info(EngineArgs(model="qwen3-30b-a3b", load_format="dummy"))
+    shapes = checkpoint_shapes(info)  # built on the meta device: no memory
+    assert shapes["model.layers.47.mlp.gate.weight"] == (128, 2048)
+    assert shapes["model.layers.47.mlp.experts.127.gate_proj.weight"] == (768, 2048)
+    assert shapes["model.layers.0.mlp.experts.0.down_proj.weight"] == (2048, 768)
+    assert not any("mlp.gate_proj" in n for n in shapes)  # every layer sparse
+    experts = sum(n.count(".experts.") for n in shapes)
+    assert experts == 48 * 128 * 3
+
+
+def test_dummy_weights_fill_the_stacked_experts(moe_path):
+    runner = make_runner(moe_path, load_format="dummy")
+    moe = runner.model.layers[2].mlp
+    assert 0.015 < float(moe.w13.std()) < 0.025 and 0.015 < float(moe.w2.std()) < 0.025
+    assert not torch.equal(moe.w13[0], moe.w13[1])  # each expert drawn on its own
+    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
+    assert len(out["r"]) == 4

@@ -31,6 +31,7 @@ from .layers.attention import ScheduledSeq, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
                              uses_output_counts)
 from .layers.block_weight import BlockWeight
+from .layers.moe import FusedMoE
 from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
@@ -224,7 +225,9 @@ class ModelRunner:
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],
             batch_invariant=self.policy.batch_invariant,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters())
-            + sum(m.nbytes() for m in self.model.modules() if isinstance(m, BlockWeight)))
+            + sum(m.nbytes() for m in self.model.modules() if isinstance(m, BlockWeight))
+            # a one-token step reads only the k experts it routes to
+            - sum(m.unread_bytes() for m in self.model.modules() if isinstance(m, FusedMoE)))
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel

@@ -115,6 +115,12 @@ class FusedMoE(nn.Module):
         out = self.compute(x, self.w13, self.w2, weights, ids, self.spec.hidden_act)
         return self.tp.all_reduce(out) if reduce else out
 
+    def unread_bytes(self) -> int:
+        """Bytes of expert weights a one-token step does not read (the E - k experts it
+        did not pick): what the decode roofline leaves out."""
+        per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        return (self.spec.num_experts - self.spec.top_k) * per_expert
+
     def weight_targets(self, prefix: str) -> dict:
         """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``)
         -> their places in the stacked tensors: one checkpoint tensor at a time, so a
