@@ -36,7 +36,7 @@ def test_align_groups_every_pair_once_in_expert_tiles(tokens, block_m):
     sorted_pairs, tile_expert, num_rows = K.fused_moe.align(ids, experts, block_m)
     pairs = tokens * top_k
     assert sorted_pairs.numel() == K.fused_moe.capacity(pairs, experts, block_m)
-    assert sorted_pairs.numel() % block_m == 0 and tile_expert.numel() * block_m == sorted_pairs.numel()
+    assert tile_expert.numel() * block_m == sorted_pairs.numel()
     used = int(num_rows.item())
     assert used % block_m == 0 and used <= sorted_pairs.numel()
     real = sorted_pairs[sorted_pairs < pairs].tolist()

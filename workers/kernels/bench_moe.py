@@ -1,0 +1,102 @@
+"""The MoE grouped GEMM at Qwen3-30B-A3B's expert shapes: error and time against the torch
+reference, and its time against the memory roofline of the experts a step actually reads.
+
+    python -m pocketllm.workers.kernels.bench_moe [--out DIR] [--tune] [--tp N]
+
+CUDA only. ``roofline_ms`` is (bytes of the distinct experts the step's routing hits,
+plus the rows in and out) over the device's copy bandwidth (``device.copy_bandwidth``,
+read + write); ``of_roofline`` is that over the CUDA-graph time. ``--tune`` also times a
+sweep of tiles per case and reports the best (pass it to ``fused_experts(block=)`` or
+change ``fused_moe.tiles``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from ..device import copy_bandwidth
+from ..layers.moe import softmax_topk, torch_experts
+from .bench import BF16, DEV, ROWS, emit, graph_ms, host_us, median_ms, rel_err
+from .fused_moe import fused_experts
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+SWEEP = list(itertools.product((16, 32, 64), (32, 64, 128), (32, 64, 128)))
+
+
+def case(tokens: int, inter: int, seed: int = 0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device=DEV, generator=gen).to(BF16)
+    w13 = (torch.randn(EXPERTS, 2 * inter, HIDDEN, device=DEV, generator=gen)
+           * HIDDEN ** -0.5).to(BF16)
+    w2 = (torch.randn(EXPERTS, HIDDEN, inter, device=DEV, generator=gen) * inter ** -0.5).to(BF16)
+    logits = torch.randn(tokens, EXPERTS, device=DEV, generator=gen)
+    weights, ids = softmax_topk(True)(logits, TOP_K)
+    return x, w13, w2, weights, ids
+
+
+def read_bytes(x, w13, w2, ids) -> int:
+    """Bytes a step must move at least: the experts hit, once each, and the rows."""
+    hit = int(torch.unique(ids).numel())
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return hit * per_expert + 2 * x.numel() * x.element_size()
+
+
+def run(tokens: int, inter: int, bandwidth: float, tune: bool) -> None:
+    x, w13, w2, weights, ids = case(tokens, inter)
+    truth = torch_experts(x.float(), w13.float(), w2.float(), weights, ids, "silu")
+    out = fused_experts(x, w13, w2, weights, ids, "silu")
+    ours = lambda: fused_experts(x, w13, w2, weights, ids, "silu")  # noqa: E731
+    ref = lambda: torch_experts(x, w13, w2, weights, ids, "silu")  # noqa: E731
+    # the reference reads its per-expert counts back to the host: it cannot be captured
+    row = dict(section="moe", case=f"T{tokens} E{EXPERTS} k{TOP_K} H{HIDDEN} I{inter}",
+               eager_ms=median_ms(ours), torch_eager_ms=median_ms(ref), graph_ms=graph_ms(ours),
+               host_us=host_us(ours), err=rel_err(out, truth), torch_err=rel_err(ref(), truth))
+    ROWS.append(row)
+    roof = 1e3 * read_bytes(x, w13, w2, ids) / (bandwidth / 2)  # copy bw counts r + w
+    row.update(roofline_ms=roof, of_roofline=roof / row["graph_ms"])
+    if tune:
+        times = {}
+        for block in SWEEP:
+            try:
+                times[block] = graph_ms(lambda: fused_experts(x, w13, w2, weights, ids, "silu",
+                                                              block=block))
+            except Exception as e:  # a tile too large for the shared memory: skip it
+                print(f"  {block}: {type(e).__name__}", flush=True)
+        best = min(times, key=times.get)
+        row.update(best_block=list(best), best_graph_ms=times[best],
+                   best_of_roofline=roof / times[best])
+    emit(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="split I as N ranks would")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(DEV)
+    print(torch.cuda.get_device_name(), torch.__version__,
+          f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
+    with torch.inference_mode():
+        for tokens in TOKENS:
+            run(tokens, INTER // args.tp, bandwidth, args.tune)
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+    print(f"\n{'case':<36} {'graph':>8} {'eager':>8} {'torch':>8} {'roof':>8} {'of roof':>8} "
+          f"{'err':>8}")
+    for r in ROWS:
+        print(f"{r['case']:<36} {r['graph_ms']:>8.4f} {r['eager_ms']:>8.4f} "
+              f"{r['torch_eager_ms']:>8.4f} "
+              f"{r['roofline_ms']:>8.4f} {r['of_roofline']:>8.0%} {r['err']:>8.1e}"
+              + (f"  best {r['best_block']} {r['best_of_roofline']:.0%}" if "best_block" in r
+                 else ""))
+
+
+if __name__ == "__main__":
+    main()
