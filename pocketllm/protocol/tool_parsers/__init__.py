@@ -11,16 +11,13 @@ from __future__ import annotations
 from typing import Optional
 
 from ...errors import UnsupportedFeatureError
+from ...families import BY_NAME
 from .base import (Delta, HeldCallStream, IdFactory, ParsedToolCalls, ToolCall, ToolParser,
                    ToolStreamParser, new_call_id, tool_schemas)
 from .hermes import HermesToolParser
 from .qwen3_xml import Qwen3XmlToolParser
 
 PARSERS = {"hermes": HermesToolParser, "qwen3_xml": Qwen3XmlToolParser}
-
-# Families whose built-in template (used when a checkpoint ships none) teaches a
-# call syntax. None does today: the only built-in template, Gemma's, has no tools.
-BUILTIN_TEMPLATE_PARSERS: dict[str, str] = {}
 
 __all__ = ["Delta", "HeldCallStream", "HermesToolParser", "ParsedToolCalls", "Qwen3XmlToolParser",
            "ToolCall", "ToolParser", "ToolStreamParser", "get_tool_parser", "new_call_id",
@@ -46,7 +43,8 @@ def parser_for_template(chat_template: Optional[str], family: str) -> Optional[T
     first because the XML templates also mention JSON (tojson of argument values).
     """
     if chat_template is None:
-        builtin = BUILTIN_TEMPLATE_PARSERS.get(family)
+        # the family's built-in template stands in; it may teach a syntax (Gemma's has none)
+        builtin = BY_NAME[family].template_tool_parser if family in BY_NAME else None
         return get_tool_parser(builtin) if builtin else None
     if "<tool_call>" not in chat_template:
         return None
