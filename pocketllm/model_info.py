@@ -204,9 +204,8 @@ def _gguf_info(path: str) -> ModelInfo:
     ctx = int(cfg["max_position_embeddings"])
     return ModelInfo(
         path=path, format="gguf", architecture=family.architectures[0], family=family.name,
-        hf_config=cfg,
-        vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
-        eos_token_ids=[], eos_source="none", bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        hf_config=cfg, vocab_size=int(cfg["vocab_size"]), eos_token_ids=[], eos_source="none",
+        max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP), bos_token_id=cfg["bos_token_id"],
         chat_template=meta.get("tokenizer.chat_template"), tokenizer_path=path,
         tokenizer_config={k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")
                           and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",

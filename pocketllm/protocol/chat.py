@@ -155,6 +155,4 @@ def _compile(source: str):
 
 def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False,
             sort_keys: bool = False) -> str:
-    import json
-
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)

@@ -60,12 +60,6 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's transform (HF -> GGUF); the inverse of ``unpermute_rope_rows``."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as float32 tensors
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.families import BY_ARCHITECTURE, Family
+from pocketllm.families import BY_ARCHITECTURE
 from pocketllm.model_info import ModelInfo
 
 from ..layers.attention import AttentionBackend
@@ -19,22 +19,18 @@ from .base import CausalLM
 from .config import ArchConfig
 
 
-def resolve(ref: str) -> Any:
-    """The object a "module:attribute" path names."""
-    module, _, attribute = ref.partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def _family(info: ModelInfo) -> Family:
+def resolve(info: ModelInfo, part: str) -> Any:
+    """The family's ``model`` class or ``config_parser``, imported from its module path."""
     if info.architecture not in BY_ARCHITECTURE:
         raise UnsupportedFeatureError(
             f"architecture {info.architecture!r} has no model here; "
             f"supported: {', '.join(sorted(BY_ARCHITECTURE))}")
-    return BY_ARCHITECTURE[info.architecture]
+    module, _, attribute = getattr(BY_ARCHITECTURE[info.architecture], part).partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def arch_config(info: ModelInfo) -> ArchConfig:
-    cfg = resolve(_family(info).config_parser)(info.hf_config, info.architecture)
+    cfg = resolve(info, "config_parser")(info.hf_config, info.architecture)
     cfg.validate()
     return cfg
 
@@ -47,7 +43,7 @@ def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device
     checkpoint stores tensors in (``ArchConfig.weight_types``)."""
     cfg = arch_config(info)
     cfg.weight_types = dict(weight_types or {})
-    return resolve(_family(info).model)(cfg, backend, device, dtype, tp)
+    return resolve(info, "model")(cfg, backend, device, dtype, tp)
 
 
 def checkpoint_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:

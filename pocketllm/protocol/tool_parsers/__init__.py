@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional
 
 from ...errors import UnsupportedFeatureError
-from ...families import BY_NAME
 from .base import (Delta, HeldCallStream, IdFactory, ParsedToolCalls, ToolCall, ToolParser,
                    ToolStreamParser, new_call_id, tool_schemas)
 from .hermes import HermesToolParser
@@ -33,7 +32,7 @@ def get_tool_parser(name: str, *, id_factory: Optional[IdFactory] = None) -> Too
     return cls(id_factory or new_call_id)
 
 
-def parser_for_template(chat_template: Optional[str], family: str) -> Optional[ToolParser]:
+def parser_for_template(chat_template: Optional[str]) -> Optional[ToolParser]:
     """The parser for the call syntax a chat template teaches, or None when it teaches none
     this server has read (the call then stays in content, as before).
 
@@ -42,11 +41,7 @@ def parser_for_template(chat_template: Optional[str], family: str) -> Optional[T
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>`. The XML check comes
     first because the XML templates also mention JSON (tojson of argument values).
     """
-    if chat_template is None:
-        # the family's built-in template stands in; it may teach a syntax (Gemma's has none)
-        builtin = BY_NAME[family].template_tool_parser if family in BY_NAME else None
-        return get_tool_parser(builtin) if builtin else None
-    if "<tool_call>" not in chat_template:
+    if chat_template is None or "<tool_call>" not in chat_template:
         return None
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return get_tool_parser("qwen3_xml")
