@@ -1,7 +1,7 @@
 """What a checkpoint is, read without torch: architecture, HF-style config, EOS, chat template.
 
 Every stage reads the same ``ModelInfo``; the worker builds its model from
-``hf_config`` through the registry keyed by ``architecture``.
+``hf_config`` through the registry (``families.py``) keyed by ``architecture``.
 """
 
 from __future__ import annotations
@@ -13,26 +13,7 @@ from typing import Any, Optional
 
 from .config import EngineArgs
 from .errors import CheckpointError, InvalidRequestError
-
-# HF architecture name -> family name (one per model file in workers/models).
-FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-
-# GGUF general.architecture -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-}
+from .families import BY_ARCHITECTURE, BY_GGUF, hf_config_from_gguf
 
 # The longest context PocketLLM budgets for when the caller names none; a
 # checkpoint's own (often 32k-128k) would make every KV estimate huge.
@@ -44,7 +25,7 @@ class ModelInfo:
     path: str  # checkpoint directory, or the .gguf file
     format: str  # "safetensors" | "gguf" | "dummy"
     architecture: str  # HF class name, e.g. "Gemma3ForCausalLM"
-    family: str  # "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3_moe"
+    family: str  # a name in pocketllm/families.py, e.g. "gemma3"
     hf_config: dict  # config.json keys (for GGUF: translated from its metadata)
     vocab_size: int
     max_model_len: int
@@ -177,12 +158,13 @@ def _hf_dir_info(path: str, fmt: str) -> ModelInfo:
     if fmt == "gguf":
         raise CheckpointError("load_format='gguf' needs the path of a .gguf file")
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in FAMILIES), None)
+    arch = next((a for a in archs if a in BY_ARCHITECTURE), None)
     if arch is None:
         raise CheckpointError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-            f"PocketLLM serves {', '.join(sorted(FAMILIES))}")
-    if arch == "Gemma3ForConditionalGeneration":  # text tower only
+            f"PocketLLM serves {', '.join(sorted(BY_ARCHITECTURE))}")
+    family = BY_ARCHITECTURE[arch]
+    if arch in family.text_tower:
         cfg = dict(cfg.get("text_config", cfg))
     tok_cfg_path = os.path.join(path, "tokenizer_config.json")
     tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
@@ -196,7 +178,7 @@ def _hf_dir_info(path: str, fmt: str) -> ModelInfo:
     tok_json = os.path.join(path, "tokenizer.json")
     ctx = int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN_CAP)
     return ModelInfo(
-        path=path, format=fmt, architecture=arch, family=FAMILIES[arch], hf_config=cfg,
+        path=path, format=fmt, architecture=arch, family=family.name, hf_config=cfg,
         vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
         eos_token_ids=[], eos_source="none", bos_token_id=cfg.get("bos_token_id"),
         chat_template=template, tokenizer_path=tok_json if os.path.isfile(tok_json) else None,
@@ -214,71 +196,21 @@ def _gguf_info(path: str) -> ModelInfo:
 
     meta = read_gguf_metadata(path)
     garch = meta.get("general.architecture")
-    if garch not in GGUF_ARCHITECTURES:
+    if garch not in BY_GGUF:
         raise CheckpointError(f"unsupported GGUF architecture {garch!r}; "
-                              f"PocketLLM reads {', '.join(sorted(GGUF_ARCHITECTURES))}")
-    arch = GGUF_ARCHITECTURES[garch]
-    cfg = gguf_to_hf_config(garch, meta)
+                              f"PocketLLM reads {', '.join(sorted(BY_GGUF))}")
+    family = BY_GGUF[garch]
+    cfg = hf_config_from_gguf(family, meta)
     ctx = int(cfg["max_position_embeddings"])
     return ModelInfo(
-        path=path, format="gguf", architecture=arch, family=FAMILIES[arch], hf_config=cfg,
-        vocab_size=int(cfg["vocab_size"]), max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP),
-        eos_token_ids=[], eos_source="none", bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        path=path, format="gguf", architecture=family.architectures[0], family=family.name,
+        hf_config=cfg, vocab_size=int(cfg["vocab_size"]), eos_token_ids=[], eos_source="none",
+        max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP), bos_token_id=cfg["bos_token_id"],
         chat_template=meta.get("tokenizer.chat_template"), tokenizer_path=path,
         tokenizer_config={k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")
                           and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                                         "tokenizer.ggml.token_type", "tokenizer.ggml.merges")},
         context_length=ctx)
-
-
-def gguf_to_hf_config(garch: str, meta: dict) -> dict:
-    def g(key: str, default: Any = None) -> Any:
-        return meta.get(f"{garch}.{key}", default)
-
-    n_heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
-    cfg: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[garch]],
-        "model_type": garch if garch != "gemma3" else "gemma3_text",
-        "hidden_size": hidden,
-        "num_hidden_layers": int(g("block_count")),
-        # an all-MoE GGUF (qwen3moe) may carry no dense width
-        "intermediate_size": int(g("feed_forward_length", g("expert_feed_forward_length", 0))),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", n_heads)),
-        "head_dim": int(g("attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 4096)),
-        "vocab_size": int(meta.get("tokenizer.ggml.vocab_size")
-                          or len(meta.get("tokenizer.ggml.tokens", [])) or g("vocab_size")),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "tie_word_embeddings": not meta.get("__has_output_weight", False),
-    }
-    if garch == "gemma3":
-        cfg["sliding_window"] = int(g("attention.sliding_window", 4096))
-        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-    if garch == "qwen3moe":
-        _gguf_moe_config(cfg, g)
-    scaling_type = g("rope.scaling.type")
-    if scaling_type in ("linear", "yarn"):
-        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(g("rope.scaling.factor"))}
-    return cfg
-
-
-def _gguf_moe_config(cfg: dict, g) -> None:
-    """Qwen3-MoE's expert keys. llama.cpp always renormalises the chosen experts' weights
-    for qwen3moe (and writes no key for it), so norm_topk_prob is true unless said."""
-    def need(key: str) -> int:
-        if g(key) is None:
-            raise CheckpointError(f"GGUF qwen3moe file lacks the metadata key qwen3moe.{key}")
-        return int(g(key))
-
-    cfg.update(model_type="qwen3_moe", num_experts=need("expert_count"),
-               num_experts_per_tok=need("expert_used_count"),
-               moe_intermediate_size=need("expert_feed_forward_length"),
-               norm_topk_prob=bool(g("expert_weights_norm", True)))
 
 
 # ------------------------------------------------------------------ EOS

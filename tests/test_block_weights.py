@@ -61,8 +61,10 @@ def _teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, 
 @pytest.mark.slow
 @needs_kernels
 def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path):
-    """Teacher-forced over 1,100 tokens of prose: the integer kernels' top-1 token agrees
-    with the float32 reference at >= 99% of positions, and their perplexity is within 1%."""
+    """Teacher-forced over 1,100 tokens of prose, with the integer kernels at every row
+    count and with the policy's prefill product (bfloat16 where the CPU has AVX-512 BF16,
+    else float32 sgemm): each path's top-1 token agrees with the float32 reference at
+    >= 99% of positions, and its perplexity is within 1%."""
     from pocketllm.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
@@ -71,21 +73,23 @@ def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path)
     while len(ids) < TEXT_TOKENS:
         ids += ids[1:]
     ids = ids[:TEXT_TOKENS]
-    blocks = _runner()
-    assert _block_layers(blocks) > 0
-    for m in blocks.model.modules():  # the integer kernels at every row count, not only decode's
-        if isinstance(m, BlockWeight):
-            m.float_rows = len(ids) + 1
-    top_b, lp_b = _teacher_forced(blocks, ids)
-    del blocks
     dense = _runner(dequantize_weights=True)
     assert _block_layers(dense) == 0
     top_f, lp_f = _teacher_forced(dense, ids)
-    agree = (top_b == top_f).float().mean().item()
-    ppl_b, ppl_f = torch.exp(-lp_b.mean()).item(), torch.exp(-lp_f.mean()).item()
-    print(f"top-1 agreement {agree:.4f}, perplexity blocks {ppl_b:.4f} float32 {ppl_f:.4f}")
-    assert agree >= 0.99
-    assert abs(ppl_b / ppl_f - 1) <= 0.01
+    del dense
+    blocks = _runner()
+    weights = [m for m in blocks.model.modules() if isinstance(m, BlockWeight)]
+    assert weights and all(w.float_rows < len(ids) for w in weights)
+    paths = {f"prefill ({weights[0].prefill})": _teacher_forced(blocks, ids)}
+    for w in weights:  # the integer kernels at every row count, not only decode's
+        w.float_rows = len(ids) + 1
+    paths["integer"] = _teacher_forced(blocks, ids)
+    for name, (top_b, lp_b) in paths.items():
+        agree = (top_b == top_f).float().mean().item()
+        ppl_b, ppl_f = torch.exp(-lp_b.mean()).item(), torch.exp(-lp_f.mean()).item()
+        print(f"{name}: top-1 agreement {agree:.4f}, perplexity {ppl_b:.4f} float32 {ppl_f:.4f}")
+        assert agree >= 0.99, name
+        assert abs(ppl_b / ppl_f - 1) <= 0.01, name
 
 
 @needs_kernels
@@ -103,17 +107,21 @@ def test_dummy_block_weights_serve(tiny_llama):
 
 
 @needs_kernels
-def test_block_weight_products_of_few_and_many_rows():
+@pytest.mark.parametrize("prefill", ["float32", "bf16"])
+def test_block_weight_products_of_few_and_many_rows(prefill):
     """Mixed part types (one float): a product below ``float_rows`` rows runs the integer
-    kernels, at or above it the dequantize-then-sgemm path; both match the float product
-    (the integer one within the 16-bit activation rounding)."""
+    kernels, at or above it the policy's prefill product (float32 sgemm, or bfloat16
+    rows summed in float32); each matches the float product within its rounding (16-bit
+    activations; bfloat16 activations and weights)."""
+    if prefill == "bf16" and not cpu_quant.has_bf16():
+        pytest.skip("the CPU lacks AVX-512 BF16")
     from test_cpu_quant_kernels import random_blocks
 
     from pocketllm.workers.loader.gguf_quants import dequantize
 
     k, rows = 512, [48, 32, 24]
     blocks = {0: random_blocks(6, rows[0], k, seed=1), 1: random_blocks(12, rows[1], k, seed=2)}
-    w = BlockWeight(k, rows, [6, 12, None], float_rows=5)
+    w = BlockWeight(k, rows, [6, 12, None], float_rows=5, prefill=prefill)
     dense = []
     for j, t in blocks.items():
         setattr(w, f"part{j}", t)
@@ -123,9 +131,13 @@ def test_block_weight_products_of_few_and_many_rows():
     ref_w = torch.cat(dense).double()
     for m in (1, 4, 5, 9):
         x = torch.randn(m, k)
-        ref = x.double() @ ref_w.T
+        bf16 = prefill == "bf16" and m >= 5
+        ref = (x.bfloat16().double() @ ref_w.float().bfloat16().double().T if bf16
+               else x.double() @ ref_w.T)
         got = w(x).double()
         tol = 1e-4 if m >= 5 else 2e-3
+        if bf16:  # the float part stays float32: only the block columns are rounded
+            ref[:, -rows[2]:] = x.double() @ ref_w[-rows[2]:].T
         assert torch.allclose(got, ref, rtol=0, atol=tol * ref.abs().max().item()), m
 
 

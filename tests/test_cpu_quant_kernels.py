@@ -130,6 +130,44 @@ def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
             assert ((out.double() - base).abs() <= 2 * tight).all(), isa
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.float().bfloat16().double()
+
+
+@pytest.mark.skipif(not cq.has_bf16(), reason="the CPU lacks AVX-512 BF16 (or a variant is forced)")
+@pytest.mark.parametrize("ggml_type,k", CASES)
+def test_bf16_product_matches_rounded_reference(ggml_type, k):
+    """The prefill product: x and each decoded weight rounded to bfloat16 (to nearest even),
+    summed in float32. Two parts at column offsets inside a wider, NaN-fenced output; row
+    counts around the 32-row panels and part sizes off the 8-row tiles; thread counts."""
+    rows = (37, 21)
+    ws = [random_blocks(ggml_type, n, k, seed=ggml_type * 7 + n) for n in rows]
+    ref_w = torch.cat([_bf16(reference(ggml_type, w, k)) for w in ws])
+    linear = cq.BlockLinear(k, [(ggml_type, ws[0], 2), (ggml_type, ws[1], 2 + rows[0])])
+    g = torch.Generator().manual_seed(k)
+    for m, threads in ((1, 0), (31, 1), (33, 2), (70, 3)):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+        exact = _bf16(x) @ ref_w.T
+        tight = 1e-5 * (_bf16(x).abs() @ ref_w.abs().T) + 1e-30
+        wide = torch.full((m, sum(rows) + 5), float("nan"))
+        linear(x, wide, threads=threads, bf16=True)
+        out = wide[:, 2:2 + sum(rows)]
+        assert wide[:, :2].isnan().all() and wide[:, 2 + sum(rows):].isnan().all()
+        err = (out.double() - exact).abs()
+        assert (err <= tight).all(), (m, float((err / tight).max()))
+
+
+def test_bf16_product_is_refused_where_it_cannot_run():
+    """With a variant other than avx512vnni forced (or a CPU without BF16), the product
+    is refused, never computed another way behind the caller's back."""
+    w = random_blocks(8, 16, 64, seed=1)
+    linear = cq.BlockLinear(64, [(8, w, 0)])
+    with cq.forcing_isa("scalar"):
+        assert not cq.has_bf16()
+        with pytest.raises(UnsupportedFeatureError):
+            linear(torch.randn(40, 64), torch.empty(40, 16), bf16=True)
+
+
 def test_row_strided_weights_and_thread_counts():
     k, n = 640, 50
     w_wide = random_blocks(8, n, 2 * k, seed=3)  # rows twice as long: a row-strided view of the first half

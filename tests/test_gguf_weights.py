@@ -20,12 +20,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.errors import CheckpointError
 from pocketllm.model_info import load_model_info
 from pocketllm.workers.loader.block_tensor import BlockTensor
-from pocketllm.workers.loader.gguf import (
-    hf_name,
-    load_gguf_weights,
-    permute_rope_rows,
-    unpermute_rope_rows,
-)
+from pocketllm.workers.loader.gguf import hf_name, load_gguf_weights, unpermute_rope_rows
 
 Q = gguf.GGMLQuantizationType
 
@@ -45,6 +40,12 @@ _GEMMA3_TO_GGUF = {
 # 2-D tensors cycle through these; atol relative to the tensor's max |w|.
 _QTYPES = [(Q.F16, 1e-3), (Q.Q8_0, 0.01), (Q.Q4_0, 0.1), (Q.BF16, 1e-2), (Q.Q5_1, 0.05),
            (Q.F32, 0.0), (Q.Q4_1, 0.1), (Q.Q5_0, 0.05)]
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's transform (HF -> GGUF); the inverse of ``unpermute_rope_rows``."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _tiny_hf_model(family: str, intermediate_size: int = 96):

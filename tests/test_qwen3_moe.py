@@ -25,7 +25,7 @@ from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noq
 from pocketllm.workers.models.config import MoeSpec  # noqa: E402
 from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E402
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step  # noqa: E402
 
 LOGPROB_TOL = 1e-4
 
@@ -100,13 +100,13 @@ def test_prefix_cache_hit_computes_only_the_rest(runner, moe_path):
     first = StepPlan(step_id=0, new_requests=[
         NewRequestData("a", PROMPT, shared + [50, 51, 52, 53], 0, GREEDY_LP)],
         num_scheduled_tokens=[len(PROMPT)])
-    assert runner.execute(first).error is None
+    assert run_step(runner, first).error is None
     plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
         NewRequestData("b", tokens, shared + [60, 61, 62], 8, GREEDY_LP)],
         num_scheduled_tokens=[len(tokens) - 8])
-    result = runner.execute(plan)
+    result = run_step(runner, plan)
     assert result.error is None and result.token_ids == ref_tokens
-    runner.execute(StepPlan(step_id=2, finished_request_ids=["b"]))
+    run_step(runner, StepPlan(step_id=2, finished_request_ids=["b"]))
 
 
 def test_batched_requests_equal_each_alone(runner):

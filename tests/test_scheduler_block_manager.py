@@ -76,8 +76,10 @@ def test_eviction_prefers_plain_blocks_then_lru():
     bm.free(blocks[2:])  # freed first: least recently used
     bm.free(blocks[:2])  # freed tail-first: blocks[1] then blocks[0]
     got = bm.allocate(1)
-    assert bm.num_evictions == 0 and got[0] not in blocks  # the plain free block goes first
-    assert bm.allocate(1) == [blocks[2]] and bm.num_evictions == 1
+    # the plain free block goes first: all three cached blocks stay cached
+    assert bm.num_cached_free_blocks == 3 and got[0] not in blocks
+    assert bm.allocate(1) == [blocks[2]] and bm.num_cached_free_blocks == 2
+    assert bm.block_hashes[blocks[2]] is None  # evicted: its hash is gone
     assert bm.match_prefix(h) == blocks[:2]  # the head of the chain is still there
     assert bm.allocate(1) == [blocks[1]]
     assert bm.match_prefix(h) == blocks[:1]

@@ -74,7 +74,8 @@ def test_eviction_is_lru_and_tail_first():
     assert len(bm.match_prefix(chain(a, 4))) == 3 and len(bm.match_prefix(chain(b, 4))) == 3
     d.add(make_request("c", c, max_tokens=1))  # 4 blocks: 2 plain free + the 2 oldest cached
     d.run()
-    assert bm.num_evictions == 2
+    # two of a's and b's six cached blocks were evicted (each hash looked up on its own)
+    assert sum(bm.match_prefix([h]) != [] for h in chain(a, 4) + chain(b, 4)) == 4
     assert len(bm.match_prefix(chain(a, 4))) == 1  # a's tail went first, its head stays
     assert len(bm.match_prefix(chain(b, 4))) == 3
     d.add(make_request("b2", b, max_tokens=1))

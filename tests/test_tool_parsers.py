@@ -12,6 +12,7 @@ import zlib
 import pytest
 
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.protocol.chat import ChatRenderer
 from pocketllm.protocol.tool_parsers import (Delta, HermesToolParser, Qwen3XmlToolParser,
                                              get_tool_parser, new_call_id, parser_for_template)
 
@@ -253,10 +254,12 @@ def test_registry_and_template_detection():
     assert get_tool_parser("qwen3_xml").name == "qwen3_xml"
     with pytest.raises(UnsupportedFeatureError):
         get_tool_parser("mistral")
-    assert parser_for_template(QWEN3_TEMPLATE, "qwen3").name == "hermes"
-    assert parser_for_template(QWEN3_CODER_TEMPLATE, "qwen3").name == "qwen3_xml"
-    assert parser_for_template("{{ messages }}", "llama") is None
-    assert parser_for_template(None, "gemma3") is None
+    assert parser_for_template(QWEN3_TEMPLATE).name == "hermes"
+    assert parser_for_template(QWEN3_CODER_TEMPLATE).name == "qwen3_xml"
+    assert parser_for_template("{{ messages }}") is None
+    assert parser_for_template(None) is None
+    # the built-in template stands in for a checkpoint without one: Gemma's teaches no calls
+    assert parser_for_template(ChatRenderer(None, "gemma3", {}).template_source) is None
     ids = counting_ids()
     assert get_tool_parser("hermes", id_factory=ids).parse(H_ONE, TOOLS).tool_calls[0].id == \
         "call_" + "0" * 24

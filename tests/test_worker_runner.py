@@ -15,7 +15,7 @@ from pocketllm.proto.messages import (CachedRequestData, NewRequestData, Samplin
                                       StepPlan)
 from pocketllm.workers import device as worker_device  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step  # noqa: E402
 
 GREEDY = SamplingSpec(temperature=0.0)
 PROMPT_A = [random.Random(1).randrange(3, 512) for _ in range(21)]
@@ -79,25 +79,25 @@ def test_prefix_cache_hit(runner):
     first = StepPlan(step_id=0, new_requests=[
         NewRequestData("a", PROMPT_A, shared_blocks + [10, 11, 12, 13], 0, GREEDY)],
         num_scheduled_tokens=[len(PROMPT_A)])
-    assert runner.execute(first).error is None
+    assert run_step(runner, first).error is None
     tokens = PROMPT_A[:8] + PROMPT_B
     blocks = shared_blocks + list(range(20, 20 + (len(tokens) - 8 + bs - 1) // bs + 1))
     plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
         NewRequestData("b", tokens, blocks, 8, GREEDY)], num_scheduled_tokens=[len(tokens) - 8])
-    result = runner.execute(plan)
+    result = run_step(runner, plan)
     assert result.error is None and result.token_ids == alone[:1]
-    runner.execute(StepPlan(step_id=2, finished_request_ids=["b"]))
+    run_step(runner, StepPlan(step_id=2, finished_request_ids=["b"]))
 
 
 def test_prefill_chunk_samples_nothing_and_decode_samples(runner):
     plan = StepPlan(step_id=0, new_requests=[NewRequestData("c", PROMPT_B, [0, 1, 2, 3], 0, GREEDY)],
                     num_scheduled_tokens=[6])
-    assert runner.execute(plan).request_ids == []
+    assert run_step(runner, plan).request_ids == []
     plan = StepPlan(step_id=1, cached_requests=[CachedRequestData("c", [], [], 6)],
                     num_scheduled_tokens=[len(PROMPT_B) - 6])
-    result = runner.execute(plan)
+    result = run_step(runner, plan)
     assert result.request_ids == ["c"] and len(result.token_ids) == 1 and result.logprobs == [None]
-    runner.execute(StepPlan(step_id=2, finished_request_ids=["c"]))
+    run_step(runner, StepPlan(step_id=2, finished_request_ids=["c"]))
 
 
 @pytest.mark.parametrize("plan", [
@@ -113,9 +113,9 @@ def test_prefill_chunk_samples_nothing_and_decode_samples(runner):
              num_scheduled_tokens=[2]),
 ], ids=["unknown-request", "bad-block", "too-many-tokens", "count-mismatch", "bad-token"])
 def test_bad_plan_is_an_error_result_not_a_crash(runner, plan):
-    result = runner.execute(plan)
+    result = run_step(runner, plan)
     assert result.step_id == 7 and result.error and not result.token_ids
-    runner.execute(StepPlan(step_id=8, finished_request_ids=["x"]))
+    run_step(runner, StepPlan(step_id=8, finished_request_ids=["x"]))
     assert generate(runner, {"a": PROMPT_B}, new_tokens=2)["a"]  # still serving
 
 

@@ -141,6 +141,11 @@ def _write_tokenizer(path: str) -> None:
 # ---------------------------------------------------------------------- a hand scheduler
 
 
+def run_step(runner, plan):
+    """One step through the worker's own entry point: launch it, then wait for its tokens."""
+    return runner.finish(runner.launch(plan))
+
+
 @dataclass
 class _Req:
     tokens: list[int]
@@ -205,7 +210,7 @@ class PlanDriver:
             scheduled.append((rid, n))
         plan.new_requests, plan.cached_requests = new, cached
         plan.num_scheduled_tokens = n_new + n_cached
-        result = self.runner.execute(plan)
+        result = run_step(self.runner, plan)
         assert result.error is None, result.error
         for rid, n in scheduled:
             self.reqs[rid].computed += n

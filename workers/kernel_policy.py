@@ -14,9 +14,11 @@ Default mode, tuned for speed:
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
   torch's product. A product of fewer than ``block_float_rows`` rows of a block weight
   (decode, short prompts) runs the integer kernels, which unpack each weight block once
-  for up to 8 rows; from that many rows (longer prefill chunks) the weight is dequantized
-  a slice at a time into a reused buffer and multiplied by torch's sgemm, which is
-  compute-bound and faster per row there (the crossover measured in docs/cpu_kernels.md).
+  for up to 8 rows; from that many rows (longer prefill chunks) the work is compute-bound
+  and the weight is decoded a few rows at a time into a float form: bfloat16 rows
+  multiplied by the library's AVX-512 BF16 product where the CPU has it
+  (``block_prefill == "bf16"``), else float32 slices multiplied by torch's sgemm (the
+  crossover and the choice measured in docs/cpu_kernels.md).
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -60,6 +62,7 @@ class KernelPolicy:
     batch_invariant: bool = False
     cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
     block_float_rows: int = 64  # see the module docstring; measured in docs/cpu_kernels.md
+    block_prefill: str = "float32"  # from block_float_rows rows: "bf16" or "float32"
 
     def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
         """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;
@@ -138,9 +141,15 @@ class KernelPolicy:
 
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
+    cpu_blocks = device.type == "cpu" and _cpu_blocks_available()
+    bf16 = False
+    if cpu_blocks:
+        from .kernels import cpu_quant
+
+        bf16 = cpu_quant.has_bf16()
     return KernelPolicy(triton=kernels.kernels_usable(device),
                         batch_invariant=_building_batch_invariant,
-                        cpu_blocks=device.type == "cpu" and _cpu_blocks_available())
+                        cpu_blocks=cpu_blocks, block_prefill="bf16" if bf16 else "float32")
 
 
 def _cpu_blocks_available() -> bool:

@@ -229,14 +229,11 @@ class ModelRunner:
             # a one-token step reads only the k experts it routes to
             - sum(m.unread_bytes() for m in self.model.modules() if isinstance(m, FusedMoE)))
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. A failure comes back as ``StepResult.error``, except a tensor-parallel
-        forward's (``RankFailure``): the ranks are out of step and the worker must exit."""
-        return self.finish(self.launch(plan))
-
     def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Queue a step's forward and sampling on the device without waiting for them, so
-        the next plan can be launched before this one's tokens are read (``finish``)."""
+        the next plan can be launched before this one's tokens are read (``finish``). A failure
+        comes back as ``StepResult.error``, except a tensor-parallel forward's (``RankFailure``):
+        the ranks are out of step and the worker must exit."""
         started, start = time.perf_counter(), self._event()
         try:
             with torch.inference_mode():

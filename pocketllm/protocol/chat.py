@@ -1,8 +1,8 @@
 """The one place that renders chat: message normalization and chat templates.
 
 The checkpoint's own template is the authority. A checkpoint without one (the
-embedded Gemma GGUF) uses a built-in template for its family; a family with
-neither is refused rather than rendered in a made-up format.
+embedded Gemma GGUF) uses its family's built-in template (``families.py``); a
+family with neither is refused rather than rendered in a made-up format.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from importlib import resources
 from typing import Any, Optional
 
 from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..families import BY_NAME
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Request fields that only a template can act on; refused when the template ignores them.
 TEMPLATE_CONTROLS = ("reasoning_effort", "enable_thinking")
-
-# family -> (built-in template file, the token that ends an assistant turn)
-BUILTIN_TEMPLATES = {"gemma3": ("gemma.jinja", "<end_of_turn>")}
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -102,9 +100,9 @@ class ChatRenderer:
 
     def __init__(self, template: Optional[str], family: str, special_tokens: dict[str, str]):
         self.stop_token: Optional[str] = None
-        if template is None and family in BUILTIN_TEMPLATES:
-            name, self.stop_token = BUILTIN_TEMPLATES[family]
-            template = _builtin(name)
+        builtin = BY_NAME.get(family)
+        if template is None and builtin is not None and builtin.template is not None:
+            template, self.stop_token = _builtin(builtin.template), builtin.template_stop
         self.template_source = template
         self._template = _compile(template) if template else None
         self._special = special_tokens  # bos_token, eos_token, ... as the template expects
@@ -157,6 +155,4 @@ def _compile(source: str):
 
 def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False,
             sort_keys: bool = False) -> str:
-    import json
-
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)

@@ -48,7 +48,6 @@ class BlockManager:
         self._plain_free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[bytes, int] = {}  # hash -> block id
-        self.num_evictions = 0
 
     # ------------------------------------------------------------ queries
 
@@ -102,7 +101,6 @@ class BlockManager:
                 b, _ = self._evictable.popitem(last=False)  # least recently freed
                 del self._cached[self.block_hashes[b]]
                 self.block_hashes[b] = None
-                self.num_evictions += 1
             self.ref_counts[b] = 1
             out.append(b)
         return out

@@ -45,10 +45,10 @@ class TokenizerStage:
         # The built-in template's turn terminator ends a chat answer like an EOS would.
         self.chat_stop_ids = [i for i in [self.loaded.token_id(self.chat.stop_token)]
                               if i is not None]
-        # The call syntax the checkpoint's template teaches, or the one --tool-call-parser
-        # names (None: "auto" is refused; forced calls use FORCED_SYNTAX).
+        # The call syntax the template (the checkpoint's or the built-in one) teaches, or the
+        # one --tool-call-parser names (None: "auto" is refused; forced calls use FORCED_SYNTAX).
         self.tool_parser = (get_tool_parser(tool_call_parser) if tool_call_parser else
-                            parser_for_template(info.chat_template, info.family))
+                            parser_for_template(self.chat.template_source))
         # A template without a `tools` variable gets them in a system message (tool_prompt).
         self.tools_in_text = self.chat.available and not template_shows_tools(
             self.chat.template_source)

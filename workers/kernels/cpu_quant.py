@@ -46,6 +46,8 @@ _SIGNATURES = {
     "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
     "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
     "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
+    "pq_linear_bf16": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
+    "pq_has_bf16": (_int, []),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),
     # ops.c, bound in cpu_ops.py
@@ -118,6 +120,11 @@ def _lib() -> ctypes.CDLL:
 def isa() -> str:
     """The SIMD variant in use: 'avx512vnni', 'avxvnni', 'avx2' or 'scalar'."""
     return _lib().pq_isa().decode()
+
+
+def has_bf16() -> bool:
+    """The bfloat16 prefill product can run (AVX-512 BF16, with the avx512vnni variant)."""
+    return bool(_lib().pq_has_bf16())
 
 
 def supported_isas() -> list[str]:
@@ -288,9 +295,12 @@ class BlockLinear:
             self.parts[j] = _Part(ggml_type, rows, row_bytes, col, w.data_ptr())
         self._lib = _lib()
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0,
+                 bf16: bool = False) -> torch.Tensor:
         """out[:, col:col + rows] = x @ W_j^T for each part j; x float32 [M, K] with unit
-        column stride, out float32 [M, >= every part's last column]. Returns ``out``."""
+        column stride, out float32 [M, >= every part's last column]. Returns ``out``.
+        ``bf16``: x and W rounded to bfloat16, float32 sums (a long prompt's product,
+        where ``has_bf16()``); else x quantized to int16 per block, integer sums."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be float32 [M, {self.k}] on CPU, got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
@@ -304,8 +314,9 @@ class BlockLinear:
             return out
         ldx = x.stride(0) if m > 1 else self.k
         ldy = out.stride(0) if m > 1 else out.shape[1]
-        rc = self._lib.pq_linear(ctypes.addressof(self.parts), len(self.parts), self.k,
-                                 x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
+        product = self._lib.pq_linear_bf16 if bf16 else self._lib.pq_linear
+        rc = product(ctypes.addressof(self.parts), len(self.parts), self.k,
+                     x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
         _raise_for(rc, None, "BlockLinear")
         return out
 

@@ -8,11 +8,13 @@ part, each writing its columns of one output. A float part (an F16 matrix) stays
 float32 matrix and takes torch's product.
 
 A product of few rows (decode) quantizes the input rows to 16 bits once (per block of 32)
-and every part's integer kernel reads them; one of ``float_rows`` rows or more (prefill)
-dequantizes each part a slice at a time into one reused buffer and multiplies it with
-torch's sgemm. Which layers store blocks, and from how many rows the float product
-runs, is the kernel policy's call (``KernelPolicy``); this is the storage and the
-product.
+and every part's integer kernel reads them. One of ``float_rows`` rows or more (prefill)
+is compute-bound: with ``prefill="bf16"`` the library rounds the rows and the decoded
+weights to bfloat16 and sums in float32, every part in one call; with "float32" each
+part is dequantized a slice at a time into one reused buffer and multiplied with
+torch's sgemm. Which layers store blocks, from how many rows the float product runs
+and in which form, is the kernel policy's call (``KernelPolicy``); this is the storage
+and the product.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class BlockWeight(nn.Module):
     GGML type part j is stored in (None: a float part)."""
 
     def __init__(self, in_features: int, part_rows: Sequence[int],
-                 part_types: Sequence[Optional[int]], float_rows: int):
+                 part_types: Sequence[Optional[int]], float_rows: int, prefill: str = "float32"):
         super().__init__()
         from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
 
@@ -55,6 +57,9 @@ class BlockWeight(nn.Module):
         self.part_types = list(part_types)
         self.out_features = sum(self.part_rows)
         self.float_rows = float_rows
+        if prefill not in ("bf16", "float32"):
+            raise ValueError(f"prefill must be 'bf16' or 'float32', got {prefill!r}")
+        self.prefill = prefill
         bounds = [0]
         for rows in self.part_rows:
             bounds.append(bounds[-1] + rows)
@@ -99,14 +104,14 @@ class BlockWeight(nn.Module):
         """x [M, K] @ W.T -> [M, out_features] float32 (the CPU path's dtype)."""
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        integer = x.shape[0] < self.float_rows
-        if integer:  # every block part in one library call
-            self.bound()(x, out)
+        sgemm = x.shape[0] >= self.float_rows and self.prefill == "float32"
+        if not sgemm:  # every block part in one library call
+            self.bound()(x, out, bf16=x.shape[0] >= self.float_rows)
         for j, cols in enumerate(self.columns):
             kind, w = self.part_types[j], self.part(j)
             if kind is None:
                 out[:, cols] = x @ w.t()
-            elif not integer:
+            elif sgemm:
                 self._float_product(kind, w, x, out[:, cols])
         return out
 

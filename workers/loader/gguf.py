@@ -1,14 +1,15 @@
 """Weights from a GGUF file, HuggingFace-named in HF shapes: float tensors as float32,
 block-quantized ones as ``BlockTensor``s (the file's bytes, mapped, not decoded).
 
-llama.cpp's converter renames every tensor and changes two things on the way;
-this undoes both so the values equal the HF checkpoint's:
+llama.cpp's converter renames every tensor (the names are the family's, in
+``pocketllm/families.py``) and changes two things on the way; this undoes both so
+the values equal the HF checkpoint's:
 
-* ``llama`` architecture: the rows of q/k are permuted per head so that llama.cpp
+* ``gguf_permuted_qk`` (llama): the rows of q/k are permuted per head so that llama.cpp
   can rotate adjacent pairs (x0, y0, x1, y1, ...) where HF rotates halves
   (x0..x_{d/2-1}, y0..). ``unpermute_rope_rows`` restores the halves.
-* ``gemma3``: Gemma's RMSNorm multiplies by ``1 + w``; the converter stores
-  ``w + 1`` so llama.cpp can multiply by the stored value. We subtract 1.
+* ``gguf_norm_offset`` (gemma3): Gemma's RMSNorm multiplies by ``1 + w``; the converter
+  stores ``w + 1`` so llama.cpp can multiply by the stored value. We subtract 1.
 
 Tensor data is memory-mapped. A layer that keeps a block tensor dense dequantizes it
 when it copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from pocketllm.errors import CheckpointError
+from pocketllm.families import BY_NAME, GGUF_DERIVED_TENSORS, GGUF_GLOBAL_TENSORS
 from pocketllm.gguf_meta import GGUFTensorInfo, read_gguf_header
 
 from .block_tensor import BlockTensor, block_tensor
@@ -34,83 +36,40 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-# blk.{i}.<gguf> -> model.layers.{i}.<hf>; suffix .weight / .bias is kept.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-# Gemma 3 norms four times per layer; llama.cpp's ffn_norm is its pre-MLP norm.
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-# Qwen3-MoE: the router, and every expert's matrix of a layer stacked in one 3-D tensor
-# [E, rows, cols], which is split here into HF's per-expert tensors (views, not copies).
-_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}
-_EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
-
-# Tensors llama.cpp derives from the config and HF does not store as parameters.
-# rope_freqs holds Llama 3.1's rope scaling factors; the HF model recomputes them
-# from config["rope_scaling"].
-_DERIVED = {"rope_freqs.weight"}
-
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str, family: str) -> str:
     """The HF parameter name of a GGUF tensor; CheckpointError if it is not one we know."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_TENSORS:
+        return GGUF_GLOBAL_TENSORS[gguf_name]
     m = _BLOCK_NAME.fullmatch(gguf_name)
-    names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3_moe": _MOE_LAYER_NAMES}.get(family,
-                                                                            _LAYER_NAMES)
+    names = BY_NAME[family].gguf_tensors
     if m is None or m.group(2) not in names:
         raise CheckpointError(f"GGUF tensor {gguf_name!r} is not part of a {family} model")
     layer, part, kind = m.groups()
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
-def expert_tensors(gguf_name: str, w: "torch.Tensor | BlockTensor"
+def expert_tensors(gguf_name: str, w: "torch.Tensor | BlockTensor", family: str
                    ) -> Optional[list[tuple[str, "torch.Tensor | BlockTensor"]]]:
-    """A stacked expert tensor split into (HF name, one expert's matrix); None if
-    ``gguf_name`` is not one."""
-    m = _EXPERTS.fullmatch(gguf_name)
-    if m is None:
+    """A layer's stacked experts [E, rows, cols] split into (HF name, one expert's matrix),
+    views of the mapped file; None if ``gguf_name`` is not a stacked expert tensor."""
+    m = _BLOCK_NAME.fullmatch(gguf_name)
+    experts = BY_NAME[family].gguf_expert_tensors
+    if m is None or m.group(2) not in experts or m.group(3) != "weight":
         return None
-    layer, part = m.groups()
+    layer, part, _ = m.groups()
     if len(w.shape) != 3:
         raise CheckpointError(f"GGUF tensor {gguf_name!r} has shape {tuple(w.shape)}, "
                               "expected [experts, rows, cols]")
-    experts, rows = w.shape[0], w.shape[1]
-    prefix = f"model.layers.{layer}.mlp.experts."
-    suffix = f".{_EXPERT_NAMES[part]}.weight"
-    if isinstance(w, BlockTensor):
-        return [(f"{prefix}{e}{suffix}", BlockTensor(w.ggml_type, tuple(w.shape[1:]),
-                                                      w.blocks[e * rows:(e + 1) * rows],
-                                                      f"{w.name}[{e}]"))
-                for e in range(experts)]
-    return [(f"{prefix}{e}{suffix}", w[e]) for e in range(experts)]
+    count, rows = w.shape[0], w.shape[1]
+    name = f"model.layers.{layer}.mlp.experts.{{}}.{experts[part]}.weight"
+    if isinstance(w, BlockTensor):  # an expert is a run of whole rows of the stack
+        return [(name.format(e), BlockTensor(w.ggml_type, tuple(w.shape[1:]),
+                                             w.blocks[e * rows:(e + 1) * rows], f"{w.name}[{e}]"))
+                for e in range(count)]
+    return [(name.format(e), w[e]) for e in range(count)]
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -120,12 +79,6 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's transform (HF -> GGUF); the inverse of ``unpermute_rope_rows``."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as float32 tensors
@@ -161,18 +114,17 @@ def _unpermuted(w: "torch.Tensor | BlockTensor", n_heads: int) -> "torch.Tensor 
 def gguf_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
     """HF name -> GGML type of every block-quantized tensor of the file (before any read)."""
     header = read_gguf_header(path)
+    experts = BY_NAME[info.family].gguf_expert_tensors
     types = {}
     for name, t in header.tensors.items():
-        if name in _DERIVED or t.ggml_type in FLOAT_TYPES:
+        if name in GGUF_DERIVED_TENSORS or t.ggml_type in FLOAT_TYPES:
             continue
-        m = _EXPERTS.fullmatch(name)
-        if m is None:
+        m = _BLOCK_NAME.fullmatch(name)
+        if m is not None and m.group(2) in experts:  # one entry per expert; E is listed last
+            types.update({f"model.layers.{m.group(1)}.mlp.experts.{e}.{experts[m.group(2)]}"
+                          ".weight": t.ggml_type for e in range(t.shape[-1])})
+        else:
             types[hf_name(name, info.family)] = t.ggml_type
-            continue
-        experts = t.shape[-1]  # GGUF lists the expert dimension last
-        part = _EXPERT_NAMES[m.group(2)]
-        types.update({f"model.layers.{m.group(1)}.mlp.experts.{e}.{part}.weight": t.ggml_type
-                      for e in range(experts)})
     return types
 
 
@@ -181,26 +133,27 @@ def load_gguf_weights(path: str, info: "ModelInfo"
     """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
     CPU tensors for float types, ``BlockTensor``s (mapped, not decoded) for block types."""
     header = read_gguf_header(path)
-    family = info.family
+    family = BY_NAME[info.family]
     cfg = info.hf_config
     n_heads = int(cfg["num_attention_heads"])
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
     # copy-on-write: the views are writable for torch, and nothing ever writes them
     data = np.memmap(path, dtype=np.uint8, mode="c")
     for gguf_name, t in header.tensors.items():
-        if gguf_name in _DERIVED:
+        if gguf_name in GGUF_DERIVED_TENSORS:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
                            path, gguf_name)
             continue
-        if _EXPERTS.fullmatch(gguf_name):
-            yield from expert_tensors(gguf_name, _read_tensor(data, t, path))
-            continue
-        name = hf_name(gguf_name, family)
         w = _read_tensor(data, t, path)
-        if family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        per_expert = expert_tensors(gguf_name, w, family.name)
+        if per_expert is not None:
+            yield from per_expert
+            continue
+        name = hf_name(gguf_name, family.name)
+        if family.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermuted(w, n_heads)
-        elif family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif family.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermuted(w, n_kv_heads)
-        elif family == "gemma3" and name.endswith("norm.weight"):
-            w = (w.read() if isinstance(w, BlockTensor) else w) - 1.0
+        elif family.gguf_norm_offset and name.endswith("norm.weight"):
+            w = (w.read() if isinstance(w, BlockTensor) else w) - family.gguf_norm_offset
         yield name, w

@@ -1,42 +1,36 @@
-"""The one model registry: checkpoint architecture -> model class and config parser."""
+"""The worker's half of the model registry: the family a checkpoint's architecture belongs
+to (``pocketllm/families.py``) names its model class and config parser by module path;
+they are imported here, when a checkpoint of that family is built."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import importlib
+from typing import Any, Optional
 
 import torch
 
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.families import BY_ARCHITECTURE
 from pocketllm.model_info import ModelInfo
 
 from ..layers.attention import AttentionBackend
 from ..distributed import SINGLE, TPGroup
 from .base import CausalLM
 from .config import ArchConfig
-from .gemma3 import Gemma3ForCausalLM, gemma3_arch_config
-from .llama import LlamaForCausalLM, llama_arch_config
-from .qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_arch_config
 
-ConfigParser = Callable[[dict, str], ArchConfig]
 
-MODELS: dict[str, tuple[type[CausalLM], ConfigParser]] = {
-    "LlamaForCausalLM": (LlamaForCausalLM, llama_arch_config),
-    "MistralForCausalLM": (LlamaForCausalLM, llama_arch_config),
-    "Qwen2ForCausalLM": (LlamaForCausalLM, llama_arch_config),
-    "Qwen3ForCausalLM": (LlamaForCausalLM, llama_arch_config),
-    "Gemma3ForCausalLM": (Gemma3ForCausalLM, gemma3_arch_config),
-    "Gemma3ForConditionalGeneration": (Gemma3ForCausalLM, gemma3_arch_config),
-    "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, qwen3_moe_arch_config),
-}
+def resolve(info: ModelInfo, part: str) -> Any:
+    """The family's ``model`` class or ``config_parser``, imported from its module path."""
+    if info.architecture not in BY_ARCHITECTURE:
+        raise UnsupportedFeatureError(
+            f"architecture {info.architecture!r} has no model here; "
+            f"supported: {', '.join(sorted(BY_ARCHITECTURE))}")
+    module, _, attribute = getattr(BY_ARCHITECTURE[info.architecture], part).partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def arch_config(info: ModelInfo) -> ArchConfig:
-    if info.architecture not in MODELS:
-        raise UnsupportedFeatureError(
-            f"architecture {info.architecture!r} has no model here; "
-            f"supported: {', '.join(sorted(MODELS))}")
-    _cls, parse = MODELS[info.architecture]
-    cfg = parse(info.hf_config, info.architecture)
+    cfg = resolve(info, "config_parser")(info.hf_config, info.architecture)
     cfg.validate()
     return cfg
 
@@ -49,8 +43,7 @@ def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device
     checkpoint stores tensors in (``ArchConfig.weight_types``)."""
     cfg = arch_config(info)
     cfg.weight_types = dict(weight_types or {})
-    cls, _parse = MODELS[info.architecture]
-    return cls(cfg, backend, device, dtype, tp)
+    return resolve(info, "model")(cfg, backend, device, dtype, tp)
 
 
 def checkpoint_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:

@@ -18,10 +18,6 @@ from .qwen3_xml import Qwen3XmlToolParser
 
 PARSERS = {"hermes": HermesToolParser, "qwen3_xml": Qwen3XmlToolParser}
 
-# Families whose built-in template (used when a checkpoint ships none) teaches a
-# call syntax. None does today: the only built-in template, Gemma's, has no tools.
-BUILTIN_TEMPLATE_PARSERS: dict[str, str] = {}
-
 __all__ = ["Delta", "HeldCallStream", "HermesToolParser", "ParsedToolCalls", "Qwen3XmlToolParser",
            "ToolCall", "ToolParser", "ToolStreamParser", "get_tool_parser", "new_call_id",
            "parser_for_template", "tool_schemas"]
@@ -36,7 +32,7 @@ def get_tool_parser(name: str, *, id_factory: Optional[IdFactory] = None) -> Too
     return cls(id_factory or new_call_id)
 
 
-def parser_for_template(chat_template: Optional[str], family: str) -> Optional[ToolParser]:
+def parser_for_template(chat_template: Optional[str]) -> Optional[ToolParser]:
     """The parser for the call syntax a chat template teaches, or None when it teaches none
     this server has read (the call then stays in content, as before).
 
@@ -45,10 +41,7 @@ def parser_for_template(chat_template: Optional[str], family: str) -> Optional[T
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>`. The XML check comes
     first because the XML templates also mention JSON (tojson of argument values).
     """
-    if chat_template is None:
-        builtin = BUILTIN_TEMPLATE_PARSERS.get(family)
-        return get_tool_parser(builtin) if builtin else None
-    if "<tool_call>" not in chat_template:
+    if chat_template is None or "<tool_call>" not in chat_template:
         return None
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return get_tool_parser("qwen3_xml")

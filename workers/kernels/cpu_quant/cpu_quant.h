@@ -63,6 +63,13 @@ typedef struct {
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
                      int64_t ldx, float *y, int64_t ldy, int nthreads);
 
+/* pq_linear's product for a long prompt, in bfloat16: x and each weight row are rounded
+ * to bfloat16 (round to nearest even), the sums run in float32 and y is float32. Only
+ * where pq_has_bf16() (AVX-512 BF16, and the avx512vnni variant in use); else PQ_ERR_ISA. */
+PQ_API int pq_has_bf16(void);
+PQ_API int pq_linear_bf16(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
+                          int64_t ldx, float *y, int64_t ldy, int nthreads);
+
 /* out[i*ldo + k] = W[ids[i], k] in float32 for i < n, k < K (bit-exact with
  * ggml's dequantization). The caller checks 0 <= ids[i] < rows. */
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,

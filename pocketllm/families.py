@@ -1,0 +1,134 @@
+"""The one model registry: each family PocketLLM serves, declared once, readable without torch.
+
+A ``Family`` names its checkpoints (HF and GGUF architectures), how llama.cpp's metadata and
+tensor names map back to HF's, its built-in chat template, and its model class and config
+parser by module path, which only the worker imports (workers/models/registry.py).
+Adding a family: one entry below plus its model module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+_MODELS = "pocketllm.workers.models"
+
+# GGUF tensors outside the layers, named alike by every family: GGUF name -> HF name.
+GGUF_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                       "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+# Tensors llama.cpp derives from the config, not HF parameters: rope_freqs holds Llama 3.1's
+# rope scaling factors, which the HF model recomputes from config["rope_scaling"].
+GGUF_DERIVED_TENSORS = frozenset({"rope_freqs.weight"})
+
+# blk.{i}.<gguf> -> model.layers.{i}.<hf>, for the pre-norm decoder; .weight / .bias is kept.
+_LLAMA_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]  # HF config.json "architectures"; the first is the canonical one
+    model: str  # the worker's CausalLM subclass, "module:attribute"
+    config_parser: str  # (hf_config, architecture) -> ArchConfig, "module:attribute"
+    gguf_architecture: Optional[str] = None  # GGUF general.architecture; None: no GGUF files
+    gguf_model_type: Optional[str] = None  # HF model_type from GGUF; None: gguf_architecture
+    # Adds the family's keys to a config from GGUF; g(key, default) reads "<gguf_arch>.<key>".
+    gguf_config: Optional[Callable[[dict, Callable[..., Any]], None]] = None
+    gguf_tensors: Mapping[str, str] = field(default_factory=lambda: _LLAMA_TENSORS)
+    gguf_permuted_qk: bool = False  # llama.cpp permuted q/k rows per head (loader undoes it)
+    gguf_norm_offset: float = 0.0  # llama.cpp stored (1 + w) norms as w + 1 (loader subtracts)
+    # MoE: GGUF names of a layer's experts stacked [E, rows, cols] -> the HF projection each
+    # expert's slice becomes (model.layers.{i}.mlp.experts.{e}.<proj>.weight)
+    gguf_expert_tensors: Mapping[str, str] = field(default_factory=dict)
+    text_tower: tuple[str, ...] = ()  # multimodal architectures: serve config.json's text_config
+    template: Optional[str] = None  # built-in chat template (pocketllm/templates/), if none shipped
+    template_stop: Optional[str] = None  # the token that ends an assistant turn in it
+
+
+def _gemma3_gguf(cfg: dict, g: Callable[..., Any]) -> None:
+    cfg["sliding_window"] = int(g("attention.sliding_window", 4096))
+    cfg["query_pre_attn_scalar"] = cfg["head_dim"]  # llama.cpp scales queries by 1/sqrt(head_dim)
+
+
+def _qwen3moe_gguf(cfg: dict, g: Callable[..., Any]) -> None:
+    """llama.cpp always renormalises the chosen experts' weights for qwen3moe and writes no
+    key for it: norm_topk_prob is true unless a file says otherwise."""
+    def need(key: str) -> int:
+        if g(key) is None:
+            from .errors import CheckpointError
+
+            raise CheckpointError(f"GGUF qwen3moe file lacks the metadata key qwen3moe.{key}")
+        return int(g(key))
+
+    cfg.update(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+               moe_intermediate_size=need("expert_feed_forward_length"),
+               norm_topk_prob=bool(g("expert_weights_norm", True)))
+
+
+_LLAMA = (f"{_MODELS}.llama:LlamaForCausalLM", f"{_MODELS}.llama:llama_arch_config")
+
+FAMILIES = (
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), *_LLAMA,
+           gguf_architecture="llama", gguf_permuted_qk=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), *_LLAMA, gguf_architecture="qwen2"),
+    Family("qwen3", ("Qwen3ForCausalLM",), *_LLAMA, gguf_architecture="qwen3"),
+    # Gemma 3 norms four times per layer; llama.cpp's ffn_norm is its pre-MLP norm.
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+           f"{_MODELS}.gemma3:Gemma3ForCausalLM", f"{_MODELS}.gemma3:gemma3_arch_config",
+           gguf_architecture="gemma3", gguf_model_type="gemma3_text", gguf_config=_gemma3_gguf,
+           gguf_tensors={**_LLAMA_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                         "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"},
+           gguf_norm_offset=1.0, text_tower=("Gemma3ForConditionalGeneration",),
+           template="gemma.jinja", template_stop="<end_of_turn>"),
+    # Qwen3-MoE: routed experts (workers/layers/moe.py); the router is ffn_gate_inp.
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), f"{_MODELS}.qwen3_moe:Qwen3MoeForCausalLM",
+           f"{_MODELS}.qwen3_moe:qwen3_moe_arch_config", gguf_architecture="qwen3moe",
+           gguf_model_type="qwen3_moe", gguf_config=_qwen3moe_gguf,
+           gguf_tensors={**_LLAMA_TENSORS, "ffn_gate_inp": "mlp.gate"},
+           gguf_expert_tensors={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                "ffn_down_exps": "down_proj"}),
+)
+
+BY_NAME = {f.name: f for f in FAMILIES}
+BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
+
+
+def hf_config_from_gguf(family: Family, meta: dict) -> dict:
+    """An HF-style config.json rebuilt from a GGUF file's metadata."""
+    def g(key: str, default: Any = None) -> Any:
+        return meta.get(f"{family.gguf_architecture}.{key}", default)
+
+    n_heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    cfg: dict[str, Any] = {
+        "architectures": [family.architectures[0]],
+        "model_type": family.gguf_model_type or family.gguf_architecture,
+        "hidden_size": hidden, "num_hidden_layers": int(g("block_count")),
+        # an all-MoE file may carry no dense width
+        "intermediate_size": int(g("feed_forward_length", g("expert_feed_forward_length", 0))),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", n_heads)),
+        "head_dim": int(g("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "vocab_size": int(meta.get("tokenizer.ggml.vocab_size")
+                          or len(meta.get("tokenizer.ggml.tokens", [])) or g("vocab_size")),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": not meta.get("__has_output_weight", False),
+    }
+    if family.gguf_config is not None:
+        family.gguf_config(cfg, g)
+    scaling_type = g("rope.scaling.type")
+    if scaling_type in ("linear", "yarn"):
+        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(g("rope.scaling.factor"))}
+    return cfg
