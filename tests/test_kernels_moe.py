@@ -29,11 +29,16 @@ def moe_case(tokens, experts=8, top_k=2, hidden=64, inter=32, dtype=torch.float3
     return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
 
 
-@pytest.mark.parametrize("tokens, block_m", [(1, 16), (7, 16), (40, 32), (300, 64)])
-def test_align_groups_every_pair_once_in_expert_tiles(tokens, block_m):
-    experts, top_k = 8, 2
+@pytest.mark.parametrize("tokens, block_m", [(1, 16), (7, 16), (40, 32), (300, 64), (600, 16)])
+@pytest.mark.parametrize("experts", [8, 6])
+def test_align_groups_every_pair_once_in_expert_tiles(tokens, block_m, experts):
+    top_k = 2
     *_, ids = moe_case(tokens, experts, top_k, skew=True)
     sorted_pairs, tile_expert, num_rows = K.fused_moe.align(ids, experts, block_m)
+    # the one-launch kernel (up to ONE_PROGRAM_PAIRS) and the torch ops agree exactly
+    for got, want in zip((sorted_pairs, tile_expert, num_rows),
+                         K.fused_moe.align_torch(ids, experts, block_m)):
+        assert torch.equal(got, want)
     pairs = tokens * top_k
     assert sorted_pairs.numel() == K.fused_moe.capacity(pairs, experts, block_m)
     assert tile_expert.numel() * block_m == sorted_pairs.numel()

@@ -3,7 +3,7 @@
 Reference: ``layers.moe.torch_experts``.
 
 A step's T*k (token, expert) pairs are sorted by expert and each expert's group padded
-to a multiple of BLOCK_M (``align``), so every tile of BLOCK_M sorted rows belongs to
+to a multiple of BLOCK_M (``align``: one launch for a decode step's few pairs), so every tile of BLOCK_M sorted rows belongs to
 one expert: a program reads its tile's expert and multiplies the tile's rows by that
 expert's matrix. Padding slots hold the sentinel T*k and are masked off. The layout's
 size depends on the token count alone (the worst case: every expert's group one row
@@ -75,11 +75,70 @@ def capacity(pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
+@triton.jit
+def _align_one_program(Ids, SortedPairs, TileExpert, NumRows, Offsets,
+                       num_pairs, num_experts, rows, tiles,
+                       BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
+                       FILL: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    """``align`` in one launch, for the few pairs of a decode step: the host-side version
+    takes a dozen small launches, which per MoE layer would cost a batch-1 step more time
+    than its expert products."""
+    idx = tl.arange(0, PAIRS)
+    valid = idx < num_pairs
+    ids = tl.load(Ids + idx, mask=valid, other=num_experts).to(tl.int32)
+    # (expert, pair) keys sorted: grouped by expert, pairs in order within a group
+    keys = tl.sort(ids * PAIRS + idx)
+    e = tl.arange(0, BINS)
+    real = e < num_experts
+    counts = tl.where(real, tl.histogram(ids, BINS), 0)  # the sentinel's bin dropped
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    # a pair's slot: its sorted position plus its expert's padding so far
+    tl.store(Offsets + e, ends - padded - (tl.cumsum(counts, 0) - counts))
+    tl.store(NumRows, tl.sum(padded, 0))
+    for start in range(0, rows, FILL):
+        r = start + tl.arange(0, FILL)
+        tl.store(SortedPairs + r, tl.zeros([FILL], tl.int32) + num_pairs, mask=r < rows)
+    for start in range(0, tiles, TILE_CHUNK):
+        t = start + tl.arange(0, TILE_CHUNK)
+        before = (ends[None, :] <= (t * BLOCK_M)[:, None]) & real[None, :]
+        expert = tl.minimum(tl.sum(before.to(tl.int32), 1), num_experts - 1)
+        tl.store(TileExpert + t, expert, mask=t < tiles)
+    tl.debug_barrier()  # the offsets and the sentinel fill are written before the scatter
+    expert = keys // PAIRS
+    ok = expert < num_experts
+    off = tl.load(Offsets + expert, mask=ok, other=0)
+    tl.store(SortedPairs + idx + off, keys % PAIRS, mask=ok)
+
+
+ONE_PROGRAM_PAIRS = 1024  # up to this many pairs align in one launch (the sort is one block)
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs int32 [R]: pair indices grouped by expert, each group
     padded to a multiple of block_m with the sentinel T*k; tile_expert int32 [R/block_m];
     num_rows int32 [1]: the padded rows in use). Device ops only (graph-capturable)."""
+    pairs, device = ids.numel(), ids.device
+    if pairs <= ONE_PROGRAM_PAIRS:
+        rows = capacity(pairs, num_experts, block_m)
+        sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
+        tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+        num_rows = torch.empty(1, dtype=torch.int32, device=device)
+        bins = triton.next_power_of_2(num_experts + 1)
+        offsets = torch.empty(bins, dtype=torch.int32, device=device)
+        _align_one_program[(1,)](
+            ids.reshape(-1), sorted_pairs, tile_expert, num_rows, offsets,
+            pairs, num_experts, rows, rows // block_m, BLOCK_M=block_m,
+            PAIRS=max(16, triton.next_power_of_2(pairs)), BINS=bins, FILL=1024, TILE_CHUNK=32,
+            num_warps=4)
+        return sorted_pairs, tile_expert, num_rows
+    return align_torch(ids, num_experts, block_m)
+
+
+def align_torch(ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align`` in torch ops, for steps of many pairs."""
     flat = ids.reshape(-1).to(torch.int64)
     pairs, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
