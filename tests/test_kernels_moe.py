@@ -72,6 +72,19 @@ def test_fused_experts_any_tile_and_ragged_widths(block):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (6, 4), (128, 8), (60, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_topk_kernel_matches_torch_routing(experts, top_k, renormalize):
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = (torch.randn(13, experts, generator=gen) * 3).to(DEVICE)
+    want_w, want_ids = softmax_topk(renormalize)(logits, top_k)
+    got_w, got_ids = K.fused_moe.softmax_topk(logits, top_k, renormalize)
+    assert torch.equal(got_ids.long(), want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+    empty = K.fused_moe.softmax_topk(logits[:0], top_k, renormalize)
+    assert empty[0].shape == empty[1].shape == (0, top_k)
+
+
 def test_fused_experts_no_tokens():
     x, w13, w2, weights, ids = moe_case(0)
     assert K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu").shape == (0, 64)
@@ -128,7 +141,9 @@ def test_gpu_path_of_a_whole_moe_model_matches_torch():
         torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
-    assert runner.model.layers[0].mlp.compute is K.fused_moe.fused_experts
+    moe = runner.model.layers[0].mlp
+    assert moe.compute is K.fused_moe.fused_experts
+    assert moe.routing.args[0] is K.fused_moe.softmax_topk  # routing in one launch too
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
     assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)

@@ -69,6 +69,48 @@ def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale,
     tl.store(out, acc.to(Out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _softmax_topk(Logits, Weights, Ids, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, BINS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BINS)
+    x = tl.load(Logits + row * stride_l + e, mask=e < num_experts, other=-float("inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    slot = tl.arange(0, K_BLOCK)
+    weights = tl.zeros([K_BLOCK], tl.float32)
+    ids = tl.zeros([K_BLOCK], tl.int32)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax (the lowest index among ties)
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, e, BINS), 0)
+        weights = tl.where(slot == j, best, weights)
+        ids = tl.where(slot == j, pick, ids)
+        p = tl.where(e == pick, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)  # the unused slots hold 0
+    tl.store(Weights + row * TOP_K + slot, weights, mask=slot < TOP_K)
+    tl.store(Ids + row * TOP_K + slot, ids, mask=slot < TOP_K)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers.moe.softmax_topk`` in one launch: logits [T, E] -> (weights [T, k] float32,
+    ids [T, k] int32)."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        _softmax_topk[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 K_BLOCK=triton.next_power_of_2(top_k),
+                                 BINS=triton.next_power_of_2(experts), RENORMALIZE=renormalize,
+                                 num_warps=1 if experts <= 256 else 4)
+    return weights, ids
+
+
 def capacity(pairs: int, num_experts: int, block_m: int) -> int:
     """Rows of the aligned layout: each expert hit adds at most block_m - 1 padding rows."""
     rows = pairs + min(num_experts, pairs) * (block_m - 1)

@@ -24,6 +24,8 @@ all-to-all) would narrow ``experts`` below and is not built.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,18 +41,24 @@ from ..models.config import MoeSpec
 Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def softmax_topk(renormalize: bool) -> Routing:
+@dataclass(frozen=True)
+class SoftmaxTopK:
     """Softmax over all experts in float32, keep the k largest; ``renormalize`` (HF
-    ``norm_topk_prob``): divide those k by their sum."""
+    ``norm_topk_prob``): divide those k by their sum. (The GPU path runs it as one Triton
+    launch, ``kernels.fused_moe.softmax_topk``.)"""
 
-    def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    renormalize: bool
+
+    def __call__(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, k, dim=-1)
-        if renormalize:
+        if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    return route
+
+def softmax_topk(renormalize: bool) -> Routing:
+    return SoftmaxTopK(renormalize)
 
 
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -81,6 +89,10 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         0, token_of, rows)
 
 
+def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int):
+    return kernel(logits, k, renormalize)
+
+
 class FusedMoE(nn.Module):
     """Routed experts of one layer: a replicated router and the stacked expert weights,
     each expert's intermediate columns split across ranks."""
@@ -106,6 +118,9 @@ class FusedMoE(nn.Module):
         self.w2 = param(e, hidden_size, local)
         self.policy = policy_for(device)
         self.compute = self.policy.moe_experts()
+        fused = self.policy.kernel("fused_moe", "softmax_topk")
+        if fused is not None and isinstance(routing, SoftmaxTopK):  # one launch, not four
+            self.routing = functools.partial(_fused_route, fused, routing.renormalize)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.routing(self.policy.linear(x, self.gate), self.spec.top_k)
