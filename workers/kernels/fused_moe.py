@@ -1,11 +1,12 @@
-"""Routed experts on the GPU: a grouped GEMM, one launch for every expert.
+"""Routed experts on the GPU: a grouped GEMM, one launch for every expert; and the
+softmax top-k routing in one launch.
 
-Reference: ``layers.moe.torch_experts``.
+References: ``layers.moe.torch_experts`` and ``layers.moe.SoftmaxTopK``.
 
 A step's T*k (token, expert) pairs are sorted by expert and each expert's group padded
-to a multiple of BLOCK_M (``align``: one launch for a decode step's few pairs), so every tile of BLOCK_M sorted rows belongs to
-one expert: a program reads its tile's expert and multiplies the tile's rows by that
-expert's matrix. Padding slots hold the sentinel T*k and are masked off. The layout's
+to a multiple of BLOCK_M (``align``: one launch for a decode step's few pairs), so every
+tile of BLOCK_M sorted rows belongs to one expert: a program reads its tile's expert and
+multiplies the tile's rows by that expert's matrix. Padding slots hold the sentinel T*k and are masked off. The layout's
 size depends on the token count alone (the worst case: every expert's group one row
 past a tile), and tiles past the real end return at once, so nothing is read back to
 the host and a step replays under CUDA graphs.
