@@ -423,3 +423,23 @@ def test_dummy_weights_fill_the_stacked_experts(moe_path):
     assert not torch.equal(moe.w13[0], moe.w13[1])  # each expert drawn on its own
     out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
     assert len(out["r"]) == 4
+
+
+def test_gguf_quantized_experts_load_dequantized(hf_moe, tmp_path, caplog):
+    """Experts stored in a block type fill the float stacked tensors (with a warning)."""
+    import gguf
+
+    from pocketllm.workers.runner import ModelRunner
+
+    path = str(tmp_path / "q8-run.gguf")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_qwen3moe_gguf(path, hf_moe, q8)
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
+    with caplog.at_level("WARNING", logger="pocketllm.worker"):
+        runner = ModelRunner(load_model_info(args), args)
+    assert "dequantized" in caplog.text
+    down = hf_moe.state_dict()["model.layers.2.mlp.experts.down_proj"][5].numpy()
+    expected = gguf.quants.dequantize(gguf.quants.quantize(down, q8), q8)
+    assert np.array_equal(runner.model.layers[2].mlp.w2[5].numpy(), expected)
+    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
+    assert len(out["r"]) == 4
