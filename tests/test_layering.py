@@ -1,6 +1,7 @@
 """The layout's rules (docs/architecture.md): stages do not import each other, proto
-imports nothing of this project, and the control plane never imports the workers. Read from the source (every import, module level or
-inside a function), so a lazy import cannot hide a dependency."""
+imports nothing of this project, and the control plane never imports the workers. Read
+from the source (every import, module level or inside a function), so a lazy import
+cannot hide a dependency."""
 
 from __future__ import annotations
 
