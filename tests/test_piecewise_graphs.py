@@ -81,8 +81,8 @@ def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, 
         assert runner.mixed_graphs.token_counts == [8, 16, 32]
         RerunGraph.replays = 0
         results = []
-        execute = runner.execute
-        runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
+        finish = runner.finish
+        runner.finish = lambda step: results.append(finish(step)) or results[-1]
         piecewise = greedy(runner, chunk=8)
     # tokens equal; logprobs to float noise (a padded GEMM may block its rows differently)
     assert piecewise[0] == eager[0] and len(set(eager[0]["r1"])) > 3
@@ -102,8 +102,8 @@ def test_steps_past_the_largest_rung_run_eagerly():
     assert runner.mixed_graphs.rung(17) == 0 and runner.mixed_graphs.rung(9) == 16
     RerunGraph.replays = 0
     results = []
-    execute = runner.execute
-    runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
+    finish = runner.finish
+    runner.finish = lambda step: results.append(finish(step)) or results[-1]
     assert greedy(runner, chunk=64)[0] == greedy(make_runner(path), chunk=64)[0]
     # the 50-row prefill ran eagerly; the decode steps (3 rows) replayed
     assert [r.path for r in results] == ["eager"] + ["piecewise"] * (len(results) - 1)
