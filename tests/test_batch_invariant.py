@@ -15,6 +15,7 @@ from kernel_modules import load_kernels
 K, DEVICE = load_kernels()
 import torch  # noqa: E402  (load_kernels skips the module when torch/triton are missing)
 
+from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
 from pocketllm.proto.messages import SamplingSpec  # noqa: E402
 from pocketllm.workers.layers.attention import ScheduledSeq, build_metadata  # noqa: E402
 from pocketllm.workers.layers.sampler import Sampler  # noqa: E402
@@ -82,7 +83,7 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(window, dtype):
     pages = list(range(PAGES))
     random.Random(2).shuffle(pages)
     blocks = [pages[:12], pages[12:24]]
-    tri = K.attention_backend.TritonAttention(batch_invariant=True)
+    tri = K.attention_backend.TritonAttention(KernelPolicy(triton=True, batch_invariant=True))
     backend = {"attn": lambda *a: tri.forward(*a, window, dim ** -0.5, None)}
 
     def rows_of(chunks, q_all=(q, oq), k_all=(k, ok), v_all=(v, ov)):

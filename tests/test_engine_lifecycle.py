@@ -34,7 +34,7 @@ def test_capabilities_declared(llm_tiny):
     caps = llm_tiny.engine_caps()
     assert caps.num_kv_blocks > 0 and caps.block_size == 16
     assert caps.continuous_batching and caps.paged_kv and caps.chunked_prefill
-    assert caps.per_request_sampling and caps.vocab_size == llm_tiny.model_info.vocab_size
+    assert caps.vocab_size == llm_tiny.model_info.vocab_size
 
 
 def test_killed_worker_fails_requests_and_reaps_group(tiny_llama):

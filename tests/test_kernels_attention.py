@@ -14,6 +14,7 @@ from kernel_modules import load_kernels
 K, DEVICE = load_kernels()
 import torch  # noqa: E402  (load_kernels skips the module when torch/triton are missing)
 
+from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
 from pocketllm.workers.layers.attention import (ScheduledSeq, TorchAttention,  # noqa: E402
                                                 build_metadata)
 
@@ -86,8 +87,7 @@ def test_long_chunk_over_long_prefix(window):
 @pytest.mark.parametrize("window", [None, 30, 5])
 def test_lone_fresh_prefill_on_sdpa(window):
     # a lone prompt from position 0 may take SDPA (window 5 < 11 rows: it must not)
-    backend = K.attention_backend.TritonAttention()
-    backend.sdpa_fresh_min_tokens = {128: 8, 256: 8}
+    backend = K.attention_backend.TritonAttention(KernelPolicy(triton=True, sdpa_min_rows=(8, 8)))
     out, ref = run_both([(0, 11), (6, 1)], heads=4, kv_heads=2, dim=32, window=window,
                         softcap=None, seed=11, backend=backend)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -163,8 +163,7 @@ def test_warm_up_runs_every_variant_and_touches_only_the_padding_block():
     v_cache = torch.full_like(k_cache, float("nan"))
     k_cache[BLOCKS * BS:] = 0
     v_cache[BLOCKS * BS:] = 0
-    backend = K.attention_backend.TritonAttention()
-    backend.sdpa_fresh_min_tokens = {128: 8, 256: 8}
+    backend = K.attention_backend.TritonAttention(KernelPolicy(triton=True, sdpa_min_rows=(8, 8)))
     backend.warm_up(k_cache, v_cache, 4, BLOCKS, BS, {(None, None), (5, 2.0)}, 0.2)
     assert torch.isnan(k_cache[:BLOCKS * BS]).all() and torch.isnan(v_cache[:BLOCKS * BS]).all()
     assert not k_cache[BLOCKS * BS:].any() and not v_cache[BLOCKS * BS:].any()
@@ -218,3 +217,19 @@ def test_kernel_metadata_sections_start_16_byte_aligned(seed):
         if paged is not None:
             for t in (paged.block_tables, paged.seq_lens, paged.q_start, paged.q_lens):
                 assert (t.data_ptr() - meta.slot_mapping.data_ptr()) % 16 == 0
+
+
+def test_policy_splits_a_small_decode_batch_and_not_a_full_one():
+    """The kernel policy's decode split: a batch that already fills the GPU runs unsplit;
+    a small one is cut into splits of at least ``decode_min_partition`` keys, whole loops
+    of the kernel's ``block_n``, enough for about ``decode_programs_per_sm`` per SM. And
+    SDPA takes a lone fresh prompt from the threshold of its head_dim class."""
+    policy = KernelPolicy(triton=True, decode_min_partition=64, decode_programs_per_sm=8,
+                          sdpa_min_rows=(512, 1024))
+    assert policy.decode_partition(132, 1, 4096, sms=132, block_n=64) == 4096
+    assert policy.decode_partition(1, 8, 40, sms=132, block_n=64) == 40
+    part = policy.decode_partition(1, 8, 4096, sms=132, block_n=64)
+    assert part % 64 == 0 and part >= 64
+    assert -(-4096 // part) == 64  # min(8 * 132 / 8 programs, 4096 / 64) = 64 splits
+    assert policy.fresh_prefill_on_sdpa(512, 128) and not policy.fresh_prefill_on_sdpa(511, 128)
+    assert not policy.fresh_prefill_on_sdpa(1000, 256) and policy.fresh_prefill_on_sdpa(1024, 256)

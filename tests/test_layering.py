@@ -1,6 +1,7 @@
-"""The layout's rules (docs/architecture.md): stages do not import each other, and proto
-imports nothing of this project. Read from the source (every import, module level or
-inside a function), so a lazy import cannot hide a dependency."""
+"""The layout's rules (docs/architecture.md): stages do not import each other, proto
+imports nothing of this project, and the control plane never imports the workers. Read
+from the source (every import, module level or inside a function), so a lazy import
+cannot hide a dependency."""
 
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     src.write_text("def f():\n    from ..scheduler.grammar import x\n")
     assert stage_of(next(n for n in imports(src, "pocketllm.tokenizer")
                          if n.endswith("grammar"))) == "scheduler"
+
+
+def test_control_plane_never_imports_the_workers():
+    """Everything under pocketllm/ runs without the data plane (and torch) loaded; the
+    bench alone drives a worker in-process, as a user's script may."""
+    problems = []
+    for path in sorted((ROOT / "pocketllm").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "bench":
+            continue
+        package = ".".join(rel.with_suffix("").parts[:-1]) if path.name != "__init__.py" \
+            else ".".join(rel.parent.parts)
+        problems += [f"{rel} imports {name}" for name in imports(path, package)
+                     if name == "pocketllm.workers" or name.startswith("pocketllm.workers.")]
+    assert not problems, "\n".join(problems)

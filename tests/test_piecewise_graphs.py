@@ -82,7 +82,7 @@ def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, 
         assert runner.mixed_graphs.token_counts == [8, 16, 32]
         RerunGraph.replays = 0
         results = []
-        finish = runner.finish  # every step's result, as the driver reads it
+        finish = runner.finish
         runner.finish = lambda step: results.append(finish(step)) or results[-1]
         piecewise = greedy(runner, chunk=8)
     # tokens equal; logprobs to float noise (a padded GEMM may block its rows differently)

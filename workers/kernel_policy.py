@@ -4,8 +4,10 @@ Default mode, tuned for speed:
 - a one-row product (batch-1 decode) is a fused Triton gemv on CUDA (with the norm
   before it, the activation before the down projection, the rotary after q/k/v);
   rows of two or more take cuBLAS (``F.linear``), as does the CPU;
-- attention is ``TritonAttention`` on CUDA: decode splits chosen from the batch,
-  SDPA for a lone long fresh prompt; the torch reference on CPU;
+- attention is ``TritonAttention`` on CUDA: a decode's keys are split so that a small
+  batch still fills the GPU (``decode_partition``), and a lone long fresh prompt runs
+  SDPA's flash kernel (``fresh_prefill_on_sdpa``), both thresholds tuned on an H200 by
+  ``kernels/bench.py --tune``; the torch reference on CPU;
 - the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
   expert (``kernels/fused_moe.py``); the torch reference on CPU (``moe_experts``);
@@ -63,6 +65,9 @@ class KernelPolicy:
     cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
     block_float_rows: int = 64  # see the module docstring; measured in docs/cpu_kernels.md
     block_prefill: str = "float32"  # from block_float_rows rows: "bf16" or "float32"
+    decode_min_partition: int = 64  # fewest keys per decode split
+    decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
+    sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
 
     def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
         """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;
@@ -90,6 +95,24 @@ class KernelPolicy:
             return False
         return (meta.groups[0].q_len == 1 and meta.covers_all_rows
                 and meta.num_tokens < self.block_float_rows)
+
+    def decode_partition(self, num_seqs: int, kv_heads: int, span: int, sms: int,
+                         block_n: int) -> int:
+        """Keys per split of a decode launch (one program per sequence, KV head and split):
+        the whole span when the batch already fills the ``sms`` multiprocessors, else
+        enough splits for about ``decode_programs_per_sm`` programs on each, each of at
+        least ``decode_min_partition`` keys, rounded up to the kernel's ``block_n``."""
+        programs = num_seqs * kv_heads
+        if programs >= sms or span <= self.decode_min_partition:
+            return max(span, 1)
+        splits = min(-(-self.decode_programs_per_sm * sms // programs),
+                     -(-span // self.decode_min_partition))
+        return -(-(-(-span // splits)) // block_n) * block_n
+
+    def fresh_prefill_on_sdpa(self, rows: int, head_dim: int) -> bool:
+        """Whether a lone prompt from position 0, with no window or soft-cap in the way,
+        runs SDPA's flash kernel rather than the paged prefill kernel."""
+        return rows >= self.sdpa_min_rows[0 if head_dim <= 128 else 1]
 
     def kernel(self, module: str, name: str):
         """A Triton function the layer runs in place of its torch ops, None on the torch path."""
@@ -136,7 +159,7 @@ class KernelPolicy:
             return TorchAttention()
         from .kernels.attention_backend import TritonAttention
 
-        return TritonAttention(batch_invariant=self.batch_invariant)
+        return TritonAttention(self)
 
 
 def policy_for(device: torch.device) -> KernelPolicy:

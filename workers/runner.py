@@ -218,8 +218,6 @@ class ModelRunner:
             prefix_caching=self.args.enable_prefix_caching,
             paged_kv=True,  # KV lives in blocks the scheduler assigns (block tables)
             continuous_batching=True,  # a step mixes prefill chunks and decodes of any requests
-            per_request_sampling=True,  # the sampler reads each row's own parameters
-            per_request_top_k=True,
             max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
             attention_backend=type(self.backend).__name__,
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],

@@ -25,19 +25,21 @@ import torch.nn.functional as F
 
 from ..layers.attention import AttentionMetadata
 from .kv_write import write_kv
-from .paged_decode_attention import paged_decode_attention
+from .paged_decode_attention import decode_block_n, paged_decode_attention, sm_count
 from .prefill_attention import INVARIANT_TILES, prefill_attention
 
 
 class TritonAttention:
     # The runner passes this to build_metadata: these kernels read block tables, not groups.
     kernel_tables = True
-    # From this many rows a lone fresh prefill runs on SDPA, by head_dim up to 128 / 256
-    # (tuned on an H200).
-    sdpa_fresh_min_tokens = {128: 512, 256: 512}
 
-    def __init__(self, batch_invariant: bool = False):
-        self.batch_invariant = batch_invariant
+    def __init__(self, policy=None):
+        """``policy``: the ``KernelPolicy`` that chooses decode splits, SDPA for a lone
+        fresh prompt, and the batch-invariant mode (None: the default mode's)."""
+        from ..kernel_policy import KernelPolicy
+
+        self.policy = policy or KernelPolicy(triton=True)
+        self.batch_invariant = self.policy.batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -65,13 +67,18 @@ class TritonAttention:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode is not None:
             d = meta.decode
+            span = min(d.max_seq_len, window) if window else d.max_seq_len
+            partition = self.policy.decode_partition(d.block_tables.shape[0], k_cache.shape[1],
+                                                     span, sm_count(q.device),
+                                                     decode_block_n(q.shape[2]))
             # A decode-only step's rows are all decodes: the decode kernel writes them.
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
                                    d.max_seq_len, meta.block_size, scale, window, softcap, out,
+                                   partition=partition,
                                    new_kv=(k, v, meta.slot_mapping) if p is None else None)
         rows = p.lone_fresh_rows if p is not None else None
         if (rows is not None and softcap is None and (window is None or window >= p.max_q_len)
-                and p.max_q_len >= self.sdpa_fresh_min_tokens[128 if q.shape[2] <= 128 else 256]):
+                and self.policy.fresh_prefill_on_sdpa(p.max_q_len, q.shape[2])):
             out[rows] = _sdpa_causal(q[rows], k[rows], v[rows], scale)
         elif p is not None:
             prefill_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens, p.q_start,
@@ -119,7 +126,7 @@ class TritonAttention:
                                            tables(4, 8 * splits), ints(*[8 * splits] * 4),
                                            ints(0, 1, 2, 3), 8 * splits, block_size, scale,
                                            window, softcap, partition=8, new_kv=new_kv)
-        shortest = self.sdpa_fresh_min_tokens[128 if dim <= 128 else 256]
+        shortest = self.policy.sdpa_min_rows[0 if dim <= 128 else 1]
         for length in (shortest, 2 * shortest, 4 * shortest) if shortest < 1 << 20 else ():
             _sdpa_causal(rows(length, num_heads), rows(length, kv_heads), rows(length, kv_heads),
                          scale)

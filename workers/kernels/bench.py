@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from ..kernel_policy import KernelPolicy
 from ..layers.activation import act_and_mul as torch_act_and_mul, get_activation
 from ..layers.attention import ScheduledSeq, TorchAttention, build_metadata
 from ..layers.rotary import RotaryTable, apply_rotary
@@ -239,12 +240,16 @@ def _best(name: str, candidates, cases, run) -> object:
     return best
 
 
-def _run_decode(tiles, case):
+def _run_decode(tiles, case, policy: KernelPolicy = KernelPolicy(triton=True)):
     _label, (step, meta), window = case
     d = meta.decode
+    span = min(d.max_seq_len, window) if window else d.max_seq_len
+    block_n = tiles[0] if tiles else decode_mod.decode_block_n(step.q.shape[2])
+    partition = policy.decode_partition(d.block_tables.shape[0], step.k_cache.shape[1], span,
+                                        decode_mod.sm_count(DEV), block_n)
     decode_mod.paged_decode_attention(step.q, step.k_cache, step.v_cache, d.block_tables,
                                       d.seq_lens, d.q_start, d.max_seq_len, 16, 0.1, window,
-                                      None, tiles=tiles)
+                                      None, tiles=tiles, partition=partition)
 
 
 def _written(shape, specs, window):
@@ -255,7 +260,8 @@ def _written(shape, specs, window):
 
 
 def tune():
-    """Sweep launch settings under CUDA graphs; apply the best to the modules."""
+    """Sweep launch settings under CUDA graphs; print the best (the kernel modules' TILES
+    and the KernelPolicy's attention thresholds take them by hand)."""
     all_steps = []
     for dim_class, shape, cases in (
             (128, LLAMA, [(1, 4096, None), (8, 4096, None), (64, 1024, None), (64, 4096, None)]),
@@ -268,11 +274,12 @@ def tune():
                                             _run_decode)
 
     def run_split(cand, case):
-        decode_mod.MIN_PARTITION, decode_mod.PROGRAMS_PER_SM = cand
-        _run_decode(None, case)
-    decode_mod.MIN_PARTITION, decode_mod.PROGRAMS_PER_SM = _best(
+        _run_decode(None, case, KernelPolicy(triton=True, decode_min_partition=cand[0],
+                                             decode_programs_per_sm=cand[1]))
+    min_partition, programs_per_sm = _best(
         "decode split", [(p, s) for p in (64, 128, 256, 512) for s in (1, 2, 4, 8)], all_steps,
         run_split)
+    sdpa_min_rows = {}
     for dim_class, shape, window, cases in (
             (128, LLAMA, None, [[(0, 4096)], [(3584, 512)] * 4, [(0, 256)] * 16, [(0, 1024)] * 4]),
             (256, GEMMA, 512, [[(0, 4096)], [(3584, 512)] * 4, [(0, 256)] * 16])):
@@ -303,12 +310,12 @@ def tune():
             if sdpa >= ours:
                 break
             threshold = length
-        TritonAttention.sdpa_fresh_min_tokens[dim_class] = threshold
+        sdpa_min_rows[dim_class] = threshold
     print(json.dumps(dict(tuned=dict(decode_tiles=decode_mod.TILES,
-                                     min_partition=decode_mod.MIN_PARTITION,
-                                     programs_per_sm=decode_mod.PROGRAMS_PER_SM,
+                                     decode_min_partition=min_partition,
+                                     decode_programs_per_sm=programs_per_sm,
                                      prefill_tiles=prefill_mod.TILES,
-                                     sdpa_fresh_min_tokens=TritonAttention.sdpa_fresh_min_tokens))),
+                                     sdpa_min_rows=sdpa_min_rows))),
           flush=True)
 
 

@@ -28,8 +28,6 @@ import triton.language as tl
 # splits past a sequence's length exit at once, and short splits keep each program's
 # chain of dependent loads short (docs/benchmarks.md, "Batch-1 decode").
 TILES = {128: (64, 4), 256: (64, 4)}  # by head_dim up to 128 / 256: (keys per loop, warps)
-MIN_PARTITION = 64  # fewest keys per split
-PROGRAMS_PER_SM = 8  # a small batch is split until the launch has about this many
 
 
 @triton.jit
@@ -190,17 +188,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_partition(num_seqs: int, num_kv_heads: int, span: int, device: torch.device,
-                     block_n: int) -> int:
-    """Keys per split: the whole span when the batch already fills the GPU, else enough
-    splits for about PROGRAMS_PER_SM programs per multiprocessor, each of at least
-    MIN_PARTITION keys."""
-    programs = num_seqs * num_kv_heads
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    if programs >= sms or span <= MIN_PARTITION:
-        return max(span, 1)
-    splits = min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), triton.cdiv(span, MIN_PARTITION))
-    return triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
+def sm_count(device: torch.device) -> int:
+    """The multiprocessors a launch can fill (4 under the CPU interpreter)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def decode_block_n(head_dim: int) -> int:
+    """Keys per loop of the decode kernel: a split is a multiple of it."""
+    return TILES[128 if head_dim <= 128 else 256][0]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -218,7 +213,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with slot = block * block_size + offset; block_tables: [B, W] int32; seq_lens: [B]
     int32 (the query is the last position); ``max_seq_len`` is seq_lens.max() known on
     the host. Writes rows ``q_rows`` of ``out`` ([T, H, D], allocated if None).
-    ``partition`` forces the split size in tokens (tests); None chooses it. ``tiles``
+    ``partition``: keys per split (the kernel policy's ``decode_partition``); None: one
+    split of the whole span. ``tiles``
     overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
     [T, Hkv, D]: write each sequence's new k/v row (at ``q_rows``) into its slot first,
     as ``kv_write.write_kv`` would (negative slots are skipped); the cache need not
@@ -237,7 +233,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     span = max_seq_len if not window else min(max_seq_len, window)
     block_n, warps = tiles or TILES[128 if dim <= 128 else 256]
     if partition is None:
-        partition = choose_partition(num_seqs, kv_heads, span, q.device, block_n)
+        partition = max(span, 1)
     num_splits = triton.cdiv(span, partition)
     split = num_splits > 1
     if split:
