@@ -16,11 +16,11 @@ Default mode, tuned for speed:
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
   torch's product. A product of fewer than ``block_float_rows`` rows of a block weight
   (decode, short prompts) runs the integer kernels, which unpack each weight block once
-  for up to 8 rows; from that many rows (longer prefill chunks) the work is compute-bound
-  and the weight is decoded a few rows at a time into a float form: bfloat16 rows
-  multiplied by the library's AVX-512 BF16 product where the CPU has it
-  (``block_prefill == "bf16"``), else float32 slices multiplied by torch's sgemm (the
-  crossover and the choice measured in docs/cpu_kernels.md).
+  for up to 8 rows; from that many rows (prompts, large batches) the work is
+  compute-bound and the weight is decoded a few rows at a time into a float form:
+  bfloat16 rows multiplied by the library's AVX-512 BF16 product where the CPU has it
+  (``block_prefill == "bf16"``, from 24 rows), else float32 slices multiplied by torch's
+  sgemm (from 64 rows; the crossovers measured in docs/cpu_kernels.md).
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -63,8 +63,10 @@ class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
     batch_invariant: bool = False
     cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
-    block_float_rows: int = 64  # see the module docstring; measured in docs/cpu_kernels.md
-    block_prefill: str = "float32"  # from block_float_rows rows: "bf16" or "float32"
+    # From this many rows a block weight's product takes the float form ``block_prefill``
+    # ("bf16" or "float32"); the crossovers are measured in docs/cpu_kernels.md.
+    block_float_rows: int = 64
+    block_prefill: str = "float32"
     decode_min_partition: int = 64  # fewest keys per decode split
     decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
     sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
@@ -162,6 +164,10 @@ class KernelPolicy:
         return TritonAttention(self)
 
 
+# The bfloat16 product overtakes the 8-row integer dots at ~24 rows (float32 sgemm: ~64).
+BF16_ROWS = 24
+
+
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
     cpu_blocks = device.type == "cpu" and _cpu_blocks_available()
@@ -172,7 +178,8 @@ def policy_for(device: torch.device) -> KernelPolicy:
         bf16 = cpu_quant.has_bf16()
     return KernelPolicy(triton=kernels.kernels_usable(device),
                         batch_invariant=_building_batch_invariant,
-                        cpu_blocks=cpu_blocks, block_prefill="bf16" if bf16 else "float32")
+                        cpu_blocks=cpu_blocks, block_float_rows=BF16_ROWS if bf16 else 64,
+                        block_prefill="bf16" if bf16 else "float32")
 
 
 def _cpu_blocks_available() -> bool:
