@@ -27,9 +27,10 @@ from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
 WINDOW, BS = 8, 4
 
 
-def make_runner(path: str, one_pool: bool = False, monkeypatch=None, **kw) -> ModelRunner:
+def make_runner(path: str, one_pool: bool = False, monkeypatch=None, device: str = "cpu",
+                **kw) -> ModelRunner:
     """``one_pool``: every layer in one full-attention pool, as before cache groups."""
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=BS,
+    args = EngineArgs(model=path, device=device, dtype="float32", block_size=BS,
                       **{"num_kv_blocks": 256, "max_num_seqs": 4, **kw})
     if one_pool:
         monkeypatch.setattr(runner_module, "cache_layout", lambda windows, _n: CacheLayout(
@@ -39,6 +40,18 @@ def make_runner(path: str, one_pool: bool = False, monkeypatch=None, **kw) -> Mo
     finally:
         if one_pool:
             monkeypatch.undo()
+
+
+def shared_prefix_workload(engine: "Engine") -> dict[str, list[int]]:
+    """Long sequences past the window, chunked prompts, then prefix hits on them (the
+    hit's sliding table starts with NULL entries): what the GPU tests run on each path."""
+    shared = prompt_of(30, seed=3)
+    engine.add("a", shared + [5, 6], 24)
+    engine.add("b", prompt_of(9, seed=4), 30)
+    engine.run()
+    engine.add("c", shared + [7, 8, 9], 24)
+    engine.add("d", prompt_of(21, seed=6), 20)
+    return engine.run()
 
 
 class Engine:
