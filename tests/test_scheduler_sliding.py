@@ -6,6 +6,8 @@ every answer. The fake worker reads each group's window back and checks every sl
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
@@ -181,3 +183,38 @@ def test_an_unknown_cache_kind_is_refused():
     cfg.cache_groups = [CacheGroup(CacheSpec("state"), 8)]
     with pytest.raises(UnsupportedFeatureError, match="'state'"):
         Scheduler(cfg)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 2, 4, 8]),
+       window=st.integers(1, 20), num_reqs=st.integers(1, 8), budget=st.integers(1, 40),
+       max_seqs=st.integers(1, 6), caching=st.booleans(), chunked=st.booleans(),
+       overlap=st.booleans())
+def test_random_workloads_with_a_sliding_group_match_solo_runs(
+        seed, block_size, window, num_reqs, budget, max_seqs, caching, chunked, overlap):
+    """Tight pools (preemption is common), shared prefixes, every switch: each answer is
+    the one its request gets alone, and the fake worker finds every window's KV intact."""
+    rng = random.Random(seed)
+    max_model_len = 64
+    base = [rng.randrange(50) for _ in range(30)]
+    reqs = [make_request(f"q{i}", base[:rng.randrange(0, 30)]
+                         + [rng.randrange(50) for _ in range(rng.randrange(1, 10))],
+                         max_tokens=rng.randrange(1, 30)) for i in range(num_reqs)]
+    probe = CacheGroups([CacheGroup(CacheSpec(), 1), CacheGroup(CacheSpec("sliding", window), 1)],
+                        block_size, caching)
+    chunk = budget if chunked else max_model_len
+    limits = [min(len(r.prompt_token_ids) + r.sampling.max_tokens, max_model_len) for r in reqs]
+    full = max(probe.rules[0].max_blocks(n, chunk) for n in limits)
+    sliding = max(probe.rules[1].max_blocks(n, chunk) for n in limits)
+    d = Driver(sliding_config(window, sliding_blocks=sliding + rng.randrange(0, 4),
+                              block_size=block_size, num_kv_blocks=full + rng.randrange(0, full),
+                              max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                              max_model_len=max_model_len, enable_prefix_caching=caching,
+                              enable_chunked_prefill=chunked, overlap=overlap and chunked))
+    arrivals = {0: reqs[:num_reqs // 2 + 1]}
+    for i, r in enumerate(reqs[num_reqs // 2 + 1:]):
+        arrivals.setdefault(rng.randrange(1, 20), []).append(r)
+    outs = d.run_overlapped(arrivals=arrivals)
+    for r in reqs:
+        assert outs[r.request_id].tokens == solo(r, max_model_len=max_model_len).tokens
+    assert d.sched.stats()["kv_blocks_used"] == 0
