@@ -36,7 +36,8 @@ def test_a_long_sequence_holds_only_its_window_in_the_sliding_group():
                 assert d.sched.kv.pools[1].num_used_blocks == held(req)
     assert most == bound
     out = d.outcomes["a"]
-    assert len(out.tokens) == 200 and out.tokens == solo(make_request("a", prompt, max_tokens=200)).tokens
+    assert len(out.tokens) == 200
+    assert out.tokens == solo(make_request("a", prompt, max_tokens=200)).tokens
     assert d.sched.stats()["kv_blocks_used"] == 0
 
 
@@ -84,7 +85,8 @@ def test_prefix_hit_with_the_window_still_cached():
     assert NULL_BLOCK not in new.block_ids[1][first:] and NULL_BLOCK not in new.block_ids[0]
     outs = d.run()
     assert outs["b"].cached == 40
-    assert outs["b"].tokens == solo(make_request("b", shared + [900, 901, 902], max_tokens=3)).tokens
+    want = solo(make_request("b", shared + [900, 901, 902], max_tokens=3)).tokens
+    assert outs["b"].tokens == want
 
 
 def test_prefix_hit_shrinks_when_the_sliding_window_was_evicted():

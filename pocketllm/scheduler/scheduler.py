@@ -485,7 +485,8 @@ class Scheduler:
             assert req.num_computed_tokens < req.num_tokens, f"{req} has nothing left to compute"
         for req in self.waiting:
             assert req.status is RequestStatus.WAITING and self._requests[req.request_id] is req
-            assert not any(req.block_ids) and req.num_computed_tokens == 0, f"waiting {req} holds KV"
+            assert not any(req.block_ids) and req.num_computed_tokens == 0, (
+                f"waiting {req} holds KV")
         assert len(self._requests) == len(self.running) + len(self.waiting)
         assert len(self.running) <= self.config.max_num_seqs
         self.kv.check_invariants(self.running)
