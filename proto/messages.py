@@ -380,7 +380,7 @@ class SchedulerStats(_Msg):
 
     running: int = 0
     waiting: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # summed over the KV cache groups' pools
     kv_blocks_total: int = 0
     kv_blocks_cached_free: int = 0  # free, but still holding a reusable cached prefix
     prefix_cache_queries: int = 0  # cumulative, in tokens
