@@ -315,10 +315,8 @@ class ModelRunner:
         entries = []
         for new in plan.new_requests:  # new, or back after preemption: replaces any old state
             self._check_blocks(new.request_id, new.block_ids)
-            tables = [[pad if b == NULL_BLOCK else b for b in table]
-                      for table, pad in zip(new.block_ids, self.kv.pad_blocks)]
-            state = _RequestState(list(new.token_ids), tables, new.sampling,
-                                  padded=[0] * len(tables))
+            state = _RequestState(list(new.token_ids), self._tables(new.block_ids), new.sampling,
+                                  padded=[0] * len(new.block_ids))
             if uses_penalties(new.sampling):
                 prompt_len = self._dropped_prompt_lens.pop(new.request_id, len(new.token_ids))
                 state.history = TokenHistory(new.sampling, new.token_ids[:prompt_len],
@@ -337,7 +335,7 @@ class ModelRunner:
                 raise StepError(f"request {cached.request_id!r}: a PENDING token this worker "
                                 "cannot resolve")
             state.token_ids.extend(cached.new_token_ids)
-            for table, more in zip(state.block_ids, cached.new_block_ids):
+            for table, more in zip(state.block_ids, self._tables(cached.new_block_ids)):
                 table.extend(more)
             if state.history is not None:
                 state.history.add_output(cached.new_token_ids)
@@ -362,6 +360,11 @@ class ModelRunner:
             real = [b for b in table if b != NULL_BLOCK]
             if real and not (0 <= min(real) and max(real) < n):
                 raise StepError(f"request {rid!r}: block ids of group {g} outside [0, {n})")
+
+    def _tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """Block tables as the kernels read them: a NULL entry (no block) is the pad block."""
+        return [[pad if b == NULL_BLOCK else b for b in table]
+                for table, pad in zip(tables, self.kv.pad_blocks)]
 
     def _behind_window(self, state: _RequestState, start: int) -> None:
         """Point each sliding table's entries wholly behind the window of a chunk computed
