@@ -27,14 +27,19 @@ from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
 WINDOW, BS = 8, 4
 
 
+def one_pool_layout(windows: list, _max_model_len: int) -> CacheLayout:
+    """Every layer in one full-attention pool: the layout before cache groups."""
+    return CacheLayout([CacheSpec()], [0] * len(windows),
+                       [sorted(set(windows), key=lambda w: -1 if w is None else w)])
+
+
 def make_runner(path: str, one_pool: bool = False, monkeypatch=None, device: str = "cpu",
                 **kw) -> ModelRunner:
     """``one_pool``: every layer in one full-attention pool, as before cache groups."""
     args = EngineArgs(model=path, device=device, dtype="float32", block_size=BS,
                       **{"num_kv_blocks": 256, "max_num_seqs": 4, **kw})
     if one_pool:
-        monkeypatch.setattr(runner_module, "cache_layout", lambda windows, _n: CacheLayout(
-            [CacheSpec()], [0] * len(windows)))
+        monkeypatch.setattr(runner_module, "cache_layout", one_pool_layout)
     try:
         return ModelRunner(load_model_info(args), args)
     finally:
@@ -182,8 +187,7 @@ def test_embedded_model_keeps_512_positions_in_its_sliding_layers(default_model_
     engine.add("long", prompt, 24)
     tokens = engine.run()["long"]
     assert engine.most_sliding_blocks == 512 // 16 + 1
-    monkeypatch.setattr(runner_module, "cache_layout", lambda windows, _n: CacheLayout(
-        [CacheSpec()], [0] * len(windows)))
+    monkeypatch.setattr(runner_module, "cache_layout", one_pool_layout)
     args = EngineArgs(model=default_model_path, device="cpu", **kw)
     before = Engine(ModelRunner(load_model_info(args), args))
     before.add("long", prompt, 24)

@@ -44,6 +44,9 @@ def layer_spec(window: Optional[int], max_model_len: int) -> CacheSpec:
 class CacheLayout:
     specs: list[CacheSpec]  # per group, full attention first
     layer_group: list[int]  # per layer: its group
+    # per group: its layers' windows (None: full), shortest first; the torch metadata
+    # builds a view for each
+    layer_windows: list[list[Optional[int]]]
 
     def num_layers(self, group: int) -> int:
         return self.layer_group.count(group)
@@ -57,7 +60,10 @@ def cache_layout(layer_windows: list[Optional[int]], max_model_len: int) -> Cach
     """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``."""
     per_layer = [layer_spec(w, max_model_len) for w in layer_windows]
     specs = sorted(set(per_layer), key=lambda s: (s.kind != "full", s.window))
-    return CacheLayout(specs, [specs.index(s) for s in per_layer])
+    groups = [specs.index(s) for s in per_layer]
+    windows = [sorted({w for w, g in zip(layer_windows, groups) if g == group},
+                      key=lambda w: -1 if w is None else w) for group in range(len(specs))]
+    return CacheLayout(specs, groups, windows)
 
 
 def sliding_cap(window: int, args: EngineArgs, max_model_len: int) -> int:

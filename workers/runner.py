@@ -111,11 +111,8 @@ class ModelRunner:
                                self.dtype, self.device)
         self.kv_caches = self.kv.layer_caches
         self.num_kv_blocks = counts[0]
-        # Per group: the windows of its layers (the torch metadata builds a view for each),
-        # and the sliding window whose table entries behind it point at the pad block.
-        self.group_windows = [
-            sorted({cfg.layer_windows[i] for i, g in enumerate(layout.layer_group) if g == group},
-                   key=lambda w: -1 if w is None else w) for group in range(len(counts))]
+        self.group_windows = layout.layer_windows
+        # per group: the sliding window whose table entries behind it point at the pad block
         self.group_slide = [layout.window(g) for g in range(len(counts))]
         self._warm_up_attention()
         self.sampler = Sampler(args.seed, batch_invariant=self.policy.batch_invariant)
