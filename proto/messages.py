@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-group block tables (cache groups)
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
@@ -157,10 +157,17 @@ class NewRequestData(msgspec.Struct, array_like=True):
 
     request_id: str
     token_ids: list[int]  # every token known so far (prompt + generated)
-    block_ids: list[int]
+    # One block table per cache group (WorkerCapabilities.cache_groups), all of one length:
+    # entry i holds positions [i * block_size, (i + 1) * block_size). NULL_BLOCK: a block
+    # outside a sliding window, never read.
+    block_ids: list[list[int]]
     num_computed_tokens: int
     sampling: SamplingSpec
 
+
+# In a block table: no block (the positions lie wholly before a sliding window: the
+# scheduler freed it, or never gave one). A worker never reads such an entry.
+NULL_BLOCK = -1
 
 # In new_token_ids: "the token you sampled for this request in the previous step", which
 # the scheduler does not know yet when it plans a step while the previous one runs.
@@ -172,7 +179,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
     request_id: str
     new_token_ids: list[int]  # tokens sampled since the rank last saw it (last may be PENDING)
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per cache group: the entries appended to its table
     num_computed_tokens: int
 
 
@@ -227,6 +234,27 @@ class StepResult(_Msg):
 STEP_PATHS = ("graph", "piecewise", "eager")
 
 
+class CacheSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one attention layer keeps per token, as the scheduler must manage it.
+
+    ``kind``: "full" (every position, for the whole sequence) or "sliding" (only the last
+    ``window`` positions are ever read: blocks wholly before them can be freed). Kinds to
+    come slot in beside them: "mla" (one compressed latent per position: a full-attention
+    pool of another width, same block rules) and "state" (a recurrent state of fixed size
+    per sequence, not per position)."""
+
+    kind: str = "full"
+    window: int = 0  # sliding: the positions one query attends to (its own included)
+
+
+class CacheGroup(msgspec.Struct, omit_defaults=True):
+    """Layers of one ``CacheSpec`` share a block pool and a block table per request."""
+
+    spec: CacheSpec
+    num_blocks: int  # this group's pool (each block holds block_size positions of each layer)
+    num_layers: int = 0
+
+
 class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     """What the data plane declares once, at the handshake."""
 
@@ -234,7 +262,7 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     dtype: str
     architecture: str
     block_size: int
-    num_kv_blocks: int
+    num_kv_blocks: int  # the first cache group's (full attention's when there is one)
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
@@ -249,6 +277,8 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     cuda_graph_batch_sizes: list[int] = []  # decode batches replayed as CUDA graphs
     batch_invariant: bool = False  # logits independent of the rest of the batch (CUDA)
     weight_bytes: int = 0  # rank 0's parameters: what one decode step must read, per rank
+    # The KV cache groups, full attention first; empty: one full group of num_kv_blocks.
+    cache_groups: list[CacheGroup] = []
 
 
 class WorkerReady(_Msg):
@@ -348,7 +378,7 @@ class SchedulerStats(_Msg):
 
     running: int = 0
     waiting: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # summed over the KV cache groups' pools
     kv_blocks_total: int = 0
     kv_blocks_cached_free: int = 0  # free, but still holding a reusable cached prefix
     prefix_cache_queries: int = 0  # cumulative, in tokens

@@ -14,7 +14,7 @@ from pocketllm import LLM, EngineArgs, SamplingParams  # noqa: E402
 from pocketllm.errors import UnsupportedFeatureError  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
 from pocketllm.workers.kernels import cpu_quant  # noqa: E402
-from pocketllm.workers.layers.attention import ScheduledSeq, build_metadata  # noqa: E402
+from pocketllm.workers.layers.attention import ScheduledSeq  # noqa: E402
 from pocketllm.workers.layers.block_weight import BlockWeight  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
 
@@ -45,7 +45,7 @@ def _block_layers(runner: ModelRunner) -> int:
 def _teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax, log-probability of the next text token) at each position of one prefill."""
     seq = ScheduledSeq(block_ids=list(range(len(ids) // 16 + 1)), start=0, num_tokens=len(ids), row=0)
-    meta = build_metadata([seq], runner.block_size, runner.windows, runner.device, runner.pad_slot)
+    meta = runner.metadata([[seq] for _ in runner.kv.num_blocks])  # the same ids in each pool
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), len(ids) - 1, meta,
                               runner.kv_caches)[:-1]

@@ -79,7 +79,7 @@ def test_models_the_fused_path_leaves_alone(tmp_path, tiny_llama):
     runner = _runner(_all_block_gguf(tmp_path, "llama"))
     calls = []
     real = runner.model._fused_decode
-    runner.model._fused_decode = lambda *a: calls.append(a[3].num_tokens) or real(*a)
+    runner.model._fused_decode = lambda *a: calls.append(a[3][0].num_tokens) or real(*a)
     driver = PlanDriver(runner)
     driver.add("a", [5, 6, 7], SamplingSpec(temperature=0.0), 3)
     driver.run()

@@ -58,6 +58,24 @@ def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):
     assert greedy_batch(path, "cuda", cuda_graphs=True) == cpu
 
 
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_gpu_sliding_cache_groups_match_cpu_with_graphs_on_and_off(tmp_path):
+    """Gemma 3's sliding layers in a pool of their own, under the real scheduler (blocks
+    behind the window freed and reused, prefix hits): the decode graphs' and the piecewise
+    graphs' static block tables are per group."""
+    from test_sliding_window_cache import Engine, make_runner, shared_prefix_workload
+
+    path = make_tiny_checkpoint("gemma3", str(tmp_path / "gemma3"))
+    kw = dict(num_kv_blocks=64, max_num_batched_tokens=16)
+    cpu = shared_prefix_workload(Engine(make_runner(path, **kw)))
+    for graphs in (dict(cuda_graphs=False), dict(cuda_graphs=True, cuda_graph_max_tokens=0),
+                   dict(cuda_graphs=True)):
+        runner = make_runner(path, device="cuda", **kw, **graphs)
+        assert len(runner.kv.pools) == 2
+        assert (runner.graphs is not None) == graphs["cuda_graphs"]
+        assert shared_prefix_workload(Engine(runner)) == cpu, graphs
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("graphs", [dict(cuda_graphs=False),
                                     dict(cuda_graphs=True, cuda_graph_max_tokens=0),

@@ -248,3 +248,25 @@ def test_gpu_path_of_a_whole_model_matches_torch(family):
     assert tokens == torch_tokens
     # float32 either way; compiled reductions may sum in another order than torch's
     assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)
+
+
+def test_gpu_path_with_sliding_cache_groups_matches_torch():
+    """Gemma 3's sliding layers in their own pool, driven by the real scheduler (blocks
+    behind the window freed and reused, prefix hits, 16-token chunks): the Triton kernels
+    read each layer's own group's tables and give the torch path's tokens."""
+    from unittest import mock
+
+    import pocketllm.workers.kernels as kernels
+    from test_sliding_window_cache import Engine, make_runner, shared_prefix_workload
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("gemma3")
+    kw = dict(num_kv_blocks=64, max_num_batched_tokens=16)
+    with mock.patch.object(kernels, "kernels_usable", lambda device: False):
+        want = shared_prefix_workload(Engine(make_runner(path, device=DEVICE.type, **kw)))
+    with mock.patch.object(kernels, "kernels_usable", lambda device: True):
+        runner = make_runner(path, device=DEVICE.type, **kw)
+    assert type(runner.backend).__name__ == "TritonAttention" and len(runner.kv.pools) == 2
+    engine = Engine(runner)
+    assert shared_prefix_workload(engine) == want
+    assert engine.cached["c"] == 28 and engine.most_sliding_blocks == 3  # 7 blocks shared

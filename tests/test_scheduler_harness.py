@@ -1,11 +1,12 @@
 """Test harness for the scheduler: a fake paged worker and a step loop (no tests here).
 
-The fake worker keeps what a real rank keeps (per-request tokens, block table,
-computed count) and a KV "cache" of slots. Every computed token writes
-(token, digest of its whole prefix) into its slot; sampling reads the whole
-context back through the block table and checks each slot, so a block shared
-by mistake, overwritten by another request or matched from a wrong prefix
-fails loudly. The next token is a function of the tokens read back.
+The fake worker keeps what a real rank keeps (per-request tokens, one block table per
+cache group, computed count) and a KV "cache" of slots per group. Every computed token
+writes (token, digest of its whole prefix) into its slot of every group; each step reads
+back, through each group's table, every position its queries attend to (a sliding group:
+only its window) and checks each slot, so a block shared by mistake, overwritten by
+another request, freed while still in the window or matched from a wrong prefix fails
+loudly. The next token is a function of the tokens read back (the full context).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult, TokenBatch,
+from pocketllm.proto.messages import (NULL_BLOCK, PENDING, CacheGroup, CacheSpec,
+                                      SamplingSpec, StepPlan, StepResult, TokenBatch,
                                       TokenizedRequest)
 from pocketllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from pocketllm.scheduler.step_loop import StepLoop
@@ -40,18 +42,41 @@ def config(**kw) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
+def sliding_config(window: int, sliding_blocks: Optional[int] = None, **kw) -> SchedulerConfig:
+    """A full group and a sliding group of ``window`` (its pool ``sliding_blocks``)."""
+    cfg = config(**kw)
+    cfg.cache_groups = [CacheGroup(CacheSpec(), cfg.num_kv_blocks),
+                        CacheGroup(CacheSpec("sliding", window),
+                                   sliding_blocks or cfg.num_kv_blocks)]
+    return cfg
+
+
 class FakeWorker:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, windows: tuple = (None,)):
         self.block_size = block_size
-        self.kv: dict[tuple[int, int], tuple[int, int]] = {}
+        self.windows = windows  # per cache group: None = full attention
+        self.kv: dict[tuple[int, int, int], tuple[int, int]] = {}  # (group, block, offset)
         self.reqs: dict[str, dict] = {}
         self.computed = Counter()  # request id -> tokens computed over its life
         self.fail_next = False
         self.logprobs = False
         self.last_sampled: dict[str, int] = {}  # what a PENDING input of the next step is
 
-    def _slot(self, state: dict, pos: int) -> tuple[int, int]:
-        return state["blocks"][pos // self.block_size], pos % self.block_size
+    def _slot(self, state: dict, pos: int, group: int = 0) -> tuple[int, int, int]:
+        block = state["blocks"][group][pos // self.block_size]
+        assert block != NULL_BLOCK, f"position {pos} of group {group} has no block"
+        return group, block, pos % self.block_size
+
+    def _first_read(self, group: int, start: int) -> int:
+        """The first position a query at ``start`` attends to in this group."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, start - window + 1)
+
+    def _check_reads(self, rid: str, state: dict, start: int, end: int) -> None:
+        for g in range(len(self.windows)):
+            for pos in range(self._first_read(g, start), end):
+                assert self.kv.get(self._slot(state, pos, g)) == self._expected(
+                    state["tokens"], pos), f"{rid}: group {g} KV corrupt at {pos}"
 
     def _expected(self, tokens: list[int], pos: int) -> tuple[int, int]:
         return tokens[pos], hash(tuple(tokens[:pos + 1]))
@@ -62,12 +87,10 @@ class FakeWorker:
             del self.reqs[rid]
         for new in plan.new_requests:
             assert new.request_id not in self.reqs, f"{new.request_id} sent as new twice"
-            state = dict(tokens=list(new.token_ids), blocks=list(new.block_ids),
+            assert len(new.block_ids) == len(self.windows), new
+            state = dict(tokens=list(new.token_ids), blocks=[list(t) for t in new.block_ids],
                          computed=new.num_computed_tokens)
             self.reqs[new.request_id] = state
-            for pos in range(new.num_computed_tokens):  # prefix-cache hits must hold real KV
-                assert self.kv.get(self._slot(state, pos)) == self._expected(state["tokens"], pos), \
-                    f"{new.request_id}: cached prefix slot {pos} holds wrong KV"
         for cached in plan.cached_requests:
             state = self.reqs[cached.request_id]
             new_tokens = list(cached.new_token_ids)
@@ -75,7 +98,8 @@ class FakeWorker:
                 assert new_tokens.index(PENDING) == len(new_tokens) - 1, cached
                 new_tokens[-1] = self.last_sampled[cached.request_id]
             state["tokens"] += new_tokens
-            state["blocks"] += cached.new_block_ids
+            for table, more in zip(state["blocks"], cached.new_block_ids):
+                table += more
             assert cached.num_computed_tokens == state["computed"], cached.request_id
         ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.cached_requests]
         assert len(ids) == len(set(ids)) == len(plan.num_scheduled_tokens)
@@ -87,23 +111,22 @@ class FakeWorker:
             state = self.reqs[rid]
             start, tokens = state["computed"], state["tokens"]
             assert 1 <= n and start + n <= len(tokens), f"{rid}: {start}+{n} of {len(tokens)}"
-            assert len(state["blocks"]) * self.block_size >= start + n, f"{rid}: too few blocks"
+            for table in state["blocks"]:
+                assert len(table) * self.block_size >= start + n, f"{rid}: too few blocks"
+            self._check_reads(rid, state, start, start)  # the cached KV the chunk attends to
             for pos in range(start, start + n):
-                self.kv[self._slot(state, pos)] = self._expected(tokens, pos)
+                for g in range(len(self.windows)):
+                    self.kv[self._slot(state, pos, g)] = self._expected(tokens, pos)
             state["computed"] += n
             self.computed[rid] += n
             if state["computed"] == len(tokens):
                 samplers.append(rid)
         out_ids, out_tokens, out_lp = [], [], []
-        for rid in samplers:  # ...then attend: read the whole context back
+        for rid in samplers:  # ...then attend: read each group's context back
             state = self.reqs[rid]
-            context = []
-            for pos in range(len(state["tokens"])):
-                slot = self.kv[self._slot(state, pos)]
-                assert slot == self._expected(state["tokens"], pos), f"{rid}: KV corrupt at {pos}"
-                context.append(slot[0])
+            self._check_reads(rid, state, len(state["tokens"]) - 1, len(state["tokens"]))
             out_ids.append(rid)
-            out_tokens.append(next_token(context))
+            out_tokens.append(next_token(state["tokens"]))
             self.last_sampled[rid] = out_tokens[-1]
             out_lp.append(None)
         if self.logprobs:
@@ -128,7 +151,8 @@ class Driver:
 
     def __init__(self, cfg: SchedulerConfig):
         self.sched = Scheduler(cfg)
-        self.worker = FakeWorker(cfg.block_size)
+        self.worker = FakeWorker(cfg.block_size, tuple(
+            g.spec.window if g.spec.kind == "sliding" else None for g in cfg.cache_groups))
         self.outcomes: dict[str, Outcome] = {}
         self.plans: list[StepPlan] = []
 

@@ -65,14 +65,17 @@ def greedy_logprobs(runner: ModelRunner, prompt: list[int], new_tokens: int) -> 
 
 
 def test_gemma_sliding_window_is_honoured(tmp_path):
-    """With the window switched off, the tiny Gemma's outputs change: the window matters."""
+    """With the window longer than any sequence, the tiny Gemma's outputs change: the
+    window matters. (A window that long makes the layers full attention: one cache group.)"""
     path = make_tiny_checkpoint("gemma3", str(tmp_path / "g"))
     runner = make_runner(path)
     assert [layer.self_attn.window for layer in runner.model.layers] == [8, 8, None]
+    assert runner.model.layer_group == (1, 1, 0) and len(runner.kv.num_blocks) == 2
     windowed = greedy_logprobs(runner, PROMPT, 8)
-    for layer in runner.model.layers:
-        layer.self_attn.window = None
-    unwindowed = greedy_logprobs(runner, PROMPT, 8)
+    wide = make_runner(make_tiny_checkpoint("gemma3", str(tmp_path / "wide"),
+                                            overrides={"sliding_window": 100_000}))
+    assert wide.model.layer_group == (0, 0, 0) and len(wide.kv.num_blocks) == 1
+    unwindowed = greedy_logprobs(wide, PROMPT, 8)
     assert max(abs(a - b) for a, b in zip(windowed, unwindowed)) > 1e-3
 
 

@@ -29,6 +29,11 @@ def runner(request, tmp_path_factory):
     return ModelRunner(load_model_info(args), args)
 
 
+def tables(runner, block_ids: list[int]) -> list[list[int]]:
+    """The same block ids in every KV cache group's table."""
+    return [list(block_ids) for _ in runner.kv.num_blocks]
+
+
 def generate(runner, prompts: dict, new_tokens=12, chunk=None, shuffle=None) -> dict:
     driver = PlanDriver(runner, chunk=chunk, shuffle_blocks=shuffle)
     for rid, prompt in prompts.items():
@@ -77,43 +82,67 @@ def test_prefix_cache_hit(runner):
     alone = generate(runner, {"b": PROMPT_A[:8] + PROMPT_B})["b"]
     shared_blocks = [30, 31]  # positions 0..7 of both requests
     first = StepPlan(step_id=0, new_requests=[
-        NewRequestData("a", PROMPT_A, shared_blocks + [10, 11, 12, 13], 0, GREEDY)],
+        NewRequestData("a", PROMPT_A, tables(runner, shared_blocks + [10, 11, 12, 13]), 0,
+                       GREEDY)],
         num_scheduled_tokens=[len(PROMPT_A)])
     assert run_step(runner, first).error is None
     tokens = PROMPT_A[:8] + PROMPT_B
     blocks = shared_blocks + list(range(20, 20 + (len(tokens) - 8 + bs - 1) // bs + 1))
     plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
+<<<<<<< HEAD
         NewRequestData("b", tokens, blocks, 8, GREEDY)], num_scheduled_tokens=[len(tokens) - 8])
     result = run_step(runner, plan)
+=======
+        NewRequestData("b", tokens, tables(runner, blocks), 8, GREEDY)],
+        num_scheduled_tokens=[len(tokens) - 8])
+    result = run_step(runner, plan)
+>>>>>>> cachespec
     assert result.error is None and result.token_ids == alone[:1]
     run_step(runner, StepPlan(step_id=2, finished_request_ids=["b"]))
 
 
 def test_prefill_chunk_samples_nothing_and_decode_samples(runner):
+<<<<<<< HEAD
     plan = StepPlan(step_id=0, new_requests=[NewRequestData("c", PROMPT_B, [0, 1, 2, 3], 0, GREEDY)],
                     num_scheduled_tokens=[6])
     assert run_step(runner, plan).request_ids == []
     plan = StepPlan(step_id=1, cached_requests=[CachedRequestData("c", [], [], 6)],
+=======
+    plan = StepPlan(step_id=0, new_requests=[
+        NewRequestData("c", PROMPT_B, tables(runner, [0, 1, 2, 3]), 0, GREEDY)],
+        num_scheduled_tokens=[6])
+    assert run_step(runner, plan).request_ids == []
+    plan = StepPlan(step_id=1, cached_requests=[CachedRequestData("c", [], tables(runner, []), 6)],
+>>>>>>> cachespec
                     num_scheduled_tokens=[len(PROMPT_B) - 6])
     result = run_step(runner, plan)
     assert result.request_ids == ["c"] and len(result.token_ids) == 1 and result.logprobs == [None]
     run_step(runner, StepPlan(step_id=2, finished_request_ids=["c"]))
 
 
-@pytest.mark.parametrize("plan", [
-    StepPlan(step_id=7, cached_requests=[CachedRequestData("ghost", [1], [], 3)],
-             num_scheduled_tokens=[1]),
-    StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], [10_000], 0, GREEDY)],
-             num_scheduled_tokens=[3]),
-    StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], [1], 0, GREEDY)],
-             num_scheduled_tokens=[9]),
-    StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], [1], 0, GREEDY)],
-             num_scheduled_tokens=[]),
-    StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 99999], [1], 0, GREEDY)],
-             num_scheduled_tokens=[2]),
-], ids=["unknown-request", "bad-block", "too-many-tokens", "count-mismatch", "bad-token"])
+@pytest.mark.parametrize("plan", [  # each built for the runner's cache groups (``t``)
+    lambda t: StepPlan(step_id=7, cached_requests=[CachedRequestData("ghost", [1], t([]), 3)],
+                       num_scheduled_tokens=[1]),
+    lambda t: StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], t([10_000]), 0,
+                                                               GREEDY)],
+                       num_scheduled_tokens=[3]),
+    lambda t: StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], t([1]), 0, GREEDY)],
+                       num_scheduled_tokens=[9]),
+    lambda t: StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], t([1]), 0, GREEDY)],
+                       num_scheduled_tokens=[]),
+    lambda t: StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 99999], t([1]), 0, GREEDY)],
+                       num_scheduled_tokens=[2]),
+    lambda t: StepPlan(step_id=7, new_requests=[NewRequestData("x", [5, 6, 7], t([1])[:1] * 3,
+                                                               0, GREEDY)],
+                       num_scheduled_tokens=[3]),
+], ids=["unknown-request", "bad-block", "too-many-tokens", "count-mismatch", "bad-token",
+        "table-per-group"])
 def test_bad_plan_is_an_error_result_not_a_crash(runner, plan):
+<<<<<<< HEAD
     result = run_step(runner, plan)
+=======
+    result = run_step(runner, plan(lambda ids: tables(runner, ids)))
+>>>>>>> cachespec
     assert result.step_id == 7 and result.error and not result.token_ids
     run_step(runner, StepPlan(step_id=8, finished_request_ids=["x"]))
     assert generate(runner, {"a": PROMPT_B}, new_tokens=2)["a"]  # still serving

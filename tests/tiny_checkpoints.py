@@ -165,7 +165,9 @@ class PlanDriver:
 
     def __init__(self, runner, chunk: Optional[int] = None, shuffle_blocks: Optional[int] = None):
         self.runner, self.chunk, self.step = runner, chunk, 0
-        self.free = list(range(runner.num_kv_blocks))
+        # The same block ids in every KV cache group's pool (each at least this large).
+        self.free = list(range(min(runner.kv.num_blocks)))
+        self.groups = len(runner.kv.num_blocks)
         if shuffle_blocks is not None:
             random.Random(shuffle_blocks).shuffle(self.free)
         self.reqs: dict[str, _Req] = {}
@@ -198,13 +200,14 @@ class PlanDriver:
             while len(req.blocks) * bs < req.computed + n:
                 req.blocks.append(self.free.pop(0))
             if not req.known:
-                new.append(NewRequestData(rid, list(req.tokens), list(req.blocks), req.computed,
-                                          req.spec))
+                new.append(NewRequestData(rid, list(req.tokens), [list(req.blocks)] * self.groups,
+                                          req.computed, req.spec))
                 n_new.append(n)
                 req.known = True
             else:
                 cached.append(CachedRequestData(rid, req.tokens[req.sent_tokens:],
-                                                req.blocks[req.sent_blocks:], req.computed))
+                                                [req.blocks[req.sent_blocks:]] * self.groups,
+                                                req.computed))
                 n_cached.append(n)
             req.sent_tokens, req.sent_blocks = len(req.tokens), len(req.blocks)
             scheduled.append((rid, n))

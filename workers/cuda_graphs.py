@@ -6,9 +6,12 @@ final norm, LM head) is captured once at startup over static input buffers;
 a step of B decodes fills the buffers, pads to the nearest rung and replays.
 
 Padding rows attend to one position of the spare zeroed block past the end of
-the cache (the runner's ``pad_slot``) and write their K/V there, so they read
-finite values and touch no real sequence. Rows never mix, so a padded row's
-output is simply dropped.
+each KV cache group's pool (``PagedKVCache.pad_blocks``) and write their K/V there,
+so they read finite values and touch no real sequence. Rows never mix, so a padded
+row's output is simply dropped.
+
+Each cache group (full attention, a sliding window: ``kv_cache.py``) has its own static
+block table and slot buffers, and each layer's attention reads its own group's.
 
 The attention kernels size their launch grid from the longest sequence; the
 graphs are captured at ``max_model_len`` and a replay skips the splits past
@@ -83,20 +86,23 @@ def capture_ladder(rungs: Sequence[int], capture: Callable, started: float, budg
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int,
-                 pad_block: int, device: torch.device, max_batch: int):
+                 pad_blocks: Sequence[int], device: torch.device, max_batch: int):
+        """``pad_blocks``: each cache group's spare block (the groups' order)."""
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
-        self.pad_block = pad_block
+        self.pad_blocks = list(pad_blocks)
         self.width = -(-max_model_len // block_size)
         rungs = ladder(max_batch)
         g = rungs[-1]
         self.input_ids = torch.zeros(g, dtype=torch.long, device=device)
         self.positions = torch.zeros(g, dtype=torch.long, device=device)
-        self.slots = torch.zeros(g, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(g, dtype=torch.int32, device=device)
         self.q_start = torch.arange(g, dtype=torch.int32, device=device)
         self.q_lens = torch.ones(g, dtype=torch.int32, device=device)
-        self.tables = torch.full((g, self.width), pad_block, dtype=torch.int32, device=device)
+        # per cache group: the new tokens' slots and the block tables
+        self.slots = [torch.zeros(g, dtype=torch.int32, device=device) for _ in self.pad_blocks]
+        self.tables = [torch.full((g, self.width), pad, dtype=torch.int32, device=device)
+                       for pad in self.pad_blocks]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(rungs)
 
@@ -105,11 +111,11 @@ class DecodeGraphs:
         return sorted(self.graphs)
 
     def _forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata(self.slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
-            self.tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
-            self.max_model_len, 1))
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1, meta,
-                            self.kv_caches)
+        metas = [AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
+            tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
+            self.max_model_len, 1)) for slots, tables in zip(self.slots, self.tables)]
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1,
+                            metas, self.kv_caches)
         return self.model.compute_logits(hidden)
 
     def _capture(self, rungs: Sequence[int]) -> None:
@@ -137,9 +143,10 @@ class DecodeGraphs:
 
     def _reset_padding(self, start: int, stop: int) -> None:
         rows = slice(start, stop)
-        self.slots[rows].fill_(self.pad_block * self.block_size)
+        for slots, tables, pad in zip(self.slots, self.tables, self.pad_blocks):
+            slots[rows].fill_(pad * self.block_size)
+            tables[rows, 0].fill_(pad)
         self.seq_lens[rows].fill_(1)
-        self.tables[rows, 0].fill_(self.pad_block)
         self.input_ids[rows].zero_()
         self.positions[rows].zero_()
 
@@ -147,28 +154,34 @@ class DecodeGraphs:
         """The captured batch size a step of ``batch`` decodes replays (0: none fits)."""
         return smallest_rung(self.batch_sizes, batch)
 
-    def run(self, seqs: Sequence[ScheduledSeq], input_ids: list[int], positions: list[int],
-            rung: int, pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-            ) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one all-decode step (None on TP ranks but 0).
+    def run(self, seqs: Sequence[Sequence[ScheduledSeq]], input_ids: list[int],
+            positions: list[int], rung: int,
+            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Logits [B, vocab] of one all-decode step of B sequences (None on TP ranks but 0).
+        ``seqs``: per cache group, the B sequences with that group's block tables.
         ``pending``: (rows, tokens) already on the device, written over those input rows."""
-        n = len(seqs)
+        n = len(positions)
         bs = self.block_size
         width = max(-(-(p + 1) // bs) for p in positions)
         flat = array.array("i")
-        for s, p in zip(seqs, positions):  # slot of the one new token per sequence
-            flat.append(s.block_ids[p // bs] * bs + p % bs)
         flat.extend(p + 1 for p in positions)  # seq_lens once the token is written
-        for s in seqs:
-            table = s.block_ids[:width]
-            flat.extend(table)
-            if len(table) < width:
-                flat.extend([self.pad_block] * (width - len(table)))
+        for group, pad in zip(seqs, self.pad_blocks):  # per group: slots, then tables
+            for s, p in zip(group, positions):  # slot of the one new token per sequence
+                flat.append(s.block_ids[p // bs] * bs + p % bs)
+            for s in group:
+                table = s.block_ids[:width]
+                flat.extend(table)
+                if len(table) < width:
+                    flat.extend([pad] * (width - len(table)))
         host = torch.frombuffer(flat, dtype=torch.int32)
         # non_blocking: a blocking copy would wait for the step still running (device.to_device)
-        self.slots[:n].copy_(host[:n], non_blocking=True)
-        self.seq_lens[:n].copy_(host[n:2 * n], non_blocking=True)
-        self.tables[:n, :width].copy_(host[2 * n:].view(n, width), non_blocking=True)
+        self.seq_lens[:n].copy_(host[:n], non_blocking=True)
+        at = n
+        for slots, tables in zip(self.slots, self.tables):
+            slots[:n].copy_(host[at:at + n], non_blocking=True)
+            tables[:n, :width].copy_(host[at + n:at + n + n * width].view(n, width),
+                                     non_blocking=True)
+            at += n + n * width
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         if n < rung:
             self._reset_padding(n, rung)

@@ -8,7 +8,7 @@ import math
 import mmap
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -104,15 +104,20 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem  # K and V
 
 
-def num_kv_blocks(args: EngineArgs, max_model_len: int, bytes_per_block: int,
-                  device: torch.device) -> int:
-    """How many KV blocks to allocate (see EngineArgs for the knobs, in priority order).
+def num_kv_blocks(args: EngineArgs, max_model_len: int,
+                  cost: Union[int, Callable[[int], int]], device: torch.device) -> int:
+    """How many KV blocks to allocate (see EngineArgs for the knobs, in priority order):
+    the most whose ``cost`` in bytes fits the budget (``cost``: bytes per block, or a
+    function of the block count when a model's cache groups grow unevenly: kv_cache.py).
 
     An explicit ``num_kv_blocks`` is honoured exactly; a budget in bytes is capped at
     what ``max_num_seqs`` full-length sequences could ever use, since more is waste.
     """
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
+    if isinstance(cost, int):
+        per_block = cost
+        cost = lambda n: n * per_block  # noqa: E731
     if args.kv_cache_memory_gb is not None:
         budget = int(args.kv_cache_memory_gb * (1 << 30))
     elif device.type == "cuda":
@@ -124,13 +129,16 @@ def num_kv_blocks(args: EngineArgs, max_model_len: int, bytes_per_block: int,
         budget = min(int(args.cpu_kv_cache_fraction * psutil.virtual_memory().available),
                      CPU_KV_CAP_BYTES)
     useful = args.max_num_seqs * math.ceil(max_model_len / args.block_size) + EXTRA_BLOCKS
-    blocks = min(budget // bytes_per_block, useful)
-    if blocks < 1:
+    if cost(1) > budget:
         raise InvalidRequestError(
-            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes; "
+            f"the KV cache budget ({budget} bytes) holds no block of {cost(1)} bytes; "
             "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks",
             "num_kv_blocks")
-    return int(blocks)
+    lo, hi = 1, useful  # the largest count whose cost fits (cost grows with the count)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+    return int(lo)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:

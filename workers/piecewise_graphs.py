@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .cuda_graphs import capture_cuda_graph, capture_ladder, smallest_rung, write_inputs
-from .models.base import CausalLM, Segment
+from .models.base import CausalLM, Segment, as_group_metas
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -125,7 +125,7 @@ class MixedGraphs:
     def run(self, input_ids: list[int], positions: list[int], meta, rung: int,
             pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Hidden states [len(input_ids), hidden] of one step, as ``CausalLM.forward``
-        gives them. ``pending``: (rows, tokens) already on the device, written over those
+        gives them (``meta``: per KV cache group, as it takes them). ``pending``: (rows, tokens) already on the device, written over those
         input rows."""
         n = len(input_ids)
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
@@ -134,8 +134,10 @@ class MixedGraphs:
             self.positions[n:rung].zero_()
         graphs = self.graphs[rung]
         graphs[0].replay()
+        metas = as_group_metas(meta)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attend(self.q[:n], self.k[:n], self.v[:n], meta, self.kv_caches[i],
+            layer.self_attn.attend(self.q[:n], self.k[:n], self.v[:n],
+                                   metas[self.model.layer_group[i]], self.kv_caches[i],
                                    out=self.attn[:n])
             graphs[i + 1].replay()
         return self.hidden[:n]

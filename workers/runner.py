@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -20,13 +19,14 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
 from pocketllm.sampling import uses_penalties
-from pocketllm.proto.messages import (PENDING, SamplingSpec, StepPlan, StepResult,
+from pocketllm.proto.messages import (NULL_BLOCK, PENDING, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
 
-from .device import (check_available, choose_device, choose_dtype, configure_cpu_threads,
-                     dtype_name, kv_bytes_per_block, num_kv_blocks, populated_cpu_zeros, to_device)
+from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
+                     kv_bytes_per_block, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
+from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import ScheduledSeq, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
                              uses_output_counts)
@@ -44,9 +44,11 @@ MAX_LOGPROBS = 20
 @dataclass
 class _RequestState:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # a table per KV cache group
     sampling: SamplingSpec
     history: Optional[TokenHistory] = None  # only for requests with penalties or logit_bias
+    # per sliding group: leading table entries pointed at the pad block (behind the window)
+    padded: Optional[list[int]] = None
 
 
 @dataclass
@@ -96,30 +98,23 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = info.max_model_len
         kv_heads = self.model.num_local_kv_heads  # this rank's share of the KV heads
-        per_block = kv_bytes_per_block(cfg.num_layers, self.block_size, kv_heads,
-                                       cfg.head_dim, self.dtype)
+        # Layers of one cache spec (full attention, a sliding window) share a pool: kv_cache.py.
+        layout = cache_layout(cfg.layer_windows, self.max_model_len)
+        self.model.layer_group = tuple(layout.layer_group)
+        per_layer_block = kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
+                                             self.dtype)
         if self.device.type == "cpu":  # the ranks of a host share one RAM budget
-            per_block *= ranks_on_this_host(args)
+            per_layer_block *= ranks_on_this_host(args)
         # Every rank must hold what rank 0 declares: the smallest count wins.
-        self.num_kv_blocks = self.tp.min_int(
-            num_kv_blocks(args, self.max_model_len, per_block, self.device), self.device)
-        # One extra block past the end stays zero: padding of batched decodes reads it.
-        slots = (self.num_kv_blocks + 1) * self.block_size
-        self.pad_slot = self.num_kv_blocks * self.block_size
-        shape = (cfg.num_layers, 2, slots, kv_heads, cfg.head_dim)
-        if self.device.type == "cpu":
-            # The OS backs a CPU tensor's pages only when they are first written, so an
-            # untouched cache would grow the worker's memory request by request until full
-            # (and fail mid-serving where RAM is short): refused now if it cannot fit,
-            # backed in the background from now.
-            check_available(math.prod(shape) * self.dtype.itemsize, "KV cache",
-                            "kv_cache_memory_gb")
-            self.kv = populated_cpu_zeros(shape, self.dtype)
-        else:
-            self.kv = torch.empty(shape, device=self.device, dtype=self.dtype)
-            self.kv[:, :, self.pad_slot:].zero_()
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
+        counts = [self.tp.min_int(n, self.device) for n in plan_blocks(
+            layout, args, self.max_model_len, per_layer_block, self.device)]
+        self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
+                               self.dtype, self.device)
+        self.kv_caches = self.kv.layer_caches
+        self.num_kv_blocks = counts[0]
+        self.group_windows = layout.layer_windows
+        # per group: the sliding window whose table entries behind it point at the pad block
+        self.group_slide = [layout.window(g) for g in range(len(counts))]
         self._warm_up_attention()
         self.sampler = Sampler(args.seed, batch_invariant=self.policy.batch_invariant)
         self.requests: dict[str, _RequestState] = {}
@@ -135,9 +130,22 @@ class ModelRunner:
         self.graphs, self.mixed_graphs = self._capture_graphs()
         self._warm_up_sampler()
         self.load_seconds = time.perf_counter() - started
-        logger.info("worker ready: %s on %s/%s, %d KV blocks of %d, load %.1fs", info.architecture,
-                    self.device, dtype_name(self.dtype), self.num_kv_blocks, self.block_size,
+        logger.info("worker ready: %s on %s/%s, KV capacity %d tokens (%s; blocks of %d), "
+                    "load %.1fs", info.architecture, self.device, dtype_name(self.dtype),
+                    self.kv.capacity_tokens(), self._describe_groups(), self.block_size,
                     self.load_seconds)
+
+    def _describe_groups(self) -> str:
+        return ", ".join(
+            f"{g.num_blocks} blocks x {g.num_layers} "
+            + ("full-attention layers" if g.spec.kind == "full"
+               else f"sliding-window layers (window {g.spec.window})")
+            for g in self.kv.groups())
+
+    @property
+    def pad_slot(self) -> int:
+        """The first group's spare zero slot (a model of one group has only that one)."""
+        return self.kv.pad_slot(0)
 
     def _warm_up_attention(self) -> None:
         """Compile the attention kernels' variants now, not during the first requests."""
@@ -146,10 +154,14 @@ class ModelRunner:
             return
         started = time.perf_counter()
         attn = self.model.layers[0].self_attn
-        kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in self.model.layers}
         with torch.inference_mode():
-            warm_up(*self.kv_caches[0], attn.num_heads, self.num_kv_blocks, self.block_size,
-                    kinds, attn.scale)
+            for g, pad_block in enumerate(self.kv.pad_blocks):  # each pool, its layers' kinds
+                layers = [layer for layer, lg in zip(self.model.layers, self.model.layer_group)
+                          if lg == g]
+                kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
+                first = self.model.layer_group.index(g)
+                warm_up(*self.kv_caches[first], attn.num_heads, pad_block, self.block_size,
+                        kinds, attn.scale)
         logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
 
     def _warm_up_sampler(self) -> None:
@@ -192,7 +204,7 @@ class ModelRunner:
 
         with torch.inference_mode():
             decode = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
-                                  self.num_kv_blocks, self.device,
+                                  self.kv.pad_blocks, self.device,
                                   min(self.args.cuda_graph_max_batch, self.args.max_num_seqs))
             budget = self.args.max_num_batched_tokens
             wanted = self.args.cuda_graph_max_tokens
@@ -225,7 +237,8 @@ class ModelRunner:
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters())
             + sum(m.nbytes() for m in self.model.modules() if isinstance(m, BlockWeight))
             # a one-token step reads only the k experts it routes to
-            - sum(m.unread_bytes() for m in self.model.modules() if isinstance(m, FusedMoE)))
+            - sum(m.unread_bytes() for m in self.model.modules() if isinstance(m, FusedMoE)),
+            cache_groups=self.kv.groups())
 
     def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Queue a step's forward and sampling on the device without waiting for them, so
@@ -297,7 +310,8 @@ class ModelRunner:
         entries = []
         for new in plan.new_requests:  # new, or back after preemption: replaces any old state
             self._check_blocks(new.request_id, new.block_ids)
-            state = _RequestState(list(new.token_ids), list(new.block_ids), new.sampling)
+            state = _RequestState(list(new.token_ids), self._tables(new.block_ids), new.sampling,
+                                  padded=[0] * len(new.block_ids))
             if uses_penalties(new.sampling):
                 prompt_len = self._dropped_prompt_lens.pop(new.request_id, len(new.token_ids))
                 state.history = TokenHistory(new.sampling, new.token_ids[:prompt_len],
@@ -316,7 +330,8 @@ class ModelRunner:
                 raise StepError(f"request {cached.request_id!r}: a PENDING token this worker "
                                 "cannot resolve")
             state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
+            for table, more in zip(state.block_ids, self._tables(cached.new_block_ids)):
+                table.extend(more)
             if state.history is not None:
                 state.history.add_output(cached.new_token_ids)
             entries.append((cached.request_id, state, cached.num_computed_tokens))
@@ -332,13 +347,36 @@ class ModelRunner:
             while len(self._dropped_prompt_lens) > 4 * self.args.max_num_seqs + 64:
                 self._dropped_prompt_lens.popitem(last=False)
 
-    def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
-        if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_kv_blocks):
-            raise StepError(f"request {rid!r}: block ids outside [0, {self.num_kv_blocks})")
+    def _check_blocks(self, rid: str, tables: list[list[int]]) -> None:
+        if len(tables) != len(self.kv.num_blocks):
+            raise StepError(f"request {rid!r}: {len(tables)} block tables for "
+                            f"{len(self.kv.num_blocks)} KV cache groups")
+        for g, (table, n) in enumerate(zip(tables, self.kv.num_blocks)):
+            real = [b for b in table if b != NULL_BLOCK]
+            if real and not (0 <= min(real) and max(real) < n):
+                raise StepError(f"request {rid!r}: block ids of group {g} outside [0, {n})")
+
+    def _tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """Block tables as the kernels read them: a NULL entry (no block) is the pad block."""
+        return [[pad if b == NULL_BLOCK else b for b in table]
+                for table, pad in zip(tables, self.kv.pad_blocks)]
+
+    def _behind_window(self, state: _RequestState, start: int) -> None:
+        """Point each sliding table's entries wholly behind the window of a chunk computed
+        from ``start`` at the pad block: the scheduler may have freed their blocks to
+        another request, and a kernel's key tile may start a little before the window."""
+        for g, window in enumerate(self.group_slide):
+            if window is None:
+                continue
+            end = max(0, start - window + 1) // self.block_size
+            table, pad = state.block_ids[g], self.kv.pad_blocks[g]
+            for i in range(state.padded[g], end):
+                table[i] = pad
+            state.padded[g] = max(state.padded[g], end)
 
     def _launch(self, plan: StepPlan) -> "LaunchedStep":
         entries = self._update_states(plan)
-        seqs: list[ScheduledSeq] = []
+        seqs: list[list[ScheduledSeq]] = [[] for _ in self.kv.num_blocks]  # per cache group
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -351,10 +389,12 @@ class ModelRunner:
             if start < 0 or n < 0 or end > len(state.token_ids):
                 raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
                                 f"{len(state.token_ids)} known")
-            if end > len(state.block_ids) * self.block_size:
+            if any(end > len(table) * self.block_size for table in state.block_ids):
                 raise StepError(f"request {rid!r}: {end} tokens need more than its "
-                                f"{len(state.block_ids)} blocks")
-            seqs.append(ScheduledSeq(state.block_ids, start, n, len(input_ids)))
+                                f"{min(map(len, state.block_ids))} blocks")
+            self._behind_window(state, start)
+            for group, table in zip(seqs, state.block_ids):
+                group.append(ScheduledSeq(table, start, n, len(input_ids)))
             input_ids.extend(state.token_ids[start:end])
             if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
                 pending_rows.append((len(input_ids) - 1, rid))
@@ -362,15 +402,14 @@ class ModelRunner:
             if end == len(state.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append((rid, state))
-        if not seqs:
+        if not seqs[0]:
             return LaunchedStep(plan.step_id)
         pending = self._pending_inputs(pending_rows)
-        rung = self._graph_rung(seqs, len(samplers))
+        rung = self._graph_rung(seqs[0], len(samplers))
         if rung:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
             return self._sample(plan, samplers, logits, "graph")
-        meta = build_metadata(seqs, self.block_size, self.windows, self.device, self.pad_slot,
-                              kernel_tables=getattr(self.backend, "kernel_tables", False))
+        meta = self.metadata(seqs)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
             if mixed_rung:
@@ -393,6 +432,13 @@ class ModelRunner:
                                   f"{type(e).__name__}: {e}") from e
             raise
         return self._sample(plan, samplers, logits, path)
+
+    def metadata(self, seqs: list[list[ScheduledSeq]]) -> list:
+        """A step's attention metadata per KV cache group (``seqs``: each group's tables)."""
+        tables = getattr(self.backend, "kernel_tables", False)
+        return [build_metadata(group, self.block_size, windows, self.device, self.kv.pad_slot(g),
+                               kernel_tables=tables)
+                for g, (group, windows) in enumerate(zip(seqs, self.group_windows))]
 
     def _device_ids(self, input_ids: list[int],
                     pending: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

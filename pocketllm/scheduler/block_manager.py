@@ -80,6 +80,10 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
+    def cached_block(self, block_hash: bytes) -> Optional[int]:
+        """The block caching this hash, if any (None also when prefix caching is off)."""
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
     # ------------------------------------------------------------ changes
 
     def acquire(self, block_ids: Iterable[int]) -> None:

@@ -3,10 +3,10 @@ what one ``schedule()`` call has decided so far."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
-from pocketllm.proto.messages import WorkerCapabilities
+from pocketllm.proto.messages import CacheGroup, CacheSpec, WorkerCapabilities
 
 from .request import Request
 
@@ -27,6 +27,8 @@ class SchedulerConfig:
     # Plan step N+1 while step N runs (see plan_ahead_ok); the loop turns it on for one
     # CUDA rank, where it hides the round trip between the worker and the scheduler.
     overlap: bool = False
+    # The worker's KV cache groups (kv_groups.py); empty: one full group of num_kv_blocks.
+    cache_groups: list[CacheGroup] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -34,6 +36,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+        if not self.cache_groups:
+            self.cache_groups = [CacheGroup(CacheSpec(), self.num_kv_blocks)]
 
 
 # What this scheduler cannot work without: it hands out KV blocks and mixes requests.
@@ -55,7 +59,7 @@ def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: i
         enable_chunked_prefill=caps.chunked_prefill,
         # Only decode steps under CUDA graphs gain from batched admissions.
         admission_delay_s=admission_delay_s if caps.cuda_graph_batch_sizes else 0.0,
-        overlap=overlap)
+        overlap=overlap, cache_groups=list(caps.cache_groups))
 
 
 class StepDraft:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from pocketllm.proto.messages import ErrorKind, RequestError, TokenizedRequest
 
-from .block_manager import blocks_for, hash_block
+from .block_manager import hash_block
 
 
 class RequestStatus(enum.Enum):
@@ -30,10 +30,12 @@ class Request:
         self.token_ids: list[int] = list(req.prompt_token_ids)  # prompt + generated
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
-        # KV state: tokens[:num_computed_tokens] have KV in block_ids.
+        # KV state: tokens[:num_computed_tokens] have KV in block_ids, one table per cache
+        # group (kv_groups.py), each of blocks_for(num_computed_tokens) entries.
         self.num_computed_tokens = 0  # including the tokens of steps still in flight
         self.num_verified_tokens = 0  # of those, confirmed by a step's result
-        self.block_ids: list[int] = []
+        self.block_ids: list[list[int]] = []
+        self.num_dropped: list[int] = []  # per group: leading entries freed (NULL_BLOCK)
         self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first admission
@@ -78,9 +80,9 @@ class Request:
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
 
 
-def refusal(req: TokenizedRequest, cfg, in_use: bool) -> Optional[RequestError]:
-    """Why the scheduler (``cfg``: its SchedulerConfig) can never serve ``req``, each
-    refusal with its own kind and field; None when it can."""
+def refusal(req: TokenizedRequest, cfg, groups, in_use: bool) -> Optional[RequestError]:
+    """Why the scheduler (``cfg``: its SchedulerConfig, ``groups``: its CacheGroups) can
+    never serve ``req``, each refusal with its own kind and field; None when it can."""
     n = len(req.prompt_token_ids)
 
     def refuse(kind: ErrorKind, param: str, why: str) -> RequestError:
@@ -100,11 +102,10 @@ def refusal(req: TokenizedRequest, cfg, in_use: bool) -> Optional[RequestError]:
                       f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
                       "it leaves no room for a generated token")
     limit = min(n + req.sampling.max_tokens, cfg.max_model_len)
-    need = blocks_for(limit, cfg.block_size)
-    if need > cfg.num_kv_blocks:
+    chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else limit
+    why = groups.refusal(limit, chunk)
+    if why is not None:
         return refuse(ErrorKind.too_long, "max_tokens",
                       f"the request may grow to {limit} tokens ({n} prompt + up to "
-                      f"{limit - n} generated), needing {need} KV blocks of {cfg.block_size} "
-                      f"tokens, but the KV cache has only {cfg.num_kv_blocks}; lower "
-                      "max_tokens or shorten the prompt")
+                      f"{limit - n} generated), {why}; lower max_tokens or shorten the prompt")
     return None

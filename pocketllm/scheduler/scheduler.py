@@ -21,6 +21,10 @@ it. Workers must apply ``finished_request_ids`` before ``new_requests``.
 Prefix-cache blocks are published only after the step that computed them
 succeeded, so no request ever reads KV that is not there yet.
 
+Blocks come from one pool per KV cache group the worker declared (kv_groups.py: full
+attention, sliding window); a request holds one table per group, and a sliding group's
+blocks that fall wholly out of its window are freed as the request advances.
+
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
 steps in flight, each token being sampled is a ``PENDING`` placeholder until
@@ -45,6 +49,7 @@ from pocketllm.sampling import uses_penalties
 from .block_manager import BlockManager, blocks_for
 from .config import SchedulerConfig, StepDraft
 from .fair_queue import FairQueue
+from .kv_groups import CacheGroups
 from .request import Request, RequestStatus, refusal
 from .structured import StructuredRequests
 
@@ -61,8 +66,8 @@ class Scheduler:
         # Final deltas of requests that failed inside schedule() (one request's grammar): the
         # loop sends them on to the detokenizer (take_ended).
         self.ended = TokenBatch(new_requests=[], deltas=[])
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.kv = CacheGroups(config.cache_groups, config.block_size,
+                              config.enable_prefix_caching)
         self.waiting: FairQueue = FairQueue()  # a deque kept in fair order
         self.running: list[Request] = []  # admission order: the last is the newest
         self._requests: dict[str, Request] = {}  # every waiting or running request
@@ -81,7 +86,7 @@ class Scheduler:
 
     def add_request(self, req: TokenizedRequest) -> Optional[RequestError]:
         """Queue it, or return why it can never be served (each refusal its own kind)."""
-        error = refusal(req, self.config, req.request_id in self._requests)
+        error = refusal(req, self.config, self.kv, req.request_id in self._requests)
         if error is not None:
             return error
         request = Request(req)
@@ -126,13 +131,18 @@ class Scheduler:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def block_manager(self) -> BlockManager:
+        """The first cache group's pool (the only one of a model without sliding layers)."""
+        return self.kv.pools[0]
+
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> Optional[StepPlan]:
         """The next step's plan, or None when no request is waiting or running."""
         if self._inflight and not (self.config.overlap and len(self._inflight) == 1):
             raise RuntimeError("schedule() with a step in flight, and overlap off or two in flight")
-        if self._inflight and self.block_manager.num_free_blocks < len(self.running):
+        if self._inflight and self.kv.min_free() < len(self.running):
             # No preemption while a step runs (its blocks would change under it): each
             # running request must find a block for its next token without evicting anyone.
             return None
@@ -188,13 +198,14 @@ class Scheduler:
         """Give a running request blocks for n more tokens (fewer, with chunked prefill,
         if that is all that is free), preempting the newest running requests until it
         fits; the request itself may be that newest one."""
-        bm, bs = self.block_manager, self.config.block_size
+        kv, bs = self.kv, self.config.block_size
+        kv.drop_out_of_window(req, req.num_computed_tokens)
         while True:
-            need = blocks_for(req.num_computed_tokens + n, bs) - len(req.block_ids)
-            if need <= bm.num_free_blocks:
+            need = blocks_for(req.num_computed_tokens + n, bs) - len(req.block_ids[0])
+            if need <= kv.min_free():
                 break
             if self.config.enable_chunked_prefill:
-                fit = (len(req.block_ids) + bm.num_free_blocks) * bs - req.num_computed_tokens
+                fit = kv.fit_tokens(req)
                 if fit >= 1:
                     n = fit
                     continue
@@ -202,16 +213,14 @@ class Scheduler:
             self._preempt(step, victim)
             if victim is req:
                 return
-        if need > 0:
-            req.block_ids += bm.allocate(need)
+        kv.grow(req, req.num_computed_tokens + n)
         step.add(req, n)
 
     def _preempt(self, step: StepDraft, req: Request) -> None:
         self.running.remove(req)
         if req in step.scheduled:
             step.budget += step.scheduled.pop(req)
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free_all(req)
         req.num_computed_tokens = req.num_verified_tokens = 0
         req.num_cached_blocks = 0
         req.status = RequestStatus.WAITING
@@ -237,15 +246,16 @@ class Scheduler:
         return self.clock() - self.waiting[0].queued_at < self.config.admission_delay_s
 
     def _admit_waiting(self, step: StepDraft) -> None:
-        cfg, bm = self.config, self.block_manager
+        cfg, kv = self.config, self.kv
         if self.waiting and self._hold_admission(step):
             return
         while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.structured.next_admissible(self.waiting)
             if req is None:
                 break
-            matched = self._match_prefix(req)
-            num_computed = len(matched) * cfg.block_size
+            matched = self._match_prefix(req)  # a table per group
+            hit = len(matched[0])
+            num_computed = hit * cfg.block_size
             remaining = req.num_tokens - num_computed
             if cfg.enable_chunked_prefill:
                 n = min(remaining, step.budget)
@@ -255,15 +265,14 @@ class Scheduler:
                 n = remaining  # can never fit the budget: run it whole, as the step's only prefill
             else:
                 break
-            need = blocks_for(num_computed + n, cfg.block_size) - len(matched)
-            if need > bm.num_free_blocks - bm.num_unreferenced(matched):
+            need = blocks_for(num_computed + n, cfg.block_size) - hit
+            if not kv.can_admit(matched, need):
                 break  # FCFS: later requests wait behind it
             self.waiting.remove(req)
             self.waiting.admitted(req)
-            bm.acquire(matched)
-            req.block_ids = matched + bm.allocate(need)
+            kv.admit(req, matched, need)
             req.num_computed_tokens = req.num_verified_tokens = num_computed
-            req.num_cached_blocks = len(matched)
+            req.num_cached_blocks = hit
             if cfg.enable_prefix_caching:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_computed
@@ -273,13 +282,13 @@ class Scheduler:
             self.running.append(req)
             step.add(req, n)
 
-    def _match_prefix(self, req: Request) -> list[int]:
+    def _match_prefix(self, req: Request) -> list[list[int]]:
         if not self.config.enable_prefix_caching:
-            return []
+            return self.kv.empty_tables()
         bs = self.config.block_size
         req.update_block_hashes(bs)
         # Leave at least one token to compute: the step must produce logits to sample.
-        return self.block_manager.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
+        return self.kv.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
 
     def _build_plan(self, step: StepDraft) -> StepPlan:
         """The plan of a decided step. Its tokens count as computed from now on, and each
@@ -294,18 +303,19 @@ class Scheduler:
         for req, n in step.scheduled.items():
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
-                new.append(NewRequestData(req.request_id, list(req.token_ids), list(req.block_ids),
+                new.append(NewRequestData(req.request_id, list(req.token_ids),
+                                          [list(t) for t in req.block_ids],
                                           req.num_computed_tokens, req.sampling))
                 new_counts.append(n)
                 new_entries.append((req, n, samples))
             else:
                 cached.append(CachedRequestData(req.request_id,
                                                 req.token_ids[req.worker_num_tokens:],
-                                                req.block_ids[req.worker_num_blocks:],
+                                                [t[req.worker_num_blocks:] for t in req.block_ids],
                                                 req.num_computed_tokens))
                 cached_counts.append(n)
                 cached_entries.append((req, n, samples))
-            req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids)
+            req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids[0])
         for req, n, samples in new_entries + cached_entries:
             req.num_computed_tokens += n
             if samples:
@@ -428,8 +438,7 @@ class Scheduler:
         if full <= req.num_cached_blocks:
             return
         req.update_block_hashes(self.config.block_size, req.num_verified_tokens)
-        for i in range(req.num_cached_blocks, full):
-            self.block_manager.cache_block(req.block_ids[i], req.block_hashes[i])
+        self.kv.publish(req, req.num_cached_blocks, full)
         req.num_cached_blocks = full
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -438,8 +447,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.structured.compiling.pop(req, None)
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free_all(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
@@ -459,13 +467,10 @@ class Scheduler:
     # ------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
-        bm = self.block_manager
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_cached_free": bm.num_cached_free_blocks,
+            **self.kv.stats(),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
@@ -474,20 +479,14 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise AssertionError on any inconsistency (for tests and debugging)."""
-        bs = self.config.block_size
-        refs: dict[int, int] = {}
         for req in self.running:
             assert req.status is RequestStatus.RUNNING and self._requests[req.request_id] is req
-            assert len(req.block_ids) == blocks_for(req.num_computed_tokens, bs), (
-                f"{req} holds blocks it has not filled")
             assert self._inflight or PENDING not in req.token_ids, f"{req} has a stale placeholder"
             assert req.num_computed_tokens < req.num_tokens, f"{req} has nothing left to compute"
-            assert len(set(req.block_ids)) == len(req.block_ids), f"{req} repeats a block"
-            for b in req.block_ids:
-                refs[b] = refs.get(b, 0) + 1
         for req in self.waiting:
             assert req.status is RequestStatus.WAITING and self._requests[req.request_id] is req
-            assert not req.block_ids and req.num_computed_tokens == 0, f"waiting {req} holds KV"
+            assert not any(req.block_ids) and req.num_computed_tokens == 0, (
+                f"waiting {req} holds KV")
         assert len(self._requests) == len(self.running) + len(self.waiting)
         assert len(self.running) <= self.config.max_num_seqs
-        self.block_manager.check_invariants(refs)
+        self.kv.check_invariants(self.running)

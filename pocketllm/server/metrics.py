@@ -28,8 +28,9 @@ class Metrics:
 
         self.running = gauge("requests_running", "Requests in the running batch")
         self.waiting = gauge("requests_waiting", "Requests waiting to be scheduled")
-        self.kv_used = gauge("kv_blocks_used", "KV-cache blocks in use")
-        self.kv_total = gauge("kv_blocks_total", "KV-cache blocks in all")
+        self.kv_used = gauge("kv_blocks_used", "KV-cache blocks in use (every cache group's pool)")
+        self.kv_total = gauge("kv_blocks_total",
+                              "KV-cache blocks in all (every cache group's pool)")
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", m,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", m,

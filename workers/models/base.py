@@ -8,7 +8,7 @@ HF names map onto the (fused) parameters here, in ``weight_targets``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -263,6 +263,12 @@ def _vocab_target(param: Optional[torch.Tensor], shard: Shard,
     return WeightTarget(param, slice(0, shard.size), shard=None if shard.whole else shard)
 
 
+def as_group_metas(metas: Union[AttentionMetadata, Sequence[AttentionMetadata]]
+                   ) -> Sequence[AttentionMetadata]:
+    """A step's metadata per KV cache group; a lone metadata serves a single group."""
+    return (metas,) if isinstance(metas, AttentionMetadata) else metas
+
+
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, over a flattened token batch."""
 
@@ -288,21 +294,27 @@ class CausalLM(nn.Module):
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
         self.policy = policy_for(device)
         self._fused: Optional[list] = None  # the layers bound for the fused CPU decode path
+        # Per layer: its KV cache group, whose metadata (block tables) its attention reads.
+        # One group until the runner sets its layout (workers/kv_cache.py).
+        self.layer_group: tuple[int, ...] = (0,) * cfg.num_layers
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
+                metas: Union[AttentionMetadata, Sequence[AttentionMetadata]],
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm (applied in compute_logits):
-        the segments, with each layer's attention between them."""
-        if self.policy.fused_decode(meta, self.dtype) and self._fused_layers():
-            return self._fused_decode(input_ids, positions, max_position, meta, kv_caches)
+        the segments, with each layer's attention between them. ``metas``: one metadata per
+        KV cache group (a lone one: every layer's)."""
+        metas = as_group_metas(metas)
+        if self.policy.fused_decode(metas[0], self.dtype) and self._fused_layers():
+            return self._fused_decode(input_ids, positions, max_position, metas, kv_caches)
         seg = self.embed(input_ids, positions, max_position)
         for i, layer in enumerate(self._layer_at):
-            seg = self.segment(i + 1, layer.self_attn.attend(*seg.qkv, meta, kv_caches[i]), seg)
+            seg = self.segment(i + 1, layer.self_attn.attend(
+                *seg.qkv, metas[self.layer_group[i]], kv_caches[i]), seg)
         return seg.hidden
 
     def _fused_layers(self) -> list:
@@ -316,15 +328,17 @@ class CausalLM(nn.Module):
         return self._fused
 
     def _fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                      meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                      ) -> torch.Tensor:
-        """``forward`` for a step of one-token decodes, each layer one library call."""
+                      metas: Sequence[AttentionMetadata],
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``forward`` for a step of one-token decodes, each layer one library call, given
+        its own group's slots and gather (block table) over its own pool."""
         rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
-        views = meta.groups[0].views
         x, residual = self.embed_tokens(input_ids).contiguous(), None
         for i, fused in enumerate(self._fused):
+            meta = metas[self.layer_group[i]]
             x, residual = fused(x, residual, rope[self.cfg.layer_rope[i]], kv_caches[i],
-                                meta.slot_mapping, views[self.cfg.layer_windows[i]])
+                                meta.slot_mapping,
+                                meta.groups[0].views[self.cfg.layer_windows[i]])
         return x + residual
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int

@@ -1,0 +1,216 @@
+"""The KV cache groups the worker declared: one block pool and one block table per
+request for each ``CacheSpec`` (``WorkerCapabilities.cache_groups``).
+
+Every group's table of a request has the same length, one entry per ``block_size``
+positions computed, so one position is in the same table entry in every group. What
+differs is which entries hold a block:
+
+- a full-attention group holds every entry from position 0;
+- a sliding-window group (window ``w``) needs only the entries covering the last ``w``
+  positions a query can read. When a chunk is scheduled from position ``s``, the entries
+  wholly before position ``s - w + 1`` are freed back to the group's pool and become
+  ``NULL_BLOCK``: a decoding sequence holds at most ``ceil(w / block_size) + 1`` blocks
+  there. With prefix caching a block is freed only once it is published (its step's
+  result arrived), so it stays reusable as a cached prefix block; with overlapped
+  scheduling that keeps the blocks of the one step in flight a step longer.
+
+Prefix caching is per group (each pool keys its blocks by the same chained hashes). A hit
+of ``k`` blocks (the next token computed is at position ``k * block_size``) is usable when
+every full group caches blocks ``0 .. k-1`` and every sliding group caches the blocks
+from the one holding position ``k * block_size - w + 1`` to ``k-1``, the ones its first
+query reads. Otherwise the hit shrinks until it is usable (possibly to none): blocks a
+sliding group freed long ago may have been evicted while the full group kept them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
+
+from .block_manager import BlockManager, blocks_for
+
+SUPPORTED_KINDS = ("full", "sliding")
+
+
+def check_spec(spec: CacheSpec) -> None:
+    if spec.kind not in SUPPORTED_KINDS:
+        raise UnsupportedFeatureError(
+            f"the worker declared a KV cache group of kind {spec.kind!r}; this scheduler "
+            f"manages only {', '.join(SUPPORTED_KINDS)}")
+    if spec.kind == "sliding" and spec.window < 1:
+        raise UnsupportedFeatureError(f"a sliding-window cache group needs a positive window, "
+                                      f"got {spec.window}")
+
+
+class GroupRule:
+    """Which table entries one group needs: the block rules of its ``CacheSpec``."""
+
+    def __init__(self, spec: CacheSpec, block_size: int):
+        check_spec(spec)
+        self.spec, self.block_size = spec, block_size
+        self.window = spec.window if spec.kind == "sliding" else None
+
+    def first_needed(self, start: int) -> int:
+        """The first table entry a chunk computed from position ``start`` reads."""
+        if self.window is None:
+            return 0
+        return max(0, start - self.window + 1) // self.block_size
+
+    def max_blocks(self, limit: int, chunk: int) -> int:
+        """The most blocks a request growing to ``limit`` tokens may hold at once here, when
+        a step computes at most ``chunk`` of its tokens: its window's blocks, the chunk's,
+        and (prefix caching with overlap) the previous chunk's not freed yet."""
+        whole = blocks_for(limit, self.block_size)
+        if self.window is None:
+            return whole
+        return min(whole, blocks_for(self.window, self.block_size) + 2
+                   + 2 * blocks_for(chunk, self.block_size))
+
+
+class CacheGroups:
+    """The pools of every group, and the request-level operations over all of them."""
+
+    def __init__(self, groups: Sequence[CacheGroup], block_size: int, prefix_caching: bool):
+        if not groups:
+            raise ValueError("at least one cache group is needed")
+        self.groups = list(groups)
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.rules = [GroupRule(g.spec, block_size) for g in groups]
+        self.pools = [BlockManager(g.num_blocks, block_size, prefix_caching) for g in groups]
+        self._sliding = [i for i, r in enumerate(self.rules) if r.window is not None]
+        self._full = [i for i, r in enumerate(self.rules) if r.window is None]
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+    def empty_tables(self) -> list[list[int]]:
+        return [[] for _ in self.pools]
+
+    # ------------------------------------------------------------ capacity
+
+    def min_free(self) -> int:
+        """Free blocks in the scarcest pool (every group grows by the same entries)."""
+        return min(p.num_free_blocks for p in self.pools)
+
+    def fit_tokens(self, req) -> int:
+        """How many more tokens ``req`` could compute with the blocks free now."""
+        held = len(req.block_ids[0])
+        return (held + self.min_free()) * self.block_size - req.num_computed_tokens
+
+    def refusal(self, limit: int, chunk: int) -> Optional[str]:
+        """Why a request growing to ``limit`` tokens can never fit one of the pools."""
+        for group, rule in zip(self.groups, self.rules):
+            need = rule.max_blocks(limit, chunk)
+            if need > group.num_blocks:
+                where = "" if len(self.groups) == 1 else f" ({group.spec.kind} attention layers)"
+                return (f"needing {need} KV blocks of {self.block_size} tokens{where}, but "
+                        f"the KV cache has only {group.num_blocks}")
+        return None
+
+    # ------------------------------------------------------------ a request's blocks
+
+    def drop_out_of_window(self, req, start: int) -> None:
+        """Free each sliding group's blocks wholly before the window of a chunk computed
+        from ``start`` (with prefix caching, only those already published)."""
+        for g in self._sliding:
+            end = self.rules[g].first_needed(start)
+            if self.prefix_caching:
+                end = min(end, req.num_cached_blocks)
+            lo = req.num_dropped[g]
+            if end <= lo:
+                continue
+            table = req.block_ids[g]
+            self.pools[g].free([b for b in table[lo:end] if b != NULL_BLOCK])
+            table[lo:end] = [NULL_BLOCK] * (end - lo)
+            req.num_dropped[g] = end
+
+    def grow(self, req, num_tokens: int) -> None:
+        """Blocks for the request's first ``num_tokens`` tokens, in every group (check
+        ``min_free`` first)."""
+        need = blocks_for(num_tokens, self.block_size) - len(req.block_ids[0])
+        if need > 0:
+            for pool, table in zip(self.pools, req.block_ids):
+                table += pool.allocate(need)
+
+    def free_all(self, req) -> None:
+        for pool, table in zip(self.pools, req.block_ids):
+            pool.free([b for b in table if b != NULL_BLOCK])
+        req.block_ids = self.empty_tables()
+        req.num_dropped = [0] * len(self.pools)
+
+    def publish(self, req, first: int, end: int) -> None:
+        """Publish table entries [first, end), full of computed KV, in every group."""
+        for pool, table in zip(self.pools, req.block_ids):
+            for i in range(first, end):
+                if table[i] != NULL_BLOCK:
+                    pool.cache_block(table[i], req.block_hashes[i])
+
+    # ------------------------------------------------------------ prefix cache
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[list[int]]:
+        """Per group, the table of the longest usable prefix hit among these chained block
+        hashes (the rule in the module docstring); every table has the hit's length."""
+        k = len(hashes)
+        for g in self._full:
+            k = min(k, len(self.pools[g].match_prefix(hashes[:k])))
+        while k > 0 and not self._sliding_hit(hashes, k):
+            k -= 1
+        tables = []
+        for g, (pool, rule) in enumerate(zip(self.pools, self.rules)):
+            first = rule.first_needed(k * self.block_size)
+            tables.append([NULL_BLOCK] * first
+                          + [pool.cached_block(h) for h in hashes[first:k]])
+        return tables
+
+    def _sliding_hit(self, hashes: Sequence[bytes], k: int) -> bool:
+        for g in self._sliding:
+            pool = self.pools[g]
+            first = self.rules[g].first_needed(k * self.block_size)
+            if any(pool.cached_block(h) is None for h in hashes[first:k]):
+                return False
+        return True
+
+    def can_admit(self, tables: list[list[int]], need: int) -> bool:
+        """Whether every pool has ``need`` fresh blocks beyond the cached ones it revives."""
+        for pool, table in zip(self.pools, tables):
+            hit = [b for b in table if b != NULL_BLOCK]
+            if need > pool.num_free_blocks - pool.num_unreferenced(hit):
+                return False
+        return True
+
+    def admit(self, req, tables: list[list[int]], need: int) -> None:
+        """Give an admitted request the hit's blocks (referenced) and ``need`` fresh ones."""
+        req.num_dropped = [0] * len(self.pools)
+        for g, (pool, table) in enumerate(zip(self.pools, tables)):
+            hit = [b for b in table if b != NULL_BLOCK]
+            pool.acquire(hit)
+            req.num_dropped[g] = len(table) - len(hit)  # the leading NULL entries
+            table += pool.allocate(need)
+        req.block_ids = tables
+
+    # ------------------------------------------------------------ introspection
+
+    def stats(self) -> dict:
+        """Blocks over all pools."""
+        return {"kv_blocks_used": sum(p.num_used_blocks for p in self.pools),
+                "kv_blocks_total": sum(p.num_blocks for p in self.pools),
+                "kv_blocks_cached_free": sum(p.num_cached_free_blocks for p in self.pools)}
+
+    def check_invariants(self, running) -> None:
+        refs: list[dict[int, int]] = [{} for _ in self.pools]
+        for req in running:
+            assert len(req.block_ids) == len(self.pools), f"{req} has a table per group"
+            length = blocks_for(req.num_computed_tokens, self.block_size)
+            for g, (rule, table) in enumerate(zip(self.rules, req.block_ids)):
+                assert len(table) == length, f"{req} group {g} holds blocks it has not filled"
+                real = [b for b in table if b != NULL_BLOCK]
+                assert len(set(real)) == len(real), f"{req} repeats a block in group {g}"
+                nulls = len(table) - len(real)
+                assert table[:nulls] == [NULL_BLOCK] * nulls, f"{req} group {g}: a hole"
+                assert rule.window is not None or not nulls, f"{req}: a full group dropped a block"
+                for b in real:
+                    refs[g][b] = refs[g].get(b, 0) + 1
+        for pool, expected in zip(self.pools, refs):
+            pool.check_invariants(expected)

@@ -1,0 +1,132 @@
+"""The worker's paged KV cache: what each layer caches (its ``CacheSpec``), the cache
+groups (layers of one spec share a block pool and a block table per request), and the
+pools' sizes from the memory budget.
+
+A sliding-window layer reads only the last ``window`` positions, so the scheduler keeps
+for it at most ``ceil(window / block_size) + 1`` blocks per decoding sequence
+(``pocketllm/scheduler/kv_groups.py``). Its pool is therefore sized for concurrency, not
+for context: ``sliding_cap`` blocks hold the windows of ``max_num_seqs`` sequences plus
+the prefill chunks in flight. The budget is split so that every group fits the same
+number of tokens of concurrency: ``N`` blocks for each full-attention group (what the
+engine reports as its KV capacity, ``N * block_size`` tokens) and ``min(N, sliding_cap)``
+for each sliding group, with ``N`` the largest count whose bytes fit the budget. A
+sliding group rarely needs more than ``sliding_cap``; if it does (an unusual mix of
+prompts), the scheduler preempts, as it does when any pool runs out.
+
+Each pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``;
+the extra block past the end (``pad_blocks``) stays finite: the padding rows of batched
+decodes read and write it, and the runner points a sliding table's entries behind the
+window at it (their blocks may belong to another request by now).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.proto.messages import CacheGroup, CacheSpec
+
+from .device import check_available, num_kv_blocks, populated_cpu_zeros
+
+
+def layer_spec(window: Optional[int], max_model_len: int) -> CacheSpec:
+    """What a layer caches: a window at least as long as any sequence is full attention."""
+    if window is None or window >= max_model_len:
+        return CacheSpec()
+    return CacheSpec("sliding", window)
+
+
+@dataclass
+class CacheLayout:
+    specs: list[CacheSpec]  # per group, full attention first
+    layer_group: list[int]  # per layer: its group
+    # per group: its layers' windows (None: full), shortest first; the torch metadata
+    # builds a view for each
+    layer_windows: list[list[Optional[int]]]
+
+    def num_layers(self, group: int) -> int:
+        return self.layer_group.count(group)
+
+    def window(self, group: int) -> Optional[int]:
+        spec = self.specs[group]
+        return spec.window if spec.kind == "sliding" else None
+
+
+def cache_layout(layer_windows: list[Optional[int]], max_model_len: int) -> CacheLayout:
+    """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``."""
+    per_layer = [layer_spec(w, max_model_len) for w in layer_windows]
+    specs = sorted(set(per_layer), key=lambda s: (s.kind != "full", s.window))
+    groups = [specs.index(s) for s in per_layer]
+    windows = [sorted({w for w, g in zip(layer_windows, groups) if g == group},
+                      key=lambda w: -1 if w is None else w) for group in range(len(specs))]
+    return CacheLayout(specs, groups, windows)
+
+
+def sliding_cap(window: int, args: EngineArgs, max_model_len: int) -> int:
+    """The blocks a sliding group needs at most: each of ``max_num_seqs`` sequences' window
+    (+1: it rarely starts on a block boundary), and two steps' prefill chunks (the one
+    computed, and with prefix caching under overlap the one before, freed a step later)."""
+    bs = args.block_size
+    chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else max_model_len
+    return args.max_num_seqs * (math.ceil(window / bs) + 1) + 2 * math.ceil(chunk / bs) + 2
+
+
+def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
+                bytes_per_layer_block: int, device: torch.device) -> list[int]:
+    """Each group's pool size (the module docstring says how the budget is split)."""
+    caps = [None if layout.window(g) is None else sliding_cap(layout.window(g), args, max_model_len)
+            for g in range(len(layout.specs))]
+    layers = [layout.num_layers(g) for g in range(len(layout.specs))]
+
+    def counts(n: int) -> list[int]:
+        return [n if cap is None else min(n, cap) for cap in caps]
+
+    def cost(n: int) -> int:
+        return sum(c * k * bytes_per_layer_block for c, k in zip(counts(n), layers))
+
+    return counts(num_kv_blocks(args, max_model_len, cost, device))
+
+
+class PagedKVCache:
+    """The pools of every group, and each layer's (k_cache, v_cache) view into its own."""
+
+    def __init__(self, layout: CacheLayout, num_blocks: list[int], block_size: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.layout, self.num_blocks, self.block_size = layout, list(num_blocks), block_size
+        self.pad_blocks = list(num_blocks)  # the spare block past each pool's end
+        shapes = [(layout.num_layers(g), 2, (n + 1) * block_size, kv_heads, head_dim)
+                  for g, n in enumerate(num_blocks)]
+        if device.type == "cpu":
+            # The OS backs a CPU tensor's pages only when they are first written, so an
+            # untouched cache would grow the worker's memory request by request until full
+            # (and fail mid-serving where RAM is short): refused now if it cannot fit,
+            # backed in the background from now.
+            check_available(sum(math.prod(s) for s in shapes) * dtype.itemsize, "KV cache",
+                            "kv_cache_memory_gb")
+            self.pools = [populated_cpu_zeros(s, dtype) for s in shapes]
+        else:
+            self.pools = [torch.empty(s, device=device, dtype=dtype) for s in shapes]
+            for pool, n in zip(self.pools, num_blocks):
+                pool[:, :, n * block_size:].zero_()
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        used = [0] * len(num_blocks)
+        for g in layout.layer_group:
+            pool = self.pools[g]
+            self.layer_caches.append((pool[used[g], 0], pool[used[g], 1]))
+            used[g] += 1
+
+    def pad_slot(self, group: int) -> int:
+        return self.pad_blocks[group] * self.block_size
+
+    def groups(self) -> list[CacheGroup]:
+        """What the capability declaration carries."""
+        return [CacheGroup(spec, n, self.layout.num_layers(g))
+                for g, (spec, n) in enumerate(zip(self.layout.specs, self.num_blocks))]
+
+    def capacity_tokens(self) -> int:
+        """Tokens of concurrency: the first group's blocks (full attention when any)."""
+        return self.num_blocks[0] * self.block_size
