@@ -89,31 +89,19 @@ def test_prefix_cache_hit(runner):
     tokens = PROMPT_A[:8] + PROMPT_B
     blocks = shared_blocks + list(range(20, 20 + (len(tokens) - 8 + bs - 1) // bs + 1))
     plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
-<<<<<<< HEAD
-        NewRequestData("b", tokens, blocks, 8, GREEDY)], num_scheduled_tokens=[len(tokens) - 8])
-    result = run_step(runner, plan)
-=======
         NewRequestData("b", tokens, tables(runner, blocks), 8, GREEDY)],
         num_scheduled_tokens=[len(tokens) - 8])
     result = run_step(runner, plan)
->>>>>>> cachespec
     assert result.error is None and result.token_ids == alone[:1]
     run_step(runner, StepPlan(step_id=2, finished_request_ids=["b"]))
 
 
 def test_prefill_chunk_samples_nothing_and_decode_samples(runner):
-<<<<<<< HEAD
-    plan = StepPlan(step_id=0, new_requests=[NewRequestData("c", PROMPT_B, [0, 1, 2, 3], 0, GREEDY)],
-                    num_scheduled_tokens=[6])
-    assert run_step(runner, plan).request_ids == []
-    plan = StepPlan(step_id=1, cached_requests=[CachedRequestData("c", [], [], 6)],
-=======
     plan = StepPlan(step_id=0, new_requests=[
         NewRequestData("c", PROMPT_B, tables(runner, [0, 1, 2, 3]), 0, GREEDY)],
         num_scheduled_tokens=[6])
     assert run_step(runner, plan).request_ids == []
     plan = StepPlan(step_id=1, cached_requests=[CachedRequestData("c", [], tables(runner, []), 6)],
->>>>>>> cachespec
                     num_scheduled_tokens=[len(PROMPT_B) - 6])
     result = run_step(runner, plan)
     assert result.request_ids == ["c"] and len(result.token_ids) == 1 and result.logprobs == [None]
@@ -138,11 +126,7 @@ def test_prefill_chunk_samples_nothing_and_decode_samples(runner):
 ], ids=["unknown-request", "bad-block", "too-many-tokens", "count-mismatch", "bad-token",
         "table-per-group"])
 def test_bad_plan_is_an_error_result_not_a_crash(runner, plan):
-<<<<<<< HEAD
-    result = run_step(runner, plan)
-=======
     result = run_step(runner, plan(lambda ids: tables(runner, ids)))
->>>>>>> cachespec
     assert result.step_id == 7 and result.error and not result.token_ids
     run_step(runner, StepPlan(step_id=8, finished_request_ids=["x"]))
     assert generate(runner, {"a": PROMPT_B}, new_tokens=2)["a"]  # still serving
