@@ -25,7 +25,7 @@ from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noq
 from pocketllm.workers.models.config import MoeSpec  # noqa: E402
 from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E402
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step  # noqa: E402
+from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
 
 LOGPROB_TOL = 1e-4
 
@@ -98,11 +98,11 @@ def test_prefix_cache_hit_computes_only_the_rest(runner, moe_path):
     ref_tokens, _ = hf_greedy(moe_path, tokens, 1)
     shared = [40, 41]  # block_size 4: positions 0..7 of both requests
     first = StepPlan(step_id=0, new_requests=[
-        NewRequestData("a", PROMPT, shared + [50, 51, 52, 53], 0, GREEDY_LP)],
+        NewRequestData("a", PROMPT, tables(runner, shared + [50, 51, 52, 53]), 0, GREEDY_LP)],
         num_scheduled_tokens=[len(PROMPT)])
     assert run_step(runner, first).error is None
     plan = StepPlan(step_id=1, finished_request_ids=["a"], new_requests=[
-        NewRequestData("b", tokens, shared + [60, 61, 62], 8, GREEDY_LP)],
+        NewRequestData("b", tokens, tables(runner, shared + [60, 61, 62]), 8, GREEDY_LP)],
         num_scheduled_tokens=[len(tokens) - 8])
     result = run_step(runner, plan)
     assert result.error is None and result.token_ids == ref_tokens

@@ -15,7 +15,7 @@ from pocketllm.proto.messages import (CachedRequestData, NewRequestData, Samplin
                                       StepPlan)
 from pocketllm.workers import device as worker_device  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step  # noqa: E402
+from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
 
 GREEDY = SamplingSpec(temperature=0.0)
 PROMPT_A = [random.Random(1).randrange(3, 512) for _ in range(21)]
@@ -27,11 +27,6 @@ def runner(request, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
     args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=48)
     return ModelRunner(load_model_info(args), args)
-
-
-def tables(runner, block_ids: list[int]) -> list[list[int]]:
-    """The same block ids in every KV cache group's table."""
-    return [list(block_ids) for _ in runner.kv.num_blocks]
 
 
 def generate(runner, prompts: dict, new_tokens=12, chunk=None, shuffle=None) -> dict:

@@ -141,6 +141,11 @@ def _write_tokenizer(path: str) -> None:
 # ---------------------------------------------------------------------- a hand scheduler
 
 
+def tables(runner, block_ids: list[int]) -> list[list[int]]:
+    """The same block ids in every KV cache group's table (a plan built by hand)."""
+    return [list(block_ids) for _ in runner.kv.num_blocks]
+
+
 def run_step(runner, plan):
     """One step through the worker's own entry point: launch it, then wait for its tokens."""
     return runner.finish(runner.launch(plan))
