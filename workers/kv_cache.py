@@ -107,7 +107,7 @@ class PagedKVCache:
             # backed in the background from now.
             check_available(sum(math.prod(s) for s in shapes) * dtype.itemsize, "KV cache",
                             "kv_cache_memory_gb")
-            self.pools = [populated_cpu_zeros(s, dtype) for s in shapes]
+            self.pools = populated_cpu_zeros(shapes, dtype)
         else:
             self.pools = [torch.empty(s, device=device, dtype=dtype) for s in shapes]
             for pool, n in zip(self.pools, num_blocks):
