@@ -30,6 +30,7 @@ from ..errors import CheckpointError, UnsupportedFeatureError
 from ..gguf_meta import read_gguf_header
 from ..protocol.byte_level import BYTE_TO_CHAR
 from .gguf_pretokenizers import PRE_TOKENIZERS, REFUSED, PreTokenizer
+from .merges_cache import cached_merges
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -92,7 +93,7 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str],
             raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
         ranks = -np.asarray(scores, dtype=np.float64)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    merges = [] if decode_only else _merges_from_vocab(tokens, ranks)
+    merges = [] if decode_only else cached_merges(tokens, ranks, _merges_from_vocab)
     bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
                      unk_token=tokens[unk_id] if unk_id is not None else None,
                      fuse_unk=True, byte_fallback=True)
