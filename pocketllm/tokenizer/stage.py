@@ -39,7 +39,8 @@ class TokenizerStage:
         self.max_output_tokens = max_output_tokens or info.max_model_len
         # A text longer than this cannot fit max_model_len whatever it tokenizes to, so it
         # is refused before the tokenizer spends seconds on it.
-        self.max_prompt_chars = info.max_model_len * max_chars_per_token(self.tokenizer)
+        self.max_prompt_chars = info.max_model_len * max_chars_per_token(
+            self.tokenizer, self.loaded.longest_token)
         self.grammar_checks = GrammarChecks(structured_output_timeout_s)
         self.chat = ChatRenderer(info.chat_template, info.family, self.loaded.special_tokens)
         # The built-in template's turn terminator ends a chat answer like an EOS would.
@@ -178,12 +179,13 @@ class TokenizerStage:
                                                    echo_text))
 
 
-def max_chars_per_token(tokenizer) -> int:
+def max_chars_per_token(tokenizer, longest: Optional[int] = None) -> int:
     """The most characters of text one token can stand for: its longest vocabulary entry,
     times 4 when a normalizer may compose characters first (NFC/NFKC can fold up to three
     into one); replacing spaces with a marker, as SentencePiece vocabularies do, keeps the
-    count."""
-    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    count. ``longest``: the longest entry, when the caller knows it."""
+    if longest is None:
+        longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
     norm = repr(tokenizer.normalizer)
     composes = any(form in norm for form in ("NFC", "NFKC", "Precompiled"))
     return max(1, longest) * (4 if composes else 1)
