@@ -92,6 +92,8 @@ class CacheGroups:
 
     def min_free(self) -> int:
         """Free blocks in the scarcest pool (every group grows by the same entries)."""
+        if len(self.pools) == 1:  # most models: asked per request per step
+            return self.pools[0].num_free_blocks
         return min(p.num_free_blocks for p in self.pools)
 
     def fit_tokens(self, req) -> int:

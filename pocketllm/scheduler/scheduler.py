@@ -202,7 +202,7 @@ class Scheduler:
         kv.drop_out_of_window(req, req.num_computed_tokens)
         while True:
             need = blocks_for(req.num_computed_tokens + n, bs) - len(req.block_ids[0])
-            if need <= kv.min_free():
+            if need <= 0 or need <= kv.min_free():  # most decode steps need no block
                 break
             if self.config.enable_chunked_prefill:
                 fit = kv.fit_tokens(req)
