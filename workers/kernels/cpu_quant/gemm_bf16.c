@@ -13,7 +13,9 @@
 
 #include "gemm_bf16.h"
 
-#if defined(__x86_64__)
+/* AVX-512 BF16 intrinsics: GCC 10 and clang 9 onward; an older compiler builds the stubs
+ * below (the product is refused, prefill takes sgemm) rather than failing the library. */
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
