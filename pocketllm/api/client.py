@@ -105,7 +105,11 @@ class EngineClient:
         with self._lock:
             active = [r for r in request_ids if r in self._sinks]
             if active and self._dead is None and not self._closed:
-                self._to_scheduler.send(codec.encode(Abort(request_ids=active)))
+                try:  # never block here, under the lock: a scheduler that died (Ctrl-C
+                    # reaches every stage) reads nothing, and close() needs the lock
+                    self._to_scheduler.send(codec.encode(Abort(request_ids=active)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not reading: the heartbeat reports it
         return active
 
     def is_active(self, request_id: str) -> bool:
@@ -188,7 +192,7 @@ class EngineClient:
             sock.close(linger=0)
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.close()
-        self._zmq.term()
+        self._zmq.destroy(linger=0)  # term() would wait for any socket left open
 
 
 def _stage_endpoints(run_dir: str, procs) -> dict[str, str]:

@@ -41,8 +41,9 @@ class LoopThread:
     def close(self) -> None:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self.loop.close()
+            self._thread.join(timeout=5)  # a callback stuck in a dead engine must not hang exit
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 def _close(client: EngineClient, loop: LoopThread) -> None:
