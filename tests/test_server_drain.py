@@ -173,7 +173,11 @@ def test_signal_while_loading_stops_the_load(tiny_llama, tmp_path):
 
 def test_ctrl_c_in_an_offline_script_does_not_hang(tiny_llama, tmp_path):
     script = tmp_path / "offline.py"
+    # SIGINT as a terminal's foreground job has it: a harness that started pytest in the
+    # background may leave it ignored, and an ignored signal stays ignored across exec.
     script.write_text(textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from pocketllm import LLM, EngineArgs, SamplingParams
         llm = LLM(EngineArgs(model={tiny_llama!r}, max_model_len=32768))
         for i, event in enumerate(llm.generate_stream(
