@@ -32,6 +32,7 @@ class Generation:
         self.client = client
         self.reqs = list(reqs)
         self.outputs = [GenerationOutput(r.request_id) for r in self.reqs]
+        self._left = len(self.outputs)  # unfinished: next() tests this, not a scan a delta
         self.deadline = None if not timeout else time.monotonic() + timeout
         self.timed_out = False
         self.was_cut = False  # cut() ended it: unfinished outputs are not waited for
@@ -39,6 +40,7 @@ class Generation:
 
     @property
     def finished(self) -> bool:
+        # (exact for a caller that marked outputs itself; next() counts with _left)
         return all(o.finished for o in self.outputs)
 
     # ---------------------------------------------------------------- start and stop
@@ -79,26 +81,34 @@ class Generation:
     async def next(self) -> Optional[tuple[int, RequestOutput]]:
         """The next delta of any request, already accumulated; None once all finished, the
         deadline passed or cut() was called. A failed request raises its typed error."""
-        while not self.finished:
-            timeout = None if self.deadline is None else self.deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
+        while self._left:
+            if self.deadline is not None and self.deadline <= time.monotonic():
                 self.timed_out = True
                 return None
-            try:
-                i, item = await asyncio.wait_for(self._queue.get(), timeout)
-            except asyncio.TimeoutError:
-                self.timed_out = True
-                return None
+            try:  # a queued delta needs no waiting (a busy engine queues hundreds a step)
+                i, item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                timeout = None if self.deadline is None else self.deadline - time.monotonic()
+                try:
+                    i, item = await asyncio.wait_for(self._queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    self.timed_out = True
+                    return None
             if item is _CUT:
                 self.was_cut = True
                 return None
             if isinstance(item, RequestOutput) and item.finish_reason == "error":
                 # (the client raises a stage's typed error first; this is one without detail)
                 item = RequestFailedError(f"request {item.request_id} failed in the engine")
+            out = self.outputs[i]
+            if out.finished:
+                continue  # nothing follows a request's last delta; never counted twice
             if isinstance(item, Exception):
-                self.outputs[i].finish_reason = "error"
+                out.finish_reason = "error"
+                self._left -= 1
                 raise item
-            self.outputs[i].add(item)
+            out.add(item)
+            self._left -= out.finished
             return i, item
         return None
 
