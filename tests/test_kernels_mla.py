@@ -87,14 +87,14 @@ def check(out, case, block_size, scale, atol, rtol):
 
 
 # sequence lengths: 1, within one block, not a multiple of the block size, several blocks
-LENS = [1, 3, 13, 40, 8]
+LENS = [1, 13, 30, 3]
 
 
-@pytest.mark.parametrize("partition", [None, 4, 7, 16, 64])
+@pytest.mark.parametrize("partition", [None, 5, 16, 64])
 @pytest.mark.parametrize("rank,rope,heads", [(32, 16, 4), (64, 16, 20)])
 def test_float32_matches_reference(partition, rank, rope, heads):
-    # 20 heads: a full block of 16 and a masked one; partitions shorter than a block,
-    # not a multiple of the keys per loop, and longer than every sequence
+    # 20 heads: a full block of 16 and a masked one; partitions not a multiple of the
+    # block size nor of the keys per loop, a whole loop, and longer than every sequence
     case = make_case(LENS, heads, rank, rope, block_size=4, seed=rank + heads)
     out = run(case, 4, 0.3, partition)
     check(out, case, 4, 0.3, atol=2e-5, rtol=2e-5)
@@ -103,7 +103,7 @@ def test_float32_matches_reference(partition, rank, rope, heads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("partition", [None, 8])
 def test_half_precision_matches_reference(dtype, partition):
-    case = make_case([1, 19, 33], 16, 32, 16, block_size=8, dtype=dtype, seed=3)
+    case = make_case([1, 19, 26], 16, 32, 16, block_size=8, dtype=dtype, seed=3)
     out = run(case, 8, 0.25, partition)
     assert out.dtype == dtype
     tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
