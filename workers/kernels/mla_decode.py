@@ -33,10 +33,16 @@ import triton.language as tl
 
 from .paged_decode_attention import sm_count
 
-# (heads per program, keys per loop, warps, pipeline stages) by cache element size;
-# ``bench_mla --tune`` sweeps them on the device. 16 heads is the smallest tile tl.dot
-# takes; the float32 accumulator of 16 x 512 is 64 registers a thread at 4 warps.
-TILES = {2: (16, 32, 4, 2), 4: (16, 16, 4, 1)}
+# Launch shape (heads per program, keys per loop, warps, pipeline stages); not yet tuned
+# on the device (``bench_mla --tune`` sweeps them). 16 heads is the smallest tile tl.dot
+# takes; its float32 accumulator of 16 x 512 is 64 registers a thread at 4 warps. At 32
+# heads or more, 32 per program at 8 warps (the same registers a thread): each program
+# still reads every tile, so at H=128 the cache crosses from L2 into the SMs H/BLOCK_H
+# times, and at 16 heads a block that L2 traffic (8x the HBM bytes) would bound a large
+# batch before HBM does (docs/gpu_kernels.md).
+SMALL_H_TILE = (16, 32, 4, 2)
+LARGE_H_TILE = (32, 32, 8, 2)
+FLOAT32_TILE = (16, 16, 4, 1)  # a float32 tile of 32 x 512 keys is twice the bytes
 MERGE_BLOCK_R = 128  # latent values per merge program
 MERGE_CHUNK = 8  # splits merged per loop
 # A split's partial (H x R float32 values) should not outweigh the cache rows it read
@@ -138,6 +144,12 @@ def _mla_merge_kernel(Out, PartOut, PartLse, SeqLens, QRows, stride_ot, stride_o
     tl.store(Out + row * stride_ot + head * stride_oh + lat, (acc / den).to(Out.dtype.element_ty))
 
 
+def default_tiles(heads: int, element_size: int) -> tuple[int, int, int, int]:
+    if element_size == 4:
+        return FLOAT32_TILE
+    return LARGE_H_TILE if heads >= 32 else SMALL_H_TILE
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -196,7 +208,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     num_seqs = block_tables.shape[0]
     if num_seqs == 0:
         return out
-    block_h, block_n, warps, stages = tiles or TILES[4 if cache.element_size() == 4 else 2]
+    block_h, block_n, warps, stages = tiles or default_tiles(heads, cache.element_size())
     if partition is None:
         partition = max(max_seq_len, 1)
     if partition < 1:
@@ -236,7 +248,7 @@ def mla_partition(policy, num_seqs: int, heads: int, span: int, rank: int, rope:
     ``decode_partition`` with a sequence's head blocks as its "KV heads" (each is one
     program per split), raised so a split's float32 partial (H x R) is no more than
     1/PARTIAL_TRAFFIC of the cache bytes it read; a whole number of ``BLOCK_N`` loops."""
-    tile_h, block_n, _, _ = TILES[4 if element_size == 4 else 2]
+    tile_h, block_n, _, _ = default_tiles(heads, element_size)
     head_blocks = triton.cdiv(heads, block_h or tile_h)
     part = policy.decode_partition(num_seqs, head_blocks, span, sm_count(device), block_n)
     floor = PARTIAL_TRAFFIC * heads * rank * 4 // ((rank + rope) * element_size)
