@@ -100,6 +100,13 @@ def test_float32_matches_reference(partition, rank, rope, heads):
     check(out, case, 4, 0.3, atol=2e-5, rtol=2e-5)
 
 
+def test_many_splits_merge_over_several_chunks():
+    # 70 one-key splits: the merge runs three loops of up to 32 splits
+    case = make_case([70, 2, 33], 4, 32, 16, block_size=4, seed=11)
+    out = run(case, 4, 0.3, 1)
+    check(out, case, 4, 0.3, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("partition", [None, 8])
 def test_half_precision_matches_reference(dtype, partition):

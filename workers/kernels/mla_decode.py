@@ -16,10 +16,11 @@ are cut into splits of ``partition`` keys (flash-decoding) so a small batch stil
 fills the GPU; each split leaves its normalized partial row and log-sum-exp, and a
 second launch over (sequence, head, slice of R) merges them. Unlike
 ``paged_decode_attention``, the merge is not done by the last split to arrive: a split's
-partial here is BLOCK_H x R floats (16x a GQA head group's), so one program merging all
-of a sequence's splits would be the critical path; spread over (sequence, head, R/128)
-programs it is short. docs/benchmarks.md ("MLA decode") has the design numbers and the
-roofline.
+partial here is BLOCK_H x R floats (16 x 512, where a GQA head group's is a few rows of
+128), so one program merging all of a sequence's splits would be the critical path;
+spread over (sequence, head, R/64) programs it is short. ``mla_partition`` picks the
+keys per split through the kernel policy. docs/gpu_kernels.md has the design, its
+numbers and the roofline; ``bench_mla`` measures it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from .paged_decode_attention import sm_count
 SMALL_H_TILE = (16, 32, 4, 2)
 LARGE_H_TILE = (32, 32, 8, 2)
 FLOAT32_TILE = (16, 16, 4, 1)  # a float32 tile of 32 x 512 keys is twice the bytes
-MERGE_BLOCK_R = 128  # latent values per merge program
-MERGE_CHUNK = 8  # splits merged per loop
+# The merge: latent values per program (B1 x H16 gives 128 programs) and splits per loop
+# (a B1 x 32k sequence has 512 splits: 16 dependent loads of L2 latency, not 64).
+MERGE_BLOCK_R = 64
+MERGE_CHUNK = 32
 # A split's partial (H x R float32 values) should not outweigh the cache rows it read
 # (keys x (R + P) elements): keys per split at least PARTIAL_TRAFFIC times H*R*4 bytes
 # over a row's bytes (at H=128, R=512, bf16: 228 keys). At batch 1 the partials stay in L2.
@@ -237,7 +240,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         _mla_merge_kernel[(num_seqs, heads, rank // block_r)](
             out, part_out, part_lse, seq_lens, q_rows, out.stride(0), out.stride(1),
             partition, num_splits, HEADS=heads, R=rank, BLOCK_R=block_r,
-            CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)), num_warps=4)
+            CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)), num_warps=4,
+            num_stages=2)
     return out
 
 
