@@ -55,6 +55,7 @@ PARTIAL_TRAFFIC = 1
 
 # Ints that change from step to step are not specialized (see paged_decode_attention).
 STEP_INTS = ["stride_bt", "partition", "num_splits"]
+MERGE_STEP_INTS = ["partition", "num_splits"]
 
 
 @triton.jit(do_not_specialize=STEP_INTS)
@@ -117,7 +118,7 @@ def _mla_split_kernel(QLat, QRope, Cache, Out, PartOut, PartLse, BlockTables, Se
                      acc.to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=STEP_INTS)
+@triton.jit(do_not_specialize=MERGE_STEP_INTS)
 def _mla_merge_kernel(Out, PartOut, PartLse, SeqLens, QRows, stride_ot, stride_oh, partition,
                       num_splits, HEADS: tl.constexpr, R: tl.constexpr,
                       BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
