@@ -146,6 +146,14 @@ def test_refuses_widths_it_cannot_tile(rank, rope, cache_width, match):
         mla_decode_attention(q_latent, q_rope, cache, tables, lens, rows, 1, 8, 1.0)
 
 
+def test_refuses_a_block_table_with_strided_entries():
+    case = make_case([5], 4, 32, 16, block_size=4)
+    q_latent, q_rope, cache, tables, seq_lens, q_rows = case
+    strided = torch.cat([tables, tables], dim=1)[:, ::2]
+    with pytest.raises(ValueError, match="block_tables must be contiguous"):
+        mla_decode_attention(q_latent, q_rope, cache, strided, seq_lens, q_rows, 5, 4, 1.0)
+
+
 def test_refuses_mixed_dtypes():
     q = torch.zeros(1, 4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="share a dtype"):

@@ -36,11 +36,10 @@ from .paged_decode_attention import sm_count
 
 # Launch shape (heads per program, keys per loop, warps, pipeline stages); not yet tuned
 # on the device (``bench_mla --tune`` sweeps them). 16 heads is the smallest tile tl.dot
-# takes; its float32 accumulator of 16 x 512 is 64 registers a thread at 4 warps. At 32
-# heads or more, 32 per program at 8 warps (the same registers a thread): each program
-# still reads every tile, so at H=128 the cache crosses from L2 into the SMs H/BLOCK_H
-# times, and at 16 heads a block that L2 traffic (8x the HBM bytes) would bound a large
-# batch before HBM does (docs/gpu_kernels.md).
+# takes; its float32 accumulator of 16 x 512 is 64 registers a thread at 4 warps. Every
+# head block reads every cache tile, so at H=128 each row crosses from L2 into the SMs
+# H / BLOCK_H times: 32 heads a program (8 warps, the same accumulator registers a
+# thread) halves the 8x that 16 would cost (docs/gpu_kernels.md).
 SMALL_H_TILE = (16, 32, 4, 2)
 LARGE_H_TILE = (32, 32, 8, 2)
 FLOAT32_TILE = (16, 16, 4, 1)  # a float32 tile of 32 x 512 keys is twice the bytes
@@ -159,7 +158,7 @@ def _interpreting() -> bool:
 
 
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-           out: Optional[torch.Tensor]) -> tuple[int, int, int]:
+           block_tables: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[int, int, int]:
     if q_latent.dim() != 3 or q_rope.dim() != 3 or cache.dim() != 2:
         raise ValueError(f"expected q_latent [T, H, R], q_rope [T, H, P], cache [slots, R+P]; "
                          f"got {tuple(q_latent.shape)}, {tuple(q_rope.shape)}, "
@@ -183,8 +182,9 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          f"{q_latent.dtype}")
     if out is not None and out.shape != q_latent.shape:
         raise ValueError(f"out {tuple(out.shape)} is not q_latent's {tuple(q_latent.shape)}")
-    for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("cache", cache), ("out", out)):
-        if t is not None and t.stride(-1) != 1:
+    for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("cache", cache), ("out", out),
+                    ("block_tables", block_tables)):
+        if t is not None and t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     return heads, rank, rope
 
@@ -206,7 +206,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     ``partition``: keys per split (``mla_partition``); None: one split of the whole span.
     ``tiles`` overrides (BLOCK_H, BLOCK_N, warps, stages), for tuning.
     """
-    heads, rank, rope = _check(q_latent, q_rope, cache, out)
+    heads, rank, rope = _check(q_latent, q_rope, cache, block_tables, out)
     if out is None:
         out = torch.empty_like(q_latent)
     num_seqs = block_tables.shape[0]
