@@ -199,7 +199,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     q_latent [T, H, R] (already through W_UK), q_rope [T, H, P]; cache [slots, R + P]
     with slot = block_tables[b, pos // block_size] * block_size + pos % block_size;
     block_tables [B, W] int32; seq_lens [B] int32: sequence b attends to positions
-    [0, seq_lens[b]) (at least 1: its own token is cached already); q_rows [B]: its row
+    [0, seq_lens[b]) (at least 1, its own token being cached already; a 0 leaves its
+    row unwritten or NaN); q_rows [B]: its row
     of q_latent/q_rope/out; ``max_seq_len`` = seq_lens.max(), known on the host. Writes
     rows ``q_rows`` of ``out`` ([T, H, R], allocated with q's dtype if None) with
     softmax(scale * (q_latent . c + q_rope . k_r)) @ c, accumulated in float32.
