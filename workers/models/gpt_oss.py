@@ -53,7 +53,9 @@ def gpt_oss_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
     layers = as_int(hf, "num_hidden_layers", 36)
     heads = as_int(hf, "num_attention_heads", 64)
     hidden = as_int(hf, "hidden_size", 2880)
-    head_dim = as_int(hf, "head_dim", hidden // max(heads, 1))
+    # GptOssConfig: 64 when absent, hidden_size // heads only when written as null
+    head_dim = hidden // max(heads, 1) if "head_dim" in hf and hf["head_dim"] is None \
+        else as_int(hf, "head_dim", 64)
     kinds = layer_kinds(hf, layers, [SLIDING if (i + 1) % 2 else FULL for i in range(layers)])
     window = hf.get("sliding_window", 128)
     if window is None and SLIDING in kinds:
