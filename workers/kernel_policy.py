@@ -10,8 +10,8 @@ Default mode, tuned for speed:
   ``kernels/bench.py --tune``; the torch reference on CPU;
 - the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
-  expert (``kernels/fused_moe.py``); the torch reference on CPU, and on CUDA for experts
-  with biases or a clamped SwiGLU (gpt-oss), which the grouped GEMM lacks (``moe_experts``);
+  expert (``kernels/fused_moe.py``, gpt-oss's biases and clamped SwiGLU included); the
+  torch reference on CPU (``moe_experts``);
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
@@ -137,16 +137,14 @@ class KernelPolicy:
         y = F.linear(x, weight, bias)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
-    def moe_experts(self, spec=None):
+    def moe_experts(self):
         """The experts' computation of ``layers/moe.FusedMoE`` (its signature is
         ``torch_experts``'): on the GPU path the Triton grouped GEMM of
         ``kernels/fused_moe.py`` (tokens sorted by expert into block-aligned groups, one
         launch for gate/up and the activation, one for down; its tile fixed in
         batch-invariant mode), else the torch reference, one product per expert hit.
-        Experts with biases or gpt-oss's clamped SwiGLU (``spec``, a ``MoeSpec``) take the
-        torch reference on every device: the grouped GEMM has neither."""
-        if not self.triton or (spec is not None and (spec.expert_bias
-                                                     or spec.swiglu_limit is not None)):
+        Both take gpt-oss's expert biases and clamped SwiGLU."""
+        if not self.triton:
             from .layers.moe import torch_experts
 
             return torch_experts

@@ -137,10 +137,13 @@ class FusedMoE(nn.Module):
         self.act: GatedAct = (ClampedSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
                               if spec.swiglu_limit is not None else spec.hidden_act)
         self.policy = policy_for(device)
-        self.compute = self.policy.moe_experts(spec)
+        self.compute = self.policy.moe_experts()
         fused = self.policy.kernel("fused_moe", "softmax_topk")
         if fused is not None and isinstance(routing, SoftmaxTopK):  # one launch, not four
             self.routing = functools.partial(_fused_route, fused, routing.renormalize)
+        elif fused is not None and routing is topk_softmax:
+            # softmax over the k largest logits = softmax over all, k largest, renormalised
+            self.routing = functools.partial(_fused_route, fused, True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.routing(self.policy.linear(x, self.gate, self.gate_bias), self.spec.top_k)
