@@ -103,6 +103,17 @@ def test_bfloat16_step():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="Triton's interpreter gets tl.dot on "
+                    "bfloat16 wrong (numpy has no bfloat16); checked compiled on CUDA")
+@pytest.mark.parametrize("window", [None, 64])
+def test_bfloat16_step_with_sinks(window):
+    # gpt-oss's heads (64 query over 8 KV heads of 64), a long chunk and long decodes
+    sinks = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    out, ref = run_both([(90, 30), (200, 1), (20, 1)], heads=64, kv_heads=8, dim=64,
+                        window=window, softcap=None, dtype=torch.bfloat16, seed=6, sinks=sinks)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (37, 2.5)])
 def test_split_decode_merges_partial_softmaxes(window, softcap):
     # force small partitions: several splits per sequence, some sequences shorter than
