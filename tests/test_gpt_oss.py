@@ -386,3 +386,36 @@ def test_dummy_weights_run(oss_path, tmp_path):
     assert float(runner.model.layers[0].self_attn.sinks.abs().max()) > 0
     out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
     assert len(out["r"]) == 4
+
+
+def test_per_expert_checkpoints_with_biases_load_into_the_same_layer():
+    """FusedMoE's own (Qwen-style, one tensor per expert) names carry the biases too, so a
+    family storing biased experts per expert loads into the same stacked parameters."""
+    from pocketllm.workers.layers.moe import FusedMoE
+
+    spec = gpt_oss_arch_config({**BASE, "intermediate_size": 20, "hidden_size": 24,
+                                "num_local_experts": 3}, "GptOssForCausalLM").moe
+    gen = torch.Generator().manual_seed(5)
+    stacked = {"mlp.router.weight": torch.randn(3, 24, generator=gen),
+               "mlp.router.bias": torch.randn(3, generator=gen),
+               "mlp.experts.gate_up_proj": torch.randn(3, 24, 40, generator=gen),
+               "mlp.experts.gate_up_proj_bias": torch.randn(3, 40, generator=gen),
+               "mlp.experts.down_proj": torch.randn(3, 20, 24, generator=gen),
+               "mlp.experts.down_proj_bias": torch.randn(3, 24, generator=gen)}
+    per_expert = {"mlp.gate.weight": stacked["mlp.router.weight"],
+                  "mlp.gate.bias": stacked["mlp.router.bias"]}
+    for e in range(3):
+        gu = stacked["mlp.experts.gate_up_proj"][e]
+        gub = stacked["mlp.experts.gate_up_proj_bias"][e]
+        p = f"mlp.experts.{e}."
+        per_expert |= {p + "gate_proj.weight": gu[:, 0::2].T, p + "up_proj.weight": gu[:, 1::2].T,
+                       p + "down_proj.weight": stacked["mlp.experts.down_proj"][e].T,
+                       p + "gate_proj.bias": gub[0::2], p + "up_proj.bias": gub[1::2],
+                       p + "down_proj.bias": stacked["mlp.experts.down_proj_bias"][e]}
+    cpu = torch.device("cpu")
+    a = _load(GptOssExperts(24, spec, topk_softmax, cpu, torch.float32), stacked)
+    b = _load(FusedMoE(24, spec, topk_softmax, cpu, torch.float32), per_expert)
+    assert set(b.weight_targets("mlp.")) == set(per_expert)
+    x = torch.randn(6, 24, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x))

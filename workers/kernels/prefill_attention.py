@@ -170,7 +170,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     grid = (heads, triton.cdiv(max_q_len, block_m), block_tables.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, q_start, q_lens,
-        q if sinks is None else sinks, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q if sinks is None else sinks,  # unread without sinks
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, softcap or 1.0, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=dim, PAGE=block_size,

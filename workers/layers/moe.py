@@ -1,7 +1,7 @@
 """Mixture-of-experts: routing, and the experts' computation over the routed tokens.
 
-The seam every MoE family shares (Qwen3-MoE now; DeepSeek-V3's routed experts and
-gpt-oss next):
+The seam every MoE family shares (Qwen3-MoE and gpt-oss now; DeepSeek-V3's routed
+experts next):
 
 * a **routing function** turns router logits [T, E] into ``(weights [T, k] float32,
   ids [T, k])``. ``softmax_topk`` is Qwen's (optionally renormalised over the k
@@ -165,21 +165,29 @@ class FusedMoE(nn.Module):
         return (self.spec.num_experts - self.spec.top_k) * per_expert
 
     def weight_targets(self, prefix: str) -> dict:
-        """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``)
-        -> their places in the stacked tensors: one checkpoint tensor at a time, so a
-        loader never holds more than one expert's matrix."""
+        """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``,
+        and ``.bias`` of each where the spec has them) -> their places in the stacked
+        tensors: one checkpoint tensor at a time, so a loader never holds more than one
+        expert's matrix. (gpt-oss stores its experts stacked: ``models/gpt_oss.py``.)"""
         from ..models.base import WeightTarget
 
         local, part = self.inter.size, None if self.inter.whole else self.inter
         down = None if self.inter.whole else Shard(1, self.inter.start, self.inter.stop,
                                                    self.inter.full)
         t = {f"{prefix}gate.weight": WeightTarget(self.gate)}
+        if self.gate_bias is not None:
+            t[f"{prefix}gate.bias"] = WeightTarget(self.gate_bias)
         for e in range(self.spec.num_experts):
             p = f"{prefix}experts.{e}."
             t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local), shard=part)
             t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
                                                    shard=part)
             t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
+            if self.b13 is not None:
+                t[f"{p}gate_proj.bias"] = WeightTarget(self.b13[e], slice(0, local), shard=part)
+                t[f"{p}up_proj.bias"] = WeightTarget(self.b13[e], slice(local, 2 * local),
+                                                     shard=part)
+                t[f"{p}down_proj.bias"] = WeightTarget(self.b2[e])
         return t
 
     def extra_repr(self) -> str:
