@@ -11,14 +11,16 @@ Checkpoint format (as transformers saves it): each layer's experts are three sta
 tensors, ``mlp.experts.gate_up_proj`` [E, H, 2I] whose last dimension interleaves gate and
 up columns (gate at even indices), ``gate_up_proj_bias`` [E, 2I] likewise, and
 ``down_proj`` [E, I, H] with ``down_proj_bias`` [E, H]; the loader de-interleaves and
-transposes them into FusedMoE's [gate | up] rows. The released MXFP4 files
-(``quantization_config.quant_method`` "mxfp4", ``*_blocks`` / ``*_scales`` tensors) are
-refused: no MXFP4 dequantization is built here.
+transposes them into FusedMoE's [gate | up] rows. The released files store the experts
+in MXFP4 (``quantization_config.quant_method`` "mxfp4": ``*_blocks`` / ``*_scales``
+tensors): they are dequantized at load (``loader/mxfp4.py``) into the model dtype, so
+the experts take their float size in memory; any other quantization is refused.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 
@@ -29,27 +31,39 @@ from ..layers.attention import AttentionBackend
 from ..layers.linear import Shard
 from ..layers.moe import FusedMoE, topk_softmax
 from ..layers.norm import RMSNorm
+from ..loader.mxfp4 import SUFFIXES, dequantized
 from .base import Attention, CausalLM, DecoderLayer, WeightTarget
 from .config import (FULL, SLIDING, MoeArchConfig, MoeSpec, as_int, get, layer_kinds,
                      rope_params)
 
 
-def _refuse_quantized(hf: dict) -> None:
+# The parameters an MXFP4 checkpoint may quantize (transformers' Mxfp4GptOssExperts).
+_MXFP4_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@dataclass
+class GptOssArchConfig(MoeArchConfig):
+    mxfp4: bool = False  # the experts are stored in MXFP4 (dequantized at load)
+
+
+def _is_mxfp4(hf: dict) -> bool:
+    """Whether the checkpoint stores its experts in MXFP4; any other quantization is refused."""
     quant = hf.get("quantization_config")
     if not quant:
-        return
+        return False
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    raise CheckpointError(
-        f"gpt-oss checkpoint with quantization_config.quant_method={method!r}: quantized "
-        "experts (the released MXFP4 files) are not supported; use a checkpoint saved in "
-        "bfloat16/float32 (e.g. dequantized by transformers with Mxfp4Config(dequantize=True))")
+    if method != "mxfp4":
+        raise CheckpointError(
+            f"gpt-oss checkpoint with quantization_config.quant_method={method!r} is not "
+            "supported; MXFP4 (the released files) and unquantized checkpoints are")
+    return True
 
 
-def gpt_oss_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
+def gpt_oss_arch_config(hf: dict, architecture: str) -> GptOssArchConfig:
     """Defaults are transformers' GptOssConfig's (``num_experts`` is read as
     ``num_local_experts``, as its attribute map does). ``hidden_act`` is not read: the
     experts always apply the clamped SwiGLU, as transformers' do."""
-    _refuse_quantized(hf)
+    mxfp4 = _is_mxfp4(hf)
     layers = as_int(hf, "num_hidden_layers", 36)
     heads = as_int(hf, "num_attention_heads", 64)
     hidden = as_int(hf, "hidden_size", 2880)
@@ -68,7 +82,7 @@ def gpt_oss_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
                     truncate=False, original_max_position_embeddings=4096)
     inter = as_int(hf, "intermediate_size", 2880)
     bias = bool(get(hf, "attention_bias", True))
-    return MoeArchConfig(
+    return GptOssArchConfig(
         architecture=architecture,
         vocab_size=as_int(hf, "vocab_size", 201088),
         hidden_size=hidden,
@@ -94,6 +108,7 @@ def gpt_oss_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
                     swiglu_alpha=float(get(hf, "swiglu_alpha", 1.702)),
                     swiglu_limit=float(get(hf, "swiglu_limit", 7.0))),
         sparse_layers=[True] * layers,
+        mxfp4=mxfp4,
     )
 
 
@@ -163,8 +178,21 @@ class GptOssForCausalLM(CausalLM):
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         return GptOssDecoderLayer(cfg, index, backend, device, dtype, tp)
 
+    def load_weights(self, named_tensors: Iterable) -> None:
+        if self.cfg.mxfp4:  # each *_blocks/*_scales pair arrives as its float tensor
+            named_tensors = dequantized(self._mxfp4_parts_only(named_tensors))
+        super().load_weights(named_tensors)
+
+    @staticmethod
+    def _mxfp4_parts_only(named_tensors: Iterable) -> Iterable:
+        for name, tensor in named_tensors:
+            if name.endswith(SUFFIXES) and not name[:-len("_blocks")].endswith(_MXFP4_PARAMS):
+                raise CheckpointError(f"MXFP4 tensor {name!r}: only the experts' gate_up_proj "
+                                      "and down_proj are read in MXFP4")
+            yield name, tensor
+
     def canonical_name(self, name: str) -> Optional[str]:
-        if name.endswith(("_blocks", "_scales")):  # MXFP4 parts, in a file without its config
-            raise CheckpointError(f"tensor {name!r} is an MXFP4-quantized expert part; "
-                                  "quantized gpt-oss experts are not supported")
+        if name.endswith(SUFFIXES):  # MXFP4 parts in a file whose config does not say so
+            raise CheckpointError(f"tensor {name!r} is an MXFP4-quantized part, but config.json "
+                                  "has no quantization_config with quant_method 'mxfp4'")
         return super().canonical_name(name)
