@@ -447,7 +447,7 @@ def test_mxfp4_dequantization_equals_transformers():
 
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(117, 137, (3, 10, 4), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (3, 10, 4), generator=gen, dtype=torch.uint8)  # E8M0, no NaN
     ours = dequantize_mxfp4(blocks, scales)
     assert ours.shape == (3, 128, 10) and ours.dtype == torch.float32
     assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))

@@ -33,10 +33,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
                               f"{tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # low nibble first
-    values = lut[codes].flatten(-2)  # [..., rows, G, 32]
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.flatten(-2).transpose(-1, -2).contiguous()
+    *lead, rows, groups, _ = blocks.shape
+    out = torch.empty(*lead, groups * 32, rows, dtype=torch.float32)
+    # one expert (leading index) at a time: the code indices of a whole layer of
+    # gpt-oss-20b would take gigabytes
+    for i, (b, s) in enumerate(zip(blocks.reshape(-1, rows, groups, 16),
+                                   scales.reshape(-1, rows, groups))):
+        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).int()  # low nibble first
+        # times 2 ** (s - 127): exact in float32, as ldexp (and faster)
+        values = lut[codes].flatten(-2) * torch.exp2(s.float() - 127).unsqueeze(-1)
+        out.view(-1, groups * 32, rows)[i] = values.flatten(-2).T
+    return out
 
 
 def dequantized(named_tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
