@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from pocketllm.errors import CheckpointError, UnsupportedFeatureError
+from pocketllm.errors import CheckpointError
 
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
