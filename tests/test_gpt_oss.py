@@ -30,9 +30,16 @@ from pocketllm.workers.models.gpt_oss import (GptOssExperts, _deinterleave,  # n
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
 
-from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss  # noqa: E402
-
 LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_gpt_oss():
+    """transformers' gpt-oss module, imported only when a test runs: it imports triton,
+    which the kernel tests must import first (tests/kernel_modules.py)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    return modeling_gpt_oss
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +203,7 @@ def hf_config(**kw):
     return transformers.GptOssConfig(**{**base, **kw})
 
 
-def test_router_equals_transformers():
+def test_router_equals_transformers(hf_gpt_oss):
     torch.manual_seed(0)
     router = hf_gpt_oss.GptOssTopKRouter(hf_config())
     with torch.no_grad():
@@ -210,7 +217,7 @@ def test_router_equals_transformers():
     torch.testing.assert_close(weights.sum(-1), torch.ones(9))  # softmax over the k chosen
 
 
-def test_clamped_swiglu_equals_transformers_on_deinterleaved_rows():
+def test_clamped_swiglu_equals_transformers_on_deinterleaved_rows(hf_gpt_oss):
     experts = hf_gpt_oss.GptOssExperts(hf_config())
     gate_up = torch.randn(7, 40) * 4  # wide enough that both clamps cut
     assert (gate_up[:, 0::2] > 1.5).any() and (gate_up[:, 1::2] < -1.5).any()
@@ -229,7 +236,7 @@ def _load(layer, state):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 33])
-def test_experts_equal_transformers_whole_and_split_across_ranks(tokens):
+def test_experts_equal_transformers_whole_and_split_across_ranks(tokens, hf_gpt_oss):
     """FusedMoE loaded from transformers' stacked interleaved tensors computes what
     GptOssMLP does; two ranks' partial sums (down bias on rank 0 only) add to it."""
     cfg = hf_config()
@@ -255,7 +262,7 @@ def test_experts_equal_transformers_whole_and_split_across_ranks(tokens):
     torch.testing.assert_close(parts, whole, atol=1e-5, rtol=1e-5)
 
 
-def test_sinks_scale_each_row_by_the_mass_the_sink_takes():
+def test_sinks_scale_each_row_by_the_mass_the_sink_takes(hf_gpt_oss):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 5, 8, generator=gen) for _ in range(3))
     sinks = torch.tensor([0.0, 2.0, -1.0, 3.0])
@@ -306,7 +313,7 @@ def test_defaults_match_transformers():
     assert cfg.attn_sinks and cfg.qkv_bias and cfg.o_bias and all(cfg.sparse_layers)
 
 
-def test_yarn_tables_equal_transformers():
+def test_yarn_tables_equal_transformers(hf_gpt_oss):
     from pocketllm.workers.layers.rotary import rope_inv_freq
 
     ref = transformers.GptOssConfig()
