@@ -94,6 +94,10 @@ FAMILIES = (
            gguf_tensors={**_LLAMA_TENSORS, "ffn_gate_inp": "mlp.gate"},
            gguf_expert_tensors={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                                 "ffn_down_exps": "down_proj"}),
+    # gpt-oss: attention sinks, a biased router and clamped-SwiGLU experts with biases
+    # (workers/models/gpt_oss.py); safetensors only (no GGUF gpt-oss reader here).
+    Family("gpt_oss", ("GptOssForCausalLM",), f"{_MODELS}.gpt_oss:GptOssForCausalLM",
+           f"{_MODELS}.gpt_oss:gpt_oss_arch_config"),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -51,16 +51,18 @@ def make_step(specs, heads, kv_heads, dim, dtype=torch.float32, seed=0):
 
 
 def run_both(specs, heads, kv_heads, dim, window, softcap, dtype=torch.float32, seed=0,
-             backend=None):
+             backend=None, sinks=None):
     seqs, q, k, v, k_cache, v_cache = make_step(specs, heads, kv_heads, dim, dtype, seed)
     scale = dim ** -0.5
     pad = BLOCKS * BS
     ref_meta = build_metadata(seqs, BS, [window], DEVICE, pad)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    ref = TorchAttention().forward(q, k, v, ref_k, ref_v, ref_meta, window, scale, softcap)
+    sinks = None if sinks is None else sinks.to(DEVICE)
+    ref = TorchAttention().forward(q, k, v, ref_k, ref_v, ref_meta, window, scale, softcap,
+                                   sinks=sinks)
     meta = build_metadata(seqs, BS, [window], DEVICE, pad, kernel_tables=True)
     backend = backend or K.attention_backend.TritonAttention()
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, window, scale, softcap)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, window, scale, softcap, sinks=sinks)
     # the cache writes must match too (NaN where neither wrote)
     torch.testing.assert_close(k_cache, ref_k, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, ref_v, equal_nan=True, atol=0, rtol=0)
@@ -98,6 +100,17 @@ def test_lone_fresh_prefill_on_sdpa(window):
 def test_bfloat16_step():
     out, ref = run_both([(0, 9), (20, 1), (7, 1)], heads=8, kv_heads=2, dim=32, window=None,
                         softcap=None, dtype=torch.bfloat16, seed=5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="Triton's interpreter gets tl.dot on "
+                    "bfloat16 wrong (numpy has no bfloat16); checked compiled on CUDA")
+@pytest.mark.parametrize("window", [None, 64])
+def test_bfloat16_step_with_sinks(window):
+    # gpt-oss's heads (64 query over 8 KV heads of 64), a long chunk and long decodes
+    sinks = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    out, ref = run_both([(90, 30), (200, 1), (20, 1)], heads=64, kv_heads=8, dim=64,
+                        window=window, softcap=None, dtype=torch.bfloat16, seed=6, sinks=sinks)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -158,6 +171,41 @@ def test_split_merge_in_the_decode_kernel_is_race_free():
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+SINKS = torch.tensor([0.5, -1.0, 2.0, 3.0])  # gpt-oss: a logit per query head
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (6, 2.0)])
+def test_sinks_in_prefill_and_decode_match_torch_backend(window, softcap):
+    specs = [(0, 7), (5, 6), (9, 1), (2, 1), (13, 1), (0, 1)]
+    out, ref = run_both(specs, heads=4, kv_heads=2, dim=32, window=window, softcap=softcap,
+                        sinks=SINKS)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    plain, _ = run_both(specs, heads=4, kv_heads=2, dim=32, window=window, softcap=softcap)
+    assert (out - plain).abs().max() > 0.05  # the sinks took a visible share
+
+
+def test_sinks_keep_a_lone_fresh_prompt_off_sdpa():
+    backend = K.attention_backend.TritonAttention(KernelPolicy(triton=True, sdpa_min_rows=(8, 8)))
+    out, ref = run_both([(0, 11)], heads=4, kv_heads=2, dim=32, window=None, softcap=None,
+                        seed=11, backend=backend, sinks=SINKS)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_sinks_enter_a_split_decode_once_in_the_merge(window):
+    seqs, q, k, v, k_cache, v_cache = make_step([(200, 1), (33, 1), (90, 1)], 4, 2, 32, seed=7)
+    meta = build_metadata(seqs, BS, [window], DEVICE, BLOCKS * BS, kernel_tables=True)
+    sinks = SINKS.to(DEVICE)
+    d = meta.decode
+    split = K.paged_decode_attention.paged_decode_attention(
+        q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start, d.max_seq_len, BS, 0.2,
+        window, None, partition=16, new_kv=(k, v, meta.slot_mapping), sinks=sinks)
+    ref_meta = build_metadata(seqs, BS, [window], DEVICE, BLOCKS * BS)
+    ref = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), ref_meta, window,
+                                   0.2, None, sinks=sinks)
+    torch.testing.assert_close(split, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_warm_up_runs_every_variant_and_touches_only_the_padding_block():
     k_cache = torch.full((BLOCKS * BS + BS, 2, 32), float("nan"), device=DEVICE)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -165,6 +213,7 @@ def test_warm_up_runs_every_variant_and_touches_only_the_padding_block():
     v_cache[BLOCKS * BS:] = 0
     backend = K.attention_backend.TritonAttention(KernelPolicy(triton=True, sdpa_min_rows=(8, 8)))
     backend.warm_up(k_cache, v_cache, 4, BLOCKS, BS, {(None, None), (5, 2.0)}, 0.2)
+    backend.warm_up(k_cache, v_cache, 4, BLOCKS, BS, {(5, None)}, 0.2, sinks=True)
     assert torch.isnan(k_cache[:BLOCKS * BS]).all() and torch.isnan(v_cache[:BLOCKS * BS]).all()
     assert not k_cache[BLOCKS * BS:].any() and not v_cache[BLOCKS * BS:].any()
 

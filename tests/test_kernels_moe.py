@@ -11,7 +11,8 @@ from kernel_modules import load_kernels
 K, DEVICE = load_kernels()
 import torch  # noqa: E402
 
-from pocketllm.workers.layers.moe import softmax_topk, torch_experts  # noqa: E402
+from pocketllm.workers.layers.activation import ClampedSwiGLU  # noqa: E402
+from pocketllm.workers.layers.moe import softmax_topk, topk_softmax, torch_experts  # noqa: E402
 
 CUDA = DEVICE.type == "cuda"
 
@@ -85,6 +86,36 @@ def test_softmax_topk_kernel_matches_torch_routing(experts, top_k, renormalize):
     assert empty[0].shape == empty[1].shape == (0, top_k)
 
 
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("down_bias", [True, False])  # False: a tensor-parallel rank past 0
+def test_fused_experts_with_biases_and_clamped_swiglu_match_torch(tokens, down_bias):
+    """gpt-oss's experts: biases on both products and the clamped SwiGLU (a limit low
+    enough that both clamps cut), in the kernel's epilogues."""
+    x, w13, w2, _, _ = moe_case(tokens, experts=6, hidden=40, inter=24, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    b13 = (torch.randn(6, 48, generator=gen) * 0.5).to(DEVICE)
+    b2 = (torch.randn(6, 40, generator=gen) * 0.5).to(DEVICE) if down_bias else None
+    weights, ids = topk_softmax(torch.randn(tokens, 6, generator=gen).to(DEVICE), 3)
+    act = ClampedSwiGLU(1.702, 0.5)
+    want = torch_experts(x, w13, w2, weights, ids, act, b13, b2)
+    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plain = torch_experts(x, w13, w2, weights, ids, "silu")
+    assert (got - plain).abs().max() > 0.1  # the biases and the clamp changed something
+
+
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (32, 4)])
+def test_renormalised_softmax_topk_kernel_is_gpt_oss_routing(experts, top_k):
+    """gpt-oss's softmax over the k largest logits equals the softmax over all of them, the
+    k largest, renormalised: the one-launch kernel serves both families."""
+    gen = torch.Generator().manual_seed(experts)
+    logits = (torch.randn(11, experts, generator=gen) * 3).to(DEVICE)
+    want_w, want_ids = topk_softmax(logits, top_k)
+    got_w, got_ids = K.fused_moe.softmax_topk(logits, top_k, True)
+    assert torch.equal(got_ids.long(), want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_experts_no_tokens():
     x, w13, w2, weights, ids = moe_case(0)
     assert K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu").shape == (0, 64)
@@ -101,6 +132,25 @@ def test_fused_experts_match_torch_reference_bfloat16(tokens):
     want = torch_experts(x.float(), w13.float(), w2.float(), weights, ids, "silu")
     got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu")
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="Triton's interpreter gets tl.dot on bfloat16 wrong "
+                    "(numpy has no bfloat16); checked compiled on CUDA")
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gpt_oss_experts_bfloat16_at_20b_shapes(tokens):
+    # gpt-oss-20b's experts (32, top-4, 2880 -> 2880) with biases and the clamp at 7
+    x, w13, w2, _, _ = moe_case(tokens, experts=32, hidden=2880, inter=2880,
+                                dtype=torch.bfloat16, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    b13 = torch.randn(32, 5760, generator=gen).to(DEVICE, torch.bfloat16)
+    b2 = torch.randn(32, 2880, generator=gen).to(DEVICE, torch.bfloat16)
+    weights, ids = topk_softmax(torch.randn(tokens, 32, generator=gen).to(DEVICE), 4)
+    act = ClampedSwiGLU(1.702, 7.0)
+    want = torch_experts(x.float(), w13.float(), w2.float(), weights, ids, act, b13.float(),
+                         b2.float())
+    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
@@ -144,6 +194,35 @@ def test_gpu_path_of_a_whole_moe_model_matches_torch():
     moe = runner.model.layers[0].mlp
     assert moe.compute is K.fused_moe.fused_experts
     assert moe.routing.args[0] is K.fused_moe.softmax_topk  # routing in one launch too
+    tokens, logprobs = greedy(runner)
+    assert tokens == torch_tokens
+    assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)
+
+
+def test_gpu_path_of_a_whole_gpt_oss_model_matches_torch():
+    """The tiny gpt-oss (sinks on sliding and full layers, biased clamped experts) through
+    the GPU path's Triton kernels, attention sinks and MoE epilogues included."""
+    from unittest import mock
+
+    import pocketllm.workers.kernels as kernels
+    from test_worker_parity import GREEDY_LP, PROMPT, make_runner
+    from tiny_checkpoints import PlanDriver, make_tiny_checkpoint
+
+    def greedy(runner):
+        driver = PlanDriver(runner, chunk=7)  # chunks over a cached prefix, then decodes
+        driver.add("r", PROMPT, GREEDY_LP, 8)
+        tokens = driver.run()["r"]
+        return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
+
+    path = make_tiny_checkpoint("gpt_oss")
+    with mock.patch.object(kernels, "kernels_usable", lambda device: False):
+        torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
+    with mock.patch.object(kernels, "kernels_usable", lambda device: True):
+        runner = make_runner(path, DEVICE.type)
+    moe = runner.model.layers[0].mlp
+    assert moe.compute is K.fused_moe.fused_experts
+    assert moe.routing.args == (K.fused_moe.softmax_topk, True)
+    assert type(runner.backend).__name__ == "TritonAttention"
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
     assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)

@@ -70,7 +70,8 @@ def make_runner(path: str, device: str = "cpu") -> ModelRunner:
 
 @pytest.mark.parametrize("family, fused", [("llama", False), ("gemma3", False),
                                            ("qwen3", False), ("llama", True),
-                                           ("qwen3_moe", False), ("qwen3_moe", True)])
+                                           ("qwen3_moe", False), ("qwen3_moe", True),
+                                           ("gpt_oss", False), ("gpt_oss", True)])
 def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, fused):
     path = make_tiny_checkpoint(family)
     device = KERNEL_DEVICE.type if fused else "cpu"

@@ -1,7 +1,7 @@
 """Tiny random HF checkpoints (with a real tokenizer) for tests, plus a hand scheduler.
 
 ``make_tiny_checkpoint(family, path)`` writes a transformers model of the family
-("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe") with random weights, a byte-level BPE
+("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
 
@@ -57,6 +57,16 @@ FAMILY_CONFIGS: dict[str, dict] = {
                       rope_theta=1e6, tie_word_embeddings=False, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                       mlp_only_layers=[1]),
+    # gpt-oss: sliding (window 8, shorter than the test prompts) and full layers alternating,
+    # 8 biased experts with 2 per token, YaRN rope; swiglu_limit low enough that the clamp
+    # cuts some gate/up values (the random init rarely reaches the released 7.0).
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=3, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    sliding_window=8, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=48, swiglu_limit=1.0, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
+                                     "original_max_position_embeddings": 16}),
     # Two sliding layers (window 8) and one global layer, with Gemma's own scalars.
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -96,7 +106,7 @@ def _build(family: str, path: str, overrides: dict) -> None:
 
     cfg_dict = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-                  "qwen3_moe": "qwen3_moe"}
+                  "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
     config = AutoConfig.for_model(model_type[family], **cfg_dict)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -104,7 +114,9 @@ def _build(family: str, path: str, overrides: dict) -> None:
         # Larger than HF's init so the tiny model has confident (tie-free) greedy choices,
         # and non-trivial norm weights so (1 + w) handling is exercised.
         for name, param in sorted(model.named_parameters()):
-            if "norm" in name:
+            if name.endswith(".sinks"):  # HF draws them at std 0.02: make them matter
+                param.normal_(0.0, 1.0)
+            elif "norm" in name:
                 param.normal_(0.0, 0.1)
                 if family != "gemma3":
                     param.add_(1.0)

@@ -10,7 +10,8 @@ Default mode, tuned for speed:
   ``kernels/bench.py --tune``; the torch reference on CPU;
 - the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
-  expert (``kernels/fused_moe.py``); the torch reference on CPU (``moe_experts``);
+  expert (``kernels/fused_moe.py``, gpt-oss's biases and clamped SwiGLU included); the
+  torch reference on CPU (``moe_experts``);
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
@@ -141,7 +142,8 @@ class KernelPolicy:
         ``torch_experts``'): on the GPU path the Triton grouped GEMM of
         ``kernels/fused_moe.py`` (tokens sorted by expert into block-aligned groups, one
         launch for gate/up and the activation, one for down; its tile fixed in
-        batch-invariant mode), else the torch reference, one product per expert hit."""
+        batch-invariant mode), else the torch reference, one product per expert hit.
+        Both take gpt-oss's expert biases and clamped SwiGLU."""
         if not self.triton:
             from .layers.moe import torch_experts
 

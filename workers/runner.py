@@ -161,7 +161,7 @@ class ModelRunner:
                 kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
                 first = self.model.layer_group.index(g)
                 warm_up(*self.kv_caches[first], attn.num_heads, pad_block, self.block_size,
-                        kinds, attn.scale)
+                        kinds, attn.scale, sinks=attn.sinks is not None)
         logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
 
     def _warm_up_sampler(self) -> None:

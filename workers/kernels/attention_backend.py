@@ -8,8 +8,9 @@ the metadata that ``build_metadata(..., kernel_tables=True)`` builds (see
 ``kernel_tables``).
 
 One exception, measured: a lone long prompt computed from position 0 (no cached
-prefix, no window cutting it, no soft-cap) goes to PyTorch's SDPA on the step's
-own k/v rows, whose flash kernel beats the Triton one there (docs/benchmarks.md).
+prefix, no window cutting it, no soft-cap, no sinks) goes to PyTorch's SDPA on the
+step's own k/v rows, whose flash kernel beats the Triton one there (docs/benchmarks.md).
+Attention sinks (gpt-oss) are in both Triton kernels (``sinks=``).
 
 Batch-invariant mode (``kernel_policy.py``): every row, decode or prefill, runs the
 prefill kernel with one fixed tile (``INVARIANT_TILES``), after one kv_write: the
@@ -44,9 +45,11 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 window: Optional[int], scale: float, softcap: Optional[float],
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first.
-        ``out``: a [T, H, D] tensor to write the result into (and return)."""
+        ``out``: a [T, H, D] tensor to write the result into (and return); ``sinks``:
+        [H] float32 per-head logits in each softmax's denominator (gpt-oss)."""
         if out is None:
             out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         if meta.decode is None and meta.prefill is None:
@@ -61,7 +64,7 @@ class TritonAttention:
                     prefill_attention(q, k_cache, v_cache, seqs.block_tables, seqs.seq_lens,
                                       seqs.q_start, seqs.q_lens, seqs.max_q_len,
                                       meta.block_size, scale, window, softcap, out,
-                                      tiles=INVARIANT_TILES)
+                                      tiles=INVARIANT_TILES, sinks=sinks)
             return out
         if p is not None or meta.decode is None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -75,25 +78,29 @@ class TritonAttention:
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
                                    d.max_seq_len, meta.block_size, scale, window, softcap, out,
                                    partition=partition,
-                                   new_kv=(k, v, meta.slot_mapping) if p is None else None)
+                                   new_kv=(k, v, meta.slot_mapping) if p is None else None,
+                                   sinks=sinks)
         rows = p.lone_fresh_rows if p is not None else None
-        if (rows is not None and softcap is None and (window is None or window >= p.max_q_len)
+        if (rows is not None and softcap is None and sinks is None
+                and (window is None or window >= p.max_q_len)
                 and self.policy.fresh_prefill_on_sdpa(p.max_q_len, q.shape[2])):
             out[rows] = _sdpa_causal(q[rows], k[rows], v[rows], scale)
         elif p is not None:
             prefill_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens, p.q_start,
                               p.q_lens, p.max_q_len, meta.block_size, scale, window, softcap,
-                              out)
+                              out, sinks=sinks)
         return out
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                 pad_block: int, block_size: int,
-                layer_kinds: set[tuple[Optional[int], Optional[float]]], scale: float) -> None:
+                layer_kinds: set[tuple[Optional[int], Optional[float]]], scale: float,
+                sinks: bool = False) -> None:
         """Compile, before serving, each kernel variant a step can meet (Triton compiles
         one on first use, seconds the first requests would wait): every prefill query
         tile, SDPA's fresh path, and decode with and without its k/v write, unsplit and
         each merge width. Scratch rows of zeros, in and out of the zero padding block
-        only. ``layer_kinds``: the (window, softcap) pairs of the model's layers."""
+        only. ``layer_kinds``: the (window, softcap) pairs of the model's layers;
+        ``sinks``: its layers have attention sinks (the kernels' sink variants)."""
         device, dtype = k_cache.device, k_cache.dtype
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
 
@@ -107,17 +114,19 @@ class TritonAttention:
         def ints(*values: int) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
+        zero_sinks = torch.zeros(num_heads, device=device) if sinks else None
+
         if self.batch_invariant:  # one tile for every row
             for window, softcap in layer_kinds:
                 prefill_attention(rows(16, num_heads), k_cache, v_cache, tables(1, 16), ints(16),
                                   ints(0), ints(16), 16, block_size, scale, window, softcap,
-                                  tiles=INVARIANT_TILES)
+                                  tiles=INVARIANT_TILES, sinks=zero_sinks)
             return
         for window, softcap in layer_kinds:
             for length in (16, 32, 64, 128):  # each query tile height
                 prefill_attention(rows(length, num_heads), k_cache, v_cache, tables(1, length),
                                   ints(length), ints(0), ints(length), length, block_size,
-                                  scale, window, softcap)
+                                  scale, window, softcap, sinks=zero_sinks)
             k = rows(4, kv_heads)
             slots = torch.full((4,), pad_block * block_size, dtype=torch.int32, device=device)
             for splits in (1, 2, 4, 8):  # unsplit, then each merge chunk width
@@ -125,7 +134,8 @@ class TritonAttention:
                     paged_decode_attention(rows(4, num_heads), k_cache, v_cache,
                                            tables(4, 8 * splits), ints(*[8 * splits] * 4),
                                            ints(0, 1, 2, 3), 8 * splits, block_size, scale,
-                                           window, softcap, partition=8, new_kv=new_kv)
+                                           window, softcap, partition=8, new_kv=new_kv,
+                                           sinks=zero_sinks)
         shortest = self.policy.sdpa_min_rows[0 if dim <= 128 else 1]
         for length in (shortest, 2 * shortest, 4 * shortest) if shortest < 1 << 20 else ():
             _sdpa_causal(rows(length, num_heads), rows(length, kv_heads), rows(length, kv_heads),

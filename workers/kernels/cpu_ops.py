@@ -4,7 +4,8 @@
 Each function has the signature of the Triton kernel of the same name (``rmsnorm``,
 ``rotary``, ``gated_act``), so a layer takes whichever ``fused_kernel`` hands it; and
 ``CpuAttention`` is the CPU's ``AttentionBackend``: one-token decodes in C, prefill
-chunks through the torch reference. Why: a decode step of the embedded model ran ~700
+chunks (and layers with attention sinks, which the C decode lacks) through the torch
+reference. Why: a decode step of the embedded model ran ~700
 eager torch ops besides its products, at 10-30 us each (docs/cpu_kernels.md).
 
 float32 only (``fused_kernel`` hands these out for float32 models); every shape and
@@ -119,10 +120,12 @@ class CpuAttention(TorchAttention):
 
     def attend_group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                     view: KVView, scale: float, softcap: Optional[float]) -> torch.Tensor:
+                     view: KVView, scale: float, softcap: Optional[float],
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if (group.q_len != 1 or view.lengths is None or q.dtype != torch.float32
-                or k_cache.dtype != torch.float32):
-            return super().attend_group(q, k, v, k_cache, v_cache, group, view, scale, softcap)
+                or k_cache.dtype != torch.float32 or sinks is not None):  # no sinks in C
+            return super().attend_group(q, k, v, k_cache, v_cache, group, view, scale, softcap,
+                                        sinks)
         heads, dim = q.shape[1], q.shape[2]
         qg = q[group.rows] if isinstance(group.rows, slice) else q.index_select(0, group.rows)
         _, _, _, sqb, sqh = _rows3(qg, "q")

@@ -15,6 +15,11 @@ Launch 1 (gated): each pair's token row times its expert's gate and up columns, 
 accumulated in the same program, ``act(gate) * up`` stored per pair [T*k, I]. Launch 2:
 those rows times the expert's down matrix, scaled by the pair's routing weight
 [T*k, H]. A token's k rows are then summed (a fixed order: no atomics).
+
+gpt-oss's experts add a bias to each product (gate/up per expert [E, 2I], down [E, H],
+added before the routing weight scales the row, as transformers does) and apply its
+clamped SwiGLU (``layers.activation.ClampedSwiGLU``) in place of ``act(gate) * up``:
+both are epilogues of the same two launches.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
+from ..layers.activation import ClampedSwiGLU
 from .gated_act import KERNEL_ACTIVATIONS, activate
+
+CLAMPED = "clamped_swiglu"  # the kernel's ACT for ClampedSwiGLU
 
 
 @triton.jit
-def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale,
+def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale, Bias,
               num_pairs, n_out, k_in, a_div, w_half,
-              stride_am, stride_we, stride_wn, stride_om,
+              stride_am, stride_we, stride_wn, stride_om, stride_be, alpha, limit,
               GATED: tl.constexpr, ACT: tl.constexpr, SCALE: tl.constexpr,
+              HAS_BIAS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -62,8 +71,18 @@ def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale,
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
+    if HAS_BIAS:  # gated: the up bias sits w_half entries after the gate bias
+        bias = Bias + expert * stride_be + cols
+        acc += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias + w_half, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = activate(acc, ACT) * acc_up
+        if ACT == "clamped_swiglu":
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+        else:
+            acc = activate(acc, ACT) * acc_up
     if SCALE:
         acc = acc * tl.load(Scale + pairs, mask=valid, other=0.0)[:, None]
     out = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -216,14 +235,23 @@ def tiles(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, hidden_act: str,
+                  weights: torch.Tensor, ids: torch.Tensor, hidden_act,
+                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
                   block: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """``torch_experts``' contract: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights
-    [T, k] float32; ids [T, k] -> [T, H]. ``block``: (BLOCK_M, BLOCK_N, BLOCK_K) for
-    both launches (default: ``tiles``)."""
-    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    [T, k] float32; ids [T, k] -> [T, H]; ``hidden_act`` an HF name or ``ClampedSwiGLU``;
+    biases ``b13`` [E, 2I], ``b2`` [E, H] or None. ``block``: (BLOCK_M, BLOCK_N, BLOCK_K)
+    for both launches (default: ``tiles``)."""
+    alpha = limit = 0.0
+    if isinstance(hidden_act, ClampedSwiGLU):
+        act, alpha, limit = CLAMPED, hidden_act.alpha, hidden_act.limit
+    else:
+        act = KERNEL_ACTIVATIONS.get(hidden_act)
     if act is None:
         raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    for bias in (b13, b2):
+        if bias is not None and not bias.is_contiguous():
+            raise ValueError("expert biases must be contiguous")
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
@@ -242,16 +270,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     grid_m = tile_expert.numel()
     _moe_gemm[(grid_m, triton.cdiv(inter, bn1))](
         x, w13, inner, sorted_pairs, tile_expert, num_rows, weights,
-        pairs, inter, hidden, top_k, inter,
+        w13 if b13 is None else b13, pairs, inter, hidden, top_k, inter,
         x.stride(0), w13.stride(0), w13.stride(1), inner.stride(0),
-        GATED=True, ACT=act, SCALE=False, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
+        0 if b13 is None else b13.stride(0), alpha, limit,
+        GATED=True, ACT=act, SCALE=False, HAS_BIAS=b13 is not None,
+        BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
         PRECISION=precision, num_warps=4)
     rows = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm[(grid_m, triton.cdiv(hidden, bn2))](
         inner, w2, rows, sorted_pairs, tile_expert, num_rows, weights,
-        pairs, hidden, inter, 1, 0,
+        w2 if b2 is None else b2, pairs, hidden, inter, 1, 0,
         inner.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        GATED=False, ACT=act, SCALE=True, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2,
+        0 if b2 is None else b2.stride(0), 0.0, 0.0,
+        GATED=False, ACT=act, SCALE=True, HAS_BIAS=b2 is not None,
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2,
         PRECISION=precision, num_warps=4)
     return rows.view(tokens, top_k, hidden).sum(dim=1)
 
@@ -260,8 +292,9 @@ FIXED_TILE = (16, 32, 32)
 
 
 def fused_experts_fixed_tile(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                             weights: torch.Tensor, ids: torch.Tensor, hidden_act: str
-                             ) -> torch.Tensor:
+                             weights: torch.Tensor, ids: torch.Tensor, hidden_act,
+                             b13: Optional[torch.Tensor] = None,
+                             b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The batch-invariant mode's: one tile whatever the batch, so a row's products are
     computed the same way in any step."""
-    return fused_experts(x, w13, w2, weights, ids, hidden_act, block=FIXED_TILE)
+    return fused_experts(x, w13, w2, weights, ids, hidden_act, b13, b2, block=FIXED_TILE)

@@ -11,7 +11,9 @@ counter per pair tells a program it is the last).
 
 Masking: a sequence of length L attends to positions ``[L - window, L)`` clamped
 at 0 (``window`` 0 = full). Scores are ``scale * q.k``, optionally soft-capped
-``softcap * tanh(s / softcap)`` before the softmax (Gemma 2 style).
+``softcap * tanh(s / softcap)`` before the softmax (Gemma 2 style). Sinks (gpt-oss: a
+logit per query head in the denominator, no value) enter once: as the online softmax's
+starting point when unsplit, else as the merge's (the splits' partials leave them out).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition"]
 
 @triton.jit(do_not_specialize=STEP_INTS)
 def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLens, QRows,
-                   KNew, VNew, Slots,
+                   KNew, VNew, Slots, Sinks,
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
                    stride_knt, stride_knh, stride_vnt, stride_vnh,
@@ -54,7 +56,8 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                   SINKS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,6 +88,10 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
+        if SINKS:
+            if not SPLIT:  # the sink as a first key of value zero (split: in the merge)
+                m_i = tl.load(Sinks + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+                l_i = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         table = BlockTables + seq.to(tl.int64) * stride_bt
         qk_scale = scale * 1.4426950408889634  # exp2 domain
@@ -123,9 +130,9 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
             counter = Counters + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
                 tl.atomic_xchg(counter, 0)
-                _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot,
+                _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used, stride_ot,
                               stride_oh, stride_pb, stride_ph, stride_ps, GROUP, HEAD_DIM,
-                              BLOCK_G, MERGE_CHUNK, BLOCK_D)
+                              BLOCK_G, MERGE_CHUNK, BLOCK_D, SINKS)
         else:
             out = acc / l_i[:, None]
             tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -133,10 +140,10 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
 
 
 @triton.jit
-def _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot, stride_oh,
+def _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used, stride_ot, stride_oh,
                   stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     """The output rows of this KV head's query heads from their splits' partial softmaxes,
     all heads at once (online over chunks of splits). Loads skip L1: other programs wrote
     the partials."""
@@ -148,6 +155,10 @@ def _merge_splits(Out, PartOut, PartLse, row, seq, kv_head, used, stride_ot, str
     head_base = seq.to(tl.int64) * stride_pb + heads * stride_ph
     mx = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: padded heads stay NaN-free
     den = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:  # a partial of lse = sink and output zero
+        mx = tl.where(g_ok, tl.load(Sinks + heads, mask=g_ok, other=0.0) * 1.4426950408889634,
+                      mx)
+        den = tl.where(g_ok, 1.0, den)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for s0 in range(0, used, CHUNK):
         splits = s0 + tl.arange(0, CHUNK)
@@ -205,8 +216,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softcap: Optional[float] = None, out: Optional[torch.Tensor] = None,
                            partition: Optional[int] = None,
                            tiles: Optional[tuple[int, int]] = None,
-                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                           ) -> torch.Tensor:
+                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one query row per sequence over its paged cache.
 
     q: [T, H, D] (rows ``q_rows[b]`` are sequence b's query); k/v_cache: [slots, Hkv, D]
@@ -218,7 +229,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
     [T, Hkv, D]: write each sequence's new k/v row (at ``q_rows``) into its slot first,
     as ``kv_write.write_kv`` would (negative slots are skipped); the cache need not
-    hold that position yet.
+    hold that position yet. ``sinks``: [H] float32 per-head logits joining each
+    softmax's denominator (gpt-oss).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -248,7 +260,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q_rows)
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, seq_lens, q_rows,
-        k_new, v_new, slots,
+        k_new, v_new, slots, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), heads * num_splits, num_splits, 1,
@@ -258,6 +270,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
         WRITE_KV=new_kv is not None, BLOCK_G=triton.next_power_of_2(group),
-        MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)),
+        MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)), SINKS=sinks is not None,
         num_warps=warps)
     return out

@@ -7,7 +7,9 @@ row ``q_start[b]`` and sit at positions ``seq_len[b] - q_len[b] ..`` of a
 sequence whose K/V -- the earlier chunks and this chunk's own rows, written
 first by ``kv_write`` -- are all read from the cache through its block table.
 Query position p attends to key positions ``(p - window, p]`` (``window`` 0 =
-``[0, p]``), flash-attention style (online softmax, fp32 accumulators).
+``[0, p]``), flash-attention style (online softmax, fp32 accumulators). With ``sinks``
+(gpt-oss), each head's sink logit starts the online softmax as a key of value zero: it
+only joins the denominator.
 
 One program = one block of BLOCK_M query rows x one query head of one sequence.
 Only the key tiles that cross the causal diagonal, the window's edge or the end
@@ -27,13 +29,13 @@ from .paged_decode_attention import _tanh
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width: see STEP_INTS
-def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens,
+def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
                     stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     scale, softcap, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr):
     head = tl.program_id(0)
     seq = tl.program_id(2)
     q_len = tl.load(QLens + seq)
@@ -60,8 +62,12 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens,
         # Keys every row of the block may see: no mask needed there.
         safe_lo = tl.where(window > 0, tl.maximum(last_q - window + 1, 0), 0)
         safe_hi = first_q + 1
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:  # the sink as a first key of weight exp(sink) and value zero
+            m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + head) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = BlockTables + seq.to(tl.int64) * stride_bt
         qk_scale = scale * 1.4426950408889634  # exp2 domain
@@ -123,13 +129,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       q_lens: torch.Tensor, max_q_len: int, block_size: int, scale: float,
                       window: Optional[int] = None, softcap: Optional[float] = None,
                       out: Optional[torch.Tensor] = None,
-                      tiles: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+                      tiles: Optional[tuple[int, int, int, int]] = None,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of each sequence's chunk over its whole cached prefix.
 
     q: [T, H, D]; k/v_cache: [slots, Hkv, D] already holding this chunk's K/V;
     block_tables [B, W], seq_lens [B] (cached + chunk), q_start [B], q_lens [B], all int32;
     ``max_q_len`` = q_lens.max() known on the host. Writes the chunks' rows of ``out``.
     ``tiles`` overrides (BLOCK_M, BLOCK_N, warps, stages) for tests and tuning.
+    ``sinks``: [H] float32 per-head logits joining each softmax's denominator (gpt-oss).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -141,7 +149,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_seqs == 0 or max_q_len == 0:
         return out
     args = (q, k_cache, v_cache, out, block_tables, seq_lens, q_start, q_lens, max_q_len,
-            block_size, scale, window, softcap)
+            block_size, scale, window, softcap, sinks)
     try:
         _launch(*args, tiles or _tiles(dim, max_q_len))
     except OutOfResources:
@@ -155,18 +163,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, q_start: torch.Tensor,
             q_lens: torch.Tensor, max_q_len: int, block_size: int, scale: float,
-            window: Optional[int], softcap: Optional[float],
+            window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
             tiles: tuple[int, int, int, int]) -> None:
     heads, dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
     block_m, block_n, warps, stages = tiles
     grid = (heads, triton.cdiv(max_q_len, block_m), block_tables.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, q_start, q_lens,
+        q if sinks is None else sinks,  # unread without sinks
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, softcap or 1.0, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim),
         SOFTCAP=softcap is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SINKS=sinks is not None,
         num_warps=warps, num_stages=stages)

@@ -232,9 +232,13 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 window: Optional[int], scale: float, softcap: Optional[float],
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; writes k/v into the cache first.
-        ``out``: a [T, H, D] tensor to write the result into (and return)."""
+        ``out``: a [T, H, D] tensor to write the result into (and return).
+        ``sinks``: [H] float32 logits (gpt-oss), one per query head, that join each
+        softmax's denominator with no value: the row is scaled by
+        ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``."""
 
 
 class TorchAttention:
@@ -243,16 +247,17 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 window: Optional[int], scale: float, softcap: Optional[float],
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is not None:
             return out.copy_(self.forward(q, k, v, k_cache, v_cache, meta, window, scale,
-                                          softcap))
+                                          softcap, sinks=sinks))
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = None if meta.covers_all_rows else torch.empty_like(q)
         for group in meta.groups:
             og = self.attend_group(q, k, v, k_cache, v_cache, group, group.views[window],
-                                   scale, softcap)
+                                   scale, softcap, sinks)
             if out is None:
                 return og
             if isinstance(group.rows, slice):
@@ -263,7 +268,8 @@ class TorchAttention:
 
     def attend_group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                     view: KVView, scale: float, softcap: Optional[float]) -> torch.Tensor:
+                     view: KVView, scale: float, softcap: Optional[float],
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One group's attention rows [rows, H, D] (its k/v already in the cache)."""
         qg = _take(q, group.rows).view(group.batch, group.q_len, *q.shape[1:]).transpose(1, 2)
         if view.gather is None:
@@ -275,11 +281,11 @@ class TorchAttention:
             vg = v_cache.index_select(0, flat).view(shape)
         kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, Lk, D]
         causal = view.causal and group.q_len > 1
-        if softcap is None:
+        if softcap is None and sinks is None:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=view.mask,
                                                 is_causal=causal, scale=scale, enable_gqa=True)
         else:
-            og = _softcapped_attention(qg, kg, vg, view.mask, causal, scale, softcap)
+            og = _explicit_attention(qg, kg, vg, view.mask, causal, scale, softcap, sinks)
         return og.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
@@ -287,17 +293,23 @@ def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: Optional[torch.Tensor], causal: bool, scale: float,
-                          softcap: float) -> torch.Tensor:
-    """tanh-capped scores (Gemma 2 style), which SDPA cannot express."""
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: Optional[torch.Tensor], causal: bool, scale: float,
+                        softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Scores in float32 for what SDPA cannot express: tanh-capped scores (Gemma 2 style)
+    and attention sinks (gpt-oss: a per-head logit in the softmax, its value dropped)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         q_len, k_len = scores.shape[-2:]
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

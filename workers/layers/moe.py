@@ -1,15 +1,18 @@
 """Mixture-of-experts: routing, and the experts' computation over the routed tokens.
 
-The seam every MoE family shares (Qwen3-MoE now; DeepSeek-V3's routed experts and
-gpt-oss next):
+The seam every MoE family shares (Qwen3-MoE and gpt-oss now; DeepSeek-V3's routed
+experts next):
 
 * a **routing function** turns router logits [T, E] into ``(weights [T, k] float32,
   ids [T, k])``. ``softmax_topk`` is Qwen's (optionally renormalised over the k
-  chosen); a family with another rule (DeepSeek's grouped sigmoid top-k with a bias)
-  passes its own function to ``FusedMoE``;
+  chosen), ``topk_softmax`` gpt-oss's (the k largest logits, softmax over those k); a
+  family with another rule (DeepSeek's grouped sigmoid top-k with a bias) passes its own
+  function to ``FusedMoE``;
 * ``FusedMoE`` holds every expert's gate/up and down matrices stacked
   (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]) and computes
-  ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts.
+  ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts
+  (with ``MoeSpec.expert_bias``, each product adds its expert's bias; with
+  ``swiglu_limit``, gpt-oss's clamped SwiGLU replaces ``act(gate) * up``).
   Which kernel does that is the kernel policy's call (``KernelPolicy.moe_experts``):
   ``torch_experts`` below (the CPU path and the reference) or the Triton grouped GEMM
   of ``kernels/fused_moe.py`` on CUDA.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..kernel_policy import policy_for
-from .activation import act_and_mul, get_activation
+from .activation import ClampedSwiGLU, GatedAct, gated, get_activation
 from .linear import Shard, even_shard
 from ..models.config import MoeSpec
 
@@ -61,14 +64,24 @@ def softmax_topk(renormalize: bool) -> Routing:
     return SoftmaxTopK(renormalize)
 
 
+def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the k largest logits, softmax over those k (in float32)."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=torch.float32), ids
+
+
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, hidden_act: str) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, hidden_act: GatedAct,
+                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None
+                  ) -> torch.Tensor:
     """The reference: rows sorted by expert, one pair of products per expert that received
     any (no per-token loop), each row scaled by its routing weight, summed per token.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k] float32; ids [T, k] -> [T, H]."""
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k] float32; ids [T, k] -> [T, H].
+    ``hidden_act``: an HF activation name (act(gate) * up) or a function of [gate | up]
+    (``ClampedSwiGLU``); ``b13`` [E, 2I], ``b2`` [E, H]: the experts' biases, if any."""
     tokens, k = ids.shape
-    act = get_activation(hidden_act)
+    act = gated(hidden_act)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # stable: a token's rows keep expert order
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -80,8 +93,8 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count == 0:
             continue
         part = slice(start, start + count)
-        h = act_and_mul(act, F.linear(picked[part], w13[expert]))
-        rows[part] = F.linear(h, w2[expert])
+        h = act(F.linear(picked[part], w13[expert], None if b13 is None else b13[expert]))
+        rows[part] = F.linear(h, w2[expert], None if b2 is None else b2[expert])
         start += count
     # Scaled in the model dtype and added in expert order, as transformers does.
     rows *= weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
@@ -114,47 +127,70 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
 
         self.gate = param(e, hidden_size)  # the router, HF ``mlp.gate.weight``
+        self.gate_bias = param(e) if spec.router_bias else None
         self.w13 = param(e, 2 * local, hidden_size)
         self.w2 = param(e, hidden_size, local)
+        # Expert biases: b13 split with the columns; b2 is added once, by rank 0 (the other
+        # ranks' partial sums leave it out), so the all-reduce counts it once.
+        self.b13 = param(e, 2 * local) if spec.expert_bias else None
+        self.b2 = param(e, hidden_size) if spec.expert_bias else None
+        self.act: GatedAct = (ClampedSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
+                              if spec.swiglu_limit is not None else spec.hidden_act)
         self.policy = policy_for(device)
         self.compute = self.policy.moe_experts()
         fused = self.policy.kernel("fused_moe", "softmax_topk")
         if fused is not None and isinstance(routing, SoftmaxTopK):  # one launch, not four
             self.routing = functools.partial(_fused_route, fused, routing.renormalize)
+        elif fused is not None and routing is topk_softmax:
+            # softmax over the k largest logits = softmax over all, k largest, renormalised
+            self.routing = functools.partial(_fused_route, fused, True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.routing(self.policy.linear(x, self.gate), self.spec.top_k)
+        return self.routing(self.policy.linear(x, self.gate, self.gate_bias), self.spec.top_k)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.compute(x, self.w13, self.w2, weights, ids, self.spec.hidden_act)
+        if self.b13 is None:
+            out = self.compute(x, self.w13, self.w2, weights, ids, self.act)
+        else:
+            out = self.compute(x, self.w13, self.w2, weights, ids, self.act, self.b13,
+                               self.b2 if self.tp.rank == 0 else None)
         return self.tp.all_reduce(out) if reduce else out
 
     def unread_bytes(self) -> int:
         """Bytes of expert weights a one-token step does not read (the E - k experts it
         did not pick): what the decode roofline leaves out."""
-        per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        per_expert = sum(p[0].numel() for p in (self.w13, self.w2, self.b13, self.b2)
+                         if p is not None) * self.w13.element_size()
         return (self.spec.num_experts - self.spec.top_k) * per_expert
 
     def weight_targets(self, prefix: str) -> dict:
-        """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``)
-        -> their places in the stacked tensors: one checkpoint tensor at a time, so a
-        loader never holds more than one expert's matrix."""
+        """HF names (``{prefix}gate.weight``, ``{prefix}experts.{e}.{gate,up,down}_proj.weight``,
+        and ``.bias`` of each where the spec has them) -> their places in the stacked
+        tensors: one checkpoint tensor at a time, so a loader never holds more than one
+        expert's matrix. (gpt-oss stores its experts stacked: ``models/gpt_oss.py``.)"""
         from ..models.base import WeightTarget
 
         local, part = self.inter.size, None if self.inter.whole else self.inter
         down = None if self.inter.whole else Shard(1, self.inter.start, self.inter.stop,
                                                    self.inter.full)
         t = {f"{prefix}gate.weight": WeightTarget(self.gate)}
+        if self.gate_bias is not None:
+            t[f"{prefix}gate.bias"] = WeightTarget(self.gate_bias)
         for e in range(self.spec.num_experts):
             p = f"{prefix}experts.{e}."
             t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local), shard=part)
             t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
                                                    shard=part)
             t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
+            if self.b13 is not None:
+                t[f"{p}gate_proj.bias"] = WeightTarget(self.b13[e], slice(0, local), shard=part)
+                t[f"{p}up_proj.bias"] = WeightTarget(self.b13[e], slice(local, 2 * local),
+                                                     shard=part)
+                t[f"{p}down_proj.bias"] = WeightTarget(self.b2[e])
         return t
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"experts={s.num_experts}, top_k={s.top_k}, intermediate={self.inter.size}"
-                f"/{s.intermediate_size}, act={s.hidden_act}")
+                f"/{s.intermediate_size}, act={self.act}, bias={s.expert_bias}")

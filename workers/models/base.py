@@ -93,6 +93,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
+        # gpt-oss: one learned logit per query head in each softmax (this rank's heads),
+        # float32 whatever the model dtype, as the backends add it to float32 scores
+        self.head_shard = even_shard(cfg.num_heads, tp)
+        self.sinks = (nn.Parameter(torch.empty(self.num_heads, device=device, dtype=torch.float32),
+                                   requires_grad=False) if cfg.attn_sinks else None)
         self.backend = backend
         self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk", dtype)  # in place, q and k
         # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
@@ -128,6 +133,9 @@ class Attention(nn.Module):
                kv_cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
                ) -> torch.Tensor:
         """Write k/v into the cache and attend: [T, H, D] (into ``out`` when given)."""
+        if self.sinks is not None:
+            return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window,
+                                        self.scale, self.softcap, out, sinks=self.sinks)
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window,
                                     self.scale, self.softcap, out)
 
@@ -232,6 +240,9 @@ class WeightTarget:
     shard: Optional[Shard] = None
     blocks: Optional[BlockWeight] = None
     part: int = 0
+    # The whole checkpoint tensor's shape where ``transform`` reshapes it (a transpose);
+    # None: the destination's, with the shard's dimension at full size.
+    stored_shape: Optional[tuple[int, ...]] = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -243,6 +254,8 @@ class WeightTarget:
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
         """The shape the whole checkpoint tensor must have."""
+        if self.stored_shape is not None:
+            return self.stored_shape
         shape = list(self.shape)
         if self.shard is not None:
             shape[self.shard.dim] = self.shard.full
@@ -386,6 +399,9 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None:
                 t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+            if attn.sinks is not None:
+                t[f"{p}self_attn.sinks"] = WeightTarget(
+                    attn.sinks, shard=None if attn.head_shard.whole else attn.head_shard)
             t.update(mlp.weight_targets(f"{p}mlp."))
             for norm in layer.norm_names:
                 t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)

@@ -38,6 +38,7 @@ class ArchConfig:
     qk_norm: bool = False
     embed_scale: Optional[float] = None
     attn_softcap: Optional[float] = None
+    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator
     final_softcap: Optional[float] = None
     # HF name -> the GGML block type the checkpoint stores that tensor in (GGUF files, the
     # dummy quantizations); absent: a float type. Layers choose their storage from it.
@@ -115,6 +116,11 @@ class MoeSpec:
     intermediate_size: int  # each expert's, before the tensor-parallel split
     hidden_act: str = "silu"
     norm_topk_prob: bool = False  # renormalise the k chosen weights to sum to 1
+    router_bias: bool = False  # the router linear has a bias
+    expert_bias: bool = False  # each expert's gate/up and down products have biases
+    # gpt-oss's clamped SwiGLU in place of act(gate) * up (``layers/activation.ClampedSwiGLU``)
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
 
 
 @dataclass
