@@ -71,6 +71,17 @@ def _qwen3moe_gguf(cfg: dict, g: Callable[..., Any]) -> None:
                norm_topk_prob=bool(g("expert_weights_norm", True)))
 
 
+def _deepseek2_gguf(cfg: dict, g: Callable[..., Any]) -> None:
+    """Refused: llama.cpp's deepseek2 files do not map cleanly onto the HF tensors."""
+    from .errors import CheckpointError
+
+    raise CheckpointError(
+        "GGUF deepseek2 files are not supported: llama.cpp stores kv_b_proj split per head "
+        "into attn_k_b (transposed) and attn_v_b in newer files and whole in older ones, and "
+        "its expert gating (expert_gating_func, expert_weights_scale) in keys of its own; "
+        "load the safetensors checkpoint instead")
+
+
 _LLAMA = (f"{_MODELS}.llama:LlamaForCausalLM", f"{_MODELS}.llama:llama_arch_config")
 
 FAMILIES = (
@@ -94,6 +105,10 @@ FAMILIES = (
            gguf_tensors={**_LLAMA_TENSORS, "ffn_gate_inp": "mlp.gate"},
            gguf_expert_tensors={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                                 "ffn_down_exps": "down_proj"}),
+    # DeepSeek-V2/V3: multi-head latent attention (workers/layers/mla.py) + DeepSeek MoE.
+    Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+           f"{_MODELS}.deepseek:DeepseekForCausalLM", f"{_MODELS}.deepseek:deepseek_arch_config",
+           gguf_architecture="deepseek2", gguf_config=_deepseek2_gguf),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

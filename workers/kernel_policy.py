@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -149,6 +150,19 @@ class KernelPolicy:
         from .kernels.fused_moe import fused_experts, fused_experts_fixed_tile
 
         return fused_experts_fixed_tile if self.batch_invariant else fused_experts
+
+    def mla_decode(self):
+        """The decode attention over a paged MLA latent cache (the signature of
+        ``layers/mla.mla_decode_attention``): the Triton kernel of
+        ``kernels/mla_decode.py`` on the GPU path once that module is present, else the
+        torch reference (which also runs on CUDA tensors)."""
+        if self.triton and importlib.util.find_spec(f"{kernels.__name__}.mla_decode"):
+            from .kernels.mla_decode import mla_decode_attention
+
+            return mla_decode_attention
+        from .layers.mla import mla_decode_attention
+
+        return mla_decode_attention
 
     def attention_backend(self):
         if not self.triton:

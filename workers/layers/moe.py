@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,70 @@ class SoftmaxTopK:
 
 def softmax_topk(renormalize: bool) -> Routing:
     return SoftmaxTopK(renormalize)
+
+
+def _group_mask(scores: torch.Tensor, groups: int, keep: int, group_score: str) -> torch.Tensor:
+    """[T, E] True where the expert's group is among the ``keep`` best of ``groups``
+    (contiguous groups of E / groups experts), a group scored by its best expert ("max")
+    or the sum of its two best ("top2")."""
+    per_group = scores.view(scores.shape[0], groups, -1)
+    if group_score == "max":
+        score = per_group.max(dim=-1).values
+    else:
+        score = per_group.topk(2, dim=-1).values.sum(dim=-1)
+    chosen = torch.topk(score, keep, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask.unsqueeze(-1).expand_as(per_group).reshape_as(scores)
+
+
+class SigmoidGroupedTopK(nn.Module):
+    """DeepSeek-V3's routing: sigmoid scores; the correction bias (a loaded parameter,
+    ``mlp.gate.e_score_correction_bias``) is added only to choose the experts: keep the
+    ``topk_group`` best of ``n_group`` groups (a group's score: the sum of its two best
+    biased scores), then the k best biased experts among them. Their weights are the
+    unbiased scores, divided by their sum when ``norm_topk_prob``, times
+    ``routed_scaling_factor``. All in float32, as transformers' DeepseekV3TopkRouter."""
+
+    def __init__(self, num_experts: int, n_group: int, topk_group: int, renormalize: bool,
+                 scaling: float, device: torch.device):
+        super().__init__()
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize, self.scaling = renormalize, scaling
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False)
+
+    def forward(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float().sigmoid()
+        biased = scores + self.bias
+        if self.n_group > 1:
+            keep = _group_mask(biased, self.n_group, self.topk_group, "top2")
+            biased = biased.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(biased, k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+@dataclass(frozen=True)
+class SoftmaxGroupLimitedTopK:
+    """DeepSeek-V2's routing: softmax over all experts in float32; ``group_limited``
+    (``topk_method="group_limited_greedy"``) first keeps the ``topk_group`` best of
+    ``n_group`` groups by their best expert, zeroing the others; then the k largest,
+    times ``routed_scaling_factor`` (never renormalised, as transformers'
+    DeepseekV2TopkRouter)."""
+
+    group_limited: bool
+    n_group: int
+    topk_group: int
+    scaling: float
+
+    def __call__(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.group_limited:
+            keep = _group_mask(scores, self.n_group, self.topk_group, "max")
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(scores, k, dim=-1, sorted=False)
+        return weights * self.scaling, ids
 
 
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -98,7 +162,11 @@ class FusedMoE(nn.Module):
     each expert's intermediate columns split across ranks."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, routing: Routing,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
+                 router_dtype: Optional[torch.dtype] = None):
+        """``router_dtype``: the router's (DeepSeek keeps it in float32, as transformers
+        does); the model dtype by default. A ``routing`` that is a module (DeepSeek-V3's,
+        holding its loaded bias) becomes a submodule."""
         super().__init__()
         if spec.top_k > spec.num_experts or spec.top_k < 1:
             raise ValueError(f"num_experts_per_tok={spec.top_k} must be in "
@@ -113,7 +181,9 @@ class FusedMoE(nn.Module):
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype),
                                 requires_grad=False)
 
-        self.gate = param(e, hidden_size)  # the router, HF ``mlp.gate.weight``
+        self.gate = nn.Parameter(torch.empty(e, hidden_size, device=device,
+                                             dtype=router_dtype or dtype),
+                                 requires_grad=False)  # the router, HF ``mlp.gate.weight``
         self.w13 = param(e, 2 * local, hidden_size)
         self.w2 = param(e, hidden_size, local)
         self.policy = policy_for(device)
@@ -123,7 +193,7 @@ class FusedMoE(nn.Module):
             self.routing = functools.partial(_fused_route, fused, routing.renormalize)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.routing(self.policy.linear(x, self.gate), self.spec.top_k)
+        return self.routing(self.policy.linear(x.to(self.gate.dtype), self.gate), self.spec.top_k)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = self.route(x)
