@@ -345,6 +345,7 @@ def test_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq():
     (V3, {"kv_lora_rank": 0}, CheckpointError, "kv_lora_rank=0"),
     (V3, {"moe_layer_freq": 0}, CheckpointError, "moe_layer_freq=0"),
     (V2, {"num_experts_per_tok": 9}, CheckpointError, "num_experts_per_tok=9 exceeds"),
+    (V2, {"num_experts_per_tok": None}, CheckpointError, "num_experts_per_tok is required"),
 ])
 def test_unsupported_and_malformed_configs_are_refused(arch, overrides, error, match):
     base = V3_TINY if arch == V3 else V2_TINY

@@ -81,6 +81,12 @@ class DeepseekArchConfig(MoeArchConfig):
     n_shared_experts: int = 0
     num_mtp_layers: int = 0  # multi-token-prediction layers past the last (not run)
 
+    def validate(self) -> None:
+        if any(self.sparse_layers) and self.moe.top_k is None:
+            raise CheckpointError("config: num_experts_per_tok is required for MoE layers "
+                                  "(DeepSeek-V2's config has no default)")
+        super().validate()
+
     def tp_splits(self) -> dict[str, int]:
         splits = super().tp_splits()
         if any(self.sparse_layers) and self.n_shared_experts:
@@ -181,10 +187,9 @@ def deepseek_arch_config(hf: dict, architecture: str) -> DeepseekArchConfig:
     act = str(get(hf, "hidden_act", "silu"))
     moe, routing = None, None
     if any(sparse):
-        top_k = hf.get("num_experts_per_tok", d["num_experts_per_tok"])
-        if top_k is None:
-            raise CheckpointError("config: num_experts_per_tok is required for MoE layers")
-        moe = MoeSpec(num_experts=num_experts, top_k=as_int(hf, "num_experts_per_tok", top_k),
+        top_k = hf.get("num_experts_per_tok", d["num_experts_per_tok"])  # V2: no default
+        moe = MoeSpec(num_experts=num_experts,
+                      top_k=None if top_k is None else as_int(hf, "num_experts_per_tok", top_k),
                       intermediate_size=as_int(hf, "moe_intermediate_size",
                                                d["moe_intermediate_size"]),
                       hidden_act=act)
