@@ -1,12 +1,12 @@
 """Mixture-of-experts: routing, and the experts' computation over the routed tokens.
 
-The seam every MoE family shares (Qwen3-MoE now; DeepSeek-V3's routed experts and
-gpt-oss next):
+The seam every MoE family shares (Qwen3-MoE, DeepSeek-V2/V3; gpt-oss next):
 
 * a **routing function** turns router logits [T, E] into ``(weights [T, k] float32,
   ids [T, k])``. ``softmax_topk`` is Qwen's (optionally renormalised over the k
-  chosen); a family with another rule (DeepSeek's grouped sigmoid top-k with a bias)
-  passes its own function to ``FusedMoE``;
+  chosen); ``SigmoidGroupedTopK`` is DeepSeek-V3's (grouped, with a loaded correction
+  bias: a module, so its parameter loads with the layer) and
+  ``SoftmaxGroupLimitedTopK`` DeepSeek-V2's;
 * ``FusedMoE`` holds every expert's gate/up and down matrices stacked
   (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]) and computes
   ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts.
