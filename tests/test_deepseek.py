@@ -78,11 +78,14 @@ def test_layers_and_latent_cache_follow_the_config(runner):
     assert isinstance(model.layers[1].mlp.experts, FusedMoE)
     assert model.layers[1].mlp.experts.gate.dtype == torch.float32  # as transformers keeps it
     assert isinstance(runner.backend, MlaBackend)
-    # one group of kind "mla": a row of kv_lora_rank + qk_rope_head_dim = 32 + 8 per position
+    # one group of kind "mla": a row of kv_lora_rank + qk_rope_head_dim per position
+    mla = model.cfg.mla
+    width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    assert width == (32 if model.cfg.architecture == V2 else 40)
     (group,) = runner.capabilities().cache_groups
     assert group.spec == CacheSpec("mla") and group.num_layers == 3 and group.num_blocks == 64
     (pool,) = runner.kv.pools
-    assert pool.shape == (3, 65 * 4, 40)
+    assert pool.shape == (3, 65 * 4, width)
     cache, nothing = runner.kv_caches[2]
     assert nothing is None and cache.data_ptr() == pool[2].data_ptr()
 
@@ -169,17 +172,18 @@ def test_tp2_over_gloo_equals_one_rank(path, runner):
 
 
 def test_kv_budget_buys_latent_rows(path):
-    """The pool is sized at the latent's width: 3 layers x 40 values x 4 bytes per
-    position, not 2 x heads x head_dim."""
+    """The pool is sized at the latent's width: 3 layers x (kv_lora_rank +
+    qk_rope_head_dim) values x 4 bytes per position, not 2 x heads x head_dim."""
     budget = 0.0001  # GiB
     from pocketllm.workers.runner import ModelRunner
 
     args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
                       max_num_seqs=4, kv_cache_memory_gb=budget)
     runner = ModelRunner(load_model_info(args), args)
-    per_block = 3 * 4 * 40 * 4  # layers x block_size x (32 + 8) x float32
+    width = runner.model.cfg.mla.latent_width
+    per_block = 3 * 4 * width * 4  # layers x block_size x latent row x float32
     assert runner.num_kv_blocks == int(budget * (1 << 30)) // per_block
-    assert runner.kv.pools[0].shape == (3, (runner.num_kv_blocks + 1) * 4, 40)
+    assert runner.kv.pools[0].shape == (3, (runner.num_kv_blocks + 1) * 4, width)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -286,7 +290,7 @@ def test_latent_decode_equals_its_definition():
 
 V3_TINY = dict(architectures=[V3], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, vocab_size=512, q_lora_rank=48, kv_lora_rank=32,
-               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=8,
                num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
                n_shared_experts=1, first_k_dense_replace=1)
 V2_TINY = {**V3_TINY, "architectures": [V2], "q_lora_rank": None, "n_group": None,

@@ -63,7 +63,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     # sigmoid + correction bias, top-2 renormalised, scaled 2.5) plus one shared expert.
     "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3, head_dim=8,
                         num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
@@ -74,8 +74,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         rope_theta=10000.0, tie_word_embeddings=False),
     # MLA without a q LoRA (as V2-Lite); softmax greedy top-2 of 8, two shared experts.
     "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=3, head_dim=8,
-                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20,
                         n_routed_experts=8, num_experts_per_tok=2, topk_method="greedy",
                         n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1,
                         routed_scaling_factor=1.5, rope_theta=10000.0,
