@@ -376,6 +376,17 @@ def test_shared_experts_that_do_not_split_are_refused():
         check_tensor_parallel(cfg, 4)
 
 
+def test_batch_invariant_mode_is_refused(path):
+    from pocketllm.workers import kernel_policy
+    from pocketllm.workers.layers.attention import TorchAttention
+    from pocketllm.workers.models.registry import build_model
+
+    info = load_model_info(EngineArgs(model=path))
+    with kernel_policy.building(True), pytest.raises(UnsupportedFeatureError,
+                                                     match="batch_invariant is not supported"):
+        build_model(info, TorchAttention(), torch.device("meta"), torch.float32)
+
+
 def test_multi_token_prediction_layers_are_skipped(path):
     from pocketllm.workers.layers.attention import TorchAttention
     from pocketllm.workers.models.registry import build_model

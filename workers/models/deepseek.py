@@ -290,8 +290,14 @@ class DeepseekForCausalLM(CausalLM):
 
     def __init__(self, cfg: DeepseekArchConfig, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
-        mla = MlaBackend(policy_for(device).mla_decode())
-        super().__init__(cfg, mla, device, dtype, tp)
+        policy = policy_for(device)
+        if policy.batch_invariant:
+            raise UnsupportedFeatureError(
+                f"batch_invariant is not supported for {cfg.architecture}: multi-head latent "
+                "attention computes a decode row in the absorbed form and the same row inside "
+                "a prefill chunk in the expanded form, which round differently",
+                "batch_invariant")
+        super().__init__(cfg, MlaBackend(policy.mla_decode()), device, dtype, tp)
         self.latent_cache_width = cfg.mla.latent_width
 
     def make_layer(self, cfg: DeepseekArchConfig, index: int, backend: MlaBackend,
