@@ -81,7 +81,7 @@ def test_layers_and_latent_cache_follow_the_config(runner):
     # one group of kind "mla": a row of kv_lora_rank + qk_rope_head_dim per position
     mla = model.cfg.mla
     width = mla.kv_lora_rank + mla.qk_rope_head_dim
-    assert width == (32 if model.cfg.architecture == V2 else 40)
+    assert width == (32 if model.cfg.architecture == V2 else 48)
     (group,) = runner.capabilities().cache_groups
     assert group.spec == CacheSpec("mla") and group.num_layers == 3 and group.num_blocks == 64
     (pool,) = runner.kv.pools

@@ -152,9 +152,9 @@ def test_gpu_path_of_a_whole_moe_model_matches_torch():
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 def test_gpu_path_of_a_deepseek_model_matches_torch(family):
     """DeepSeek (MLA + grouped routing + shared experts) on the GPU path: the Triton
-    projections, norms and grouped GEMM around the MLA layer, whose decode is the torch
-    reference until a kernel module exists (``KernelPolicy.mla_decode``); the torch path's
-    tokens and logprobs."""
+    projections, norms and grouped GEMM around the MLA layer, whose decode is the Triton
+    kernel where ``kernels/mla_decode.py`` exists and the widths fit its tiles, else the
+    torch reference (``KernelPolicy.mla_decode``); the torch path's tokens and logprobs."""
     import importlib.util
     from unittest import mock
 
@@ -176,8 +176,13 @@ def test_gpu_path_of_a_deepseek_model_matches_torch(family):
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
     assert runner.model.layers[1].mlp.experts.compute is K.fused_moe.fused_experts
-    if importlib.util.find_spec("pocketllm.workers.kernels.mla_decode") is None:
-        assert runner.backend.decode is mla_decode_attention  # no kernel yet: the reference
+    kernel = importlib.util.find_spec("pocketllm.workers.kernels.mla_decode") is not None
+    mla = runner.model.cfg.mla  # V3's 32 + 16 fit the kernel's tiles, V2's 24 + 8 do not
+    if kernel and family == "deepseek_v3":
+        assert runner.backend.decode.args[1] is importlib.import_module(
+            "pocketllm.workers.kernels.mla_decode")
+    else:
+        assert runner.backend.decode is mla_decode_attention, (mla.kv_lora_rank, kernel)
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
     assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)

@@ -61,9 +61,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
     # MLA with a q LoRA, yarn rope (softmax scale x mscale^2), rope dims interleaved; layer 0
     # dense (first_k_dense_replace), layers 1-2 route 8 experts in 4 groups (2 groups kept,
     # sigmoid + correction bias, top-2 renormalised, scaled 2.5) plus one shared expert.
-    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3, head_dim=8,
-                        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20,
+    # (R = 32, P = 16: widths the Triton MLA decode takes.)
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3,
+                        head_dim=16, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=20,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,

@@ -45,6 +45,7 @@ build a batch-invariant model beside a default one (the tests do).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -154,15 +155,18 @@ class KernelPolicy:
 
         return fused_experts_fixed_tile if self.batch_invariant else fused_experts
 
-    def mla_decode(self):
-        """The decode attention over a paged MLA latent cache (the signature of
-        ``layers/mla.mla_decode_attention``): the Triton kernel of
-        ``kernels/mla_decode.py`` on the GPU path once that module is present, else the
-        torch reference (which also runs on CUDA tensors)."""
-        if self.triton and importlib.util.find_spec(f"{kernels.__name__}.mla_decode"):
-            from .kernels.mla_decode import mla_decode_attention
+    def mla_decode(self, rank: int, rope: int):
+        """The decode attention over a paged MLA latent cache of rows ``rank + rope`` wide
+        (the signature of ``layers/mla.mla_decode_attention``): on the GPU path the Triton
+        kernel of ``kernels/mla_decode.py`` (when that module is present and the widths
+        are its tiles': powers of two, at least 16; DeepSeek's 512 + 64 are), its keys
+        split per launch by ``mla_partition``; else the torch reference (which also runs
+        on CUDA tensors)."""
+        if (self.triton and _whole_tile(rank) and _whole_tile(rope)
+                and importlib.util.find_spec(f"{kernels.__name__}.mla_decode")):
+            from .kernels import mla_decode
 
-            return mla_decode_attention
+            return functools.partial(_mla_kernel_decode, self, mla_decode)
         from .layers.mla import mla_decode_attention
 
         return mla_decode_attention
@@ -179,6 +183,24 @@ class KernelPolicy:
         from .kernels.attention_backend import TritonAttention
 
         return TritonAttention(self)
+
+
+def _whole_tile(width: int) -> bool:
+    return width >= 16 and width & (width - 1) == 0
+
+
+def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
+                       q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, q_rows: torch.Tensor, max_seq_len: int,
+                       block_size: int, scale: float,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Triton MLA decode with the keys per split this policy picks for the launch."""
+    partition = kernel.mla_partition(policy, block_tables.shape[0], q_latent.shape[1],
+                                     max_seq_len, q_latent.shape[2], q_rope.shape[2],
+                                     cache.element_size(), cache.device)
+    return kernel.mla_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, q_rows,
+                                       max_seq_len, block_size, scale, out,
+                                       partition=partition)
 
 
 # The bfloat16 product overtakes the 8-row integer dots at ~24 rows (float32 sgemm: ~64).

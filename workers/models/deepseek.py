@@ -297,7 +297,8 @@ class DeepseekForCausalLM(CausalLM):
                 "attention computes a decode row in the absorbed form and the same row inside "
                 "a prefill chunk in the expanded form, which round differently",
                 "batch_invariant")
-        super().__init__(cfg, MlaBackend(policy.mla_decode()), device, dtype, tp)
+        decode = policy.mla_decode(cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
+        super().__init__(cfg, MlaBackend(decode), device, dtype, tp)
         self.latent_cache_width = cfg.mla.latent_width
 
     def make_layer(self, cfg: DeepseekArchConfig, index: int, backend: MlaBackend,
