@@ -12,8 +12,8 @@ Default mode, tuned for speed:
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
   expert (``kernels/fused_moe.py``); the torch reference on CPU (``moe_experts``);
 - multi-head latent attention's paged decode (DeepSeek) is ``kernels/mla_decode.py`` on
-  CUDA once that module exists, else the torch reference of ``layers/mla.py``
-  (``mla_decode``);
+  CUDA where that module is present and the latent widths fit its tiles, else the torch
+  reference of ``layers/mla.py`` (``mla_decode``);
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
