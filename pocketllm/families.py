@@ -71,6 +71,17 @@ def _qwen3moe_gguf(cfg: dict, g: Callable[..., Any]) -> None:
                norm_topk_prob=bool(g("expert_weights_norm", True)))
 
 
+def _deepseek2_gguf(cfg: dict, g: Callable[..., Any]) -> None:
+    """Refused: llama.cpp's deepseek2 files do not map cleanly onto the HF tensors."""
+    from .errors import CheckpointError
+
+    raise CheckpointError(
+        "GGUF deepseek2 files are not supported: llama.cpp stores kv_b_proj split per head "
+        "into attn_k_b (transposed) and attn_v_b in newer files and whole in older ones, and "
+        "its expert gating (expert_gating_func, expert_weights_scale) in keys of its own; "
+        "load the safetensors checkpoint instead")
+
+
 _LLAMA = (f"{_MODELS}.llama:LlamaForCausalLM", f"{_MODELS}.llama:llama_arch_config")
 
 FAMILIES = (
@@ -98,6 +109,10 @@ FAMILIES = (
     # (workers/models/gpt_oss.py); safetensors only (no GGUF gpt-oss reader here).
     Family("gpt_oss", ("GptOssForCausalLM",), f"{_MODELS}.gpt_oss:GptOssForCausalLM",
            f"{_MODELS}.gpt_oss:gpt_oss_arch_config"),
+    # DeepSeek-V2/V3: multi-head latent attention (workers/layers/mla.py) + DeepSeek MoE.
+    Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+           f"{_MODELS}.deepseek:DeepseekForCausalLM", f"{_MODELS}.deepseek:deepseek_arch_config",
+           gguf_architecture="deepseek2", gguf_config=_deepseek2_gguf),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -238,10 +238,10 @@ class CacheSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     """What one attention layer keeps per token, as the scheduler must manage it.
 
     ``kind``: "full" (every position, for the whole sequence) or "sliding" (only the last
-    ``window`` positions are ever read: blocks wholly before them can be freed). Kinds to
-    come slot in beside them: "mla" (one compressed latent per position: a full-attention
-    pool of another width, same block rules) and "state" (a recurrent state of fixed size
-    per sequence, not per position)."""
+    ``window`` positions are ever read: blocks wholly before them can be freed) or "mla"
+    (multi-head latent attention: one compressed latent + rope key per position, a pool
+    of its own width with full attention's block rules). A kind to come slots in beside
+    them: "state" (a recurrent state of fixed size per sequence, not per position)."""
 
     kind: str = "full"
     window: int = 0  # sliding: the positions one query attends to (its own included)

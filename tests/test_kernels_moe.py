@@ -226,3 +226,40 @@ def test_gpu_path_of_a_whole_gpt_oss_model_matches_torch():
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
     assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_gpu_path_of_a_deepseek_model_matches_torch(family):
+    """DeepSeek (MLA + grouped routing + shared experts) on the GPU path: the Triton
+    projections, norms and grouped GEMM around the MLA layer, whose decode is the Triton
+    kernel where the widths fit its tiles, else the torch reference (``KernelPolicy.mla_decode``); the torch path's tokens and logprobs."""
+    import importlib
+    from unittest import mock
+
+    import pocketllm.workers.kernels as kernels
+    from pocketllm.workers.layers.mla import mla_decode_attention
+    from test_worker_parity import GREEDY_LP, PROMPT, make_runner
+    from tiny_checkpoints import PlanDriver, make_tiny_checkpoint
+
+    def greedy(runner):
+        driver = PlanDriver(runner, chunk=7)  # prefill chunks beside decodes
+        driver.add("r", PROMPT, GREEDY_LP, 6)
+        driver.add("s", PROMPT[:9], GREEDY_LP, 6)
+        out = driver.run()
+        return out, [lp.logprob for r in ("r", "s") for lp in driver.reqs[r].logprobs]
+
+    path = make_tiny_checkpoint(family)
+    with mock.patch.object(kernels, "kernels_usable", lambda device: False):
+        torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
+    with mock.patch.object(kernels, "kernels_usable", lambda device: True):
+        runner = make_runner(path, DEVICE.type)
+    assert runner.model.layers[1].mlp.experts.compute is K.fused_moe.fused_experts
+    # V3's latent widths (32 + 16) fit the Triton kernel's tiles, V2's (24 + 8) do not
+    if family == "deepseek_v3":
+        assert runner.backend.decode.args[1] is importlib.import_module(
+            "pocketllm.workers.kernels.mla_decode")
+    else:
+        assert runner.backend.decode is mla_decode_attention
+    tokens, logprobs = greedy(runner)
+    assert tokens == torch_tokens
+    assert logprobs == pytest.approx(torch_logprobs, abs=1e-5 if DEVICE.type == "cpu" else 1e-4)

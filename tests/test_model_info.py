@@ -15,7 +15,8 @@ from pocketllm.tokenizer.tokenizer import load_tokenizer
 @pytest.mark.parametrize("name, arch, layers", [("llama-3-8b", "LlamaForCausalLM", 32),
                                                 ("qwen3-8b", "Qwen3ForCausalLM", 36),
                                                 ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 48),
-                                                ("gpt-oss-20b", "GptOssForCausalLM", 24)])
+                                                ("gpt-oss-20b", "GptOssForCausalLM", 24),
+                                                ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 27)])
 def test_shipped_shapes_for_dummy_benchmarks(name, arch, layers):
     info = load_model_info(EngineArgs(model=name, load_format="dummy"))
     assert info.architecture == arch and info.hf_config["num_hidden_layers"] == layers

@@ -1,7 +1,8 @@
 """Tiny random HF checkpoints (with a real tokenizer) for tests, plus a hand scheduler.
 
 ``make_tiny_checkpoint(family, path)`` writes a transformers model of the family
-("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss") with random weights, a byte-level BPE
+("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "deepseek_v3",
+"deepseek_v2") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
 
@@ -67,6 +68,29 @@ FAMILY_CONFIGS: dict[str, dict] = {
                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
                                      "original_max_position_embeddings": 16}),
+    # MLA with a q LoRA, yarn rope (softmax scale x mscale^2), rope dims interleaved; layer 0
+    # dense (first_k_dense_replace), layers 1-2 route 8 experts in 4 groups (2 groups kept,
+    # sigmoid + correction bias, top-2 renormalised, scaled 2.5) plus one shared expert.
+    # (R = 32, P = 16: widths the Triton MLA decode takes.)
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3,
+                        head_dim=16, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=20,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 128,
+                                      "mscale": 1.0, "mscale_all_dim": 0.8,
+                                      "beta_fast": 32, "beta_slow": 1},
+                        rope_theta=10000.0, tie_word_embeddings=False),
+    # MLA without a q LoRA (as V2-Lite); softmax greedy top-2 of 8, two shared experts.
+    "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=3, head_dim=8,
+                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20,
+                        n_routed_experts=8, num_experts_per_tok=2, topk_method="greedy",
+                        n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        routed_scaling_factor=1.5, rope_theta=10000.0,
+                        tie_word_embeddings=False),
     # Two sliding layers (window 8) and one global layer, with Gemma's own scalars.
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -106,7 +130,8 @@ def _build(family: str, path: str, overrides: dict) -> None:
 
     cfg_dict = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-                  "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
+                  "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3",
+                  "deepseek_v2": "deepseek_v2"}
     config = AutoConfig.for_model(model_type[family], **cfg_dict)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -124,6 +149,9 @@ def _build(family: str, path: str, overrides: dict) -> None:
                 param.normal_(0.0, 0.03)  # else the tied head mostly echoes the last token
             else:
                 param.normal_(0.0, 0.15)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a bias that matters
+                buf.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -12,6 +12,9 @@ Default mode, tuned for speed:
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
   expert (``kernels/fused_moe.py``, gpt-oss's biases and clamped SwiGLU included); the
   torch reference on CPU (``moe_experts``);
+- multi-head latent attention's paged decode (DeepSeek) is ``kernels/mla_decode.py`` on
+  CUDA where the latent widths fit its tiles, else the torch
+  reference of ``layers/mla.py`` (``mla_decode``);
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
@@ -43,6 +46,7 @@ build a batch-invariant model beside a default one (the tests do).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -152,6 +156,21 @@ class KernelPolicy:
 
         return fused_experts_fixed_tile if self.batch_invariant else fused_experts
 
+    def mla_decode(self, rank: int, rope: int):
+        """The decode attention over a paged MLA latent cache of rows ``rank + rope`` wide
+        (the signature of ``layers/mla.mla_decode_attention``): on the GPU path the Triton
+        kernel of ``kernels/mla_decode.py`` where the widths fit its tiles (DeepSeek's
+        512 + 64 do), its keys split per launch by ``mla_partition``; else the torch
+        reference (which also runs on CUDA tensors)."""
+        if self.triton:
+            from .kernels import mla_decode
+
+            if mla_decode.fits_widths(rank, rope):
+                return functools.partial(_mla_kernel_decode, self, mla_decode)
+        from .layers.mla import mla_decode_attention
+
+        return mla_decode_attention
+
     def attention_backend(self):
         if not self.triton:
             if self.cpu_blocks:  # the library loaded: decodes attend in C
@@ -164,6 +183,20 @@ class KernelPolicy:
         from .kernels.attention_backend import TritonAttention
 
         return TritonAttention(self)
+
+
+def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
+                       q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, q_rows: torch.Tensor, max_seq_len: int,
+                       block_size: int, scale: float,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Triton MLA decode with the keys per split this policy picks for the launch."""
+    partition = kernel.mla_partition(policy, block_tables.shape[0], q_latent.shape[1],
+                                     max_seq_len, q_latent.shape[2], q_rope.shape[2],
+                                     cache.element_size(), cache.device)
+    return kernel.mla_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, q_rows,
+                                       max_seq_len, block_size, scale, out,
+                                       partition=partition)
 
 
 # The bfloat16 product overtakes the 8-row integer dots at ~24 rows (float32 sgemm: ~64).

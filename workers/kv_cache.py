@@ -13,7 +13,12 @@ for each sliding group, with ``N`` the largest count whose bytes fit the budget.
 sliding group rarely needs more than ``sliding_cap``; if it does (an unusual mix of
 prompts), the scheduler preempts, as it does when any pool runs out.
 
-Each pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``;
+A multi-head latent attention model (DeepSeek-V2/V3) caches one row per position and
+layer: the compressed latent then the rotated rope key, ``kv_lora_rank +
+qk_rope_head_dim`` wide, shared by every head (``CacheSpec("mla")``: full attention's
+block rules, a pool of its own width, ``[layers, (blocks + 1) * block_size, width]``).
+
+Each K/V pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``;
 the extra block past the end (``pad_blocks``) stays finite: the padding rows of batched
 decodes read and write it, and the runner points a sliding table's entries behind the
 window at it (their blocks may belong to another request by now).
@@ -33,8 +38,13 @@ from pocketllm.proto.messages import CacheGroup, CacheSpec
 from .device import check_available, num_kv_blocks, populated_cpu_zeros
 
 
-def layer_spec(window: Optional[int], max_model_len: int) -> CacheSpec:
-    """What a layer caches: a window at least as long as any sequence is full attention."""
+def layer_spec(window: Optional[int], max_model_len: int, latent: bool = False) -> CacheSpec:
+    """What a layer caches: a window at least as long as any sequence is full attention;
+    ``latent``: an MLA layer's compressed latent (always over the whole context)."""
+    if latent:
+        if window is not None:
+            raise ValueError("an MLA layer attends to the whole context: no sliding window")
+        return CacheSpec("mla")
     if window is None or window >= max_model_len:
         return CacheSpec()
     return CacheSpec("sliding", window)
@@ -56,10 +66,12 @@ class CacheLayout:
         return spec.window if spec.kind == "sliding" else None
 
 
-def cache_layout(layer_windows: list[Optional[int]], max_model_len: int) -> CacheLayout:
-    """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``."""
-    per_layer = [layer_spec(w, max_model_len) for w in layer_windows]
-    specs = sorted(set(per_layer), key=lambda s: (s.kind != "full", s.window))
+def cache_layout(layer_windows: list[Optional[int]], max_model_len: int,
+                 latent: bool = False) -> CacheLayout:
+    """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``
+    (``latent``: every layer caches an MLA latent)."""
+    per_layer = [layer_spec(w, max_model_len, latent) for w in layer_windows]
+    specs = sorted(set(per_layer), key=lambda s: (s.kind == "sliding", s.window))
     groups = [specs.index(s) for s in per_layer]
     windows = [sorted({w for w, g in zip(layer_windows, groups) if g == group},
                       key=lambda w: -1 if w is None else w) for group in range(len(specs))]
@@ -92,13 +104,19 @@ def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
 
 
 class PagedKVCache:
-    """The pools of every group, and each layer's (k_cache, v_cache) view into its own."""
+    """The pools of every group, and each layer's (k_cache, v_cache) view into its own
+    (an MLA layer's: ``(latent_cache [slots, latent_width], None)``)."""
 
     def __init__(self, layout: CacheLayout, num_blocks: list[int], block_size: int,
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 latent_width: Optional[int] = None):
         self.layout, self.num_blocks, self.block_size = layout, list(num_blocks), block_size
         self.pad_blocks = list(num_blocks)  # the spare block past each pool's end
-        shapes = [(layout.num_layers(g), 2, (n + 1) * block_size, kv_heads, head_dim)
+        latent = [spec.kind == "mla" for spec in layout.specs]
+        if any(latent) and latent_width is None:
+            raise ValueError("an MLA cache group needs its latent_width")
+        shapes = [(layout.num_layers(g), (n + 1) * block_size, latent_width) if latent[g] else
+                  (layout.num_layers(g), 2, (n + 1) * block_size, kv_heads, head_dim)
                   for g, n in enumerate(num_blocks)]
         if device.type == "cpu":
             # The OS backs a CPU tensor's pages only when they are first written, so an
@@ -110,13 +128,14 @@ class PagedKVCache:
             self.pools = populated_cpu_zeros(shapes, dtype)
         else:
             self.pools = [torch.empty(s, device=device, dtype=dtype) for s in shapes]
-            for pool, n in zip(self.pools, num_blocks):
-                pool[:, :, n * block_size:].zero_()
-        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for pool, n, mla in zip(self.pools, num_blocks, latent):
+                (pool[:, n * block_size:] if mla else pool[:, :, n * block_size:]).zero_()
+        self.layer_caches: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
         used = [0] * len(num_blocks)
         for g in layout.layer_group:
             pool = self.pools[g]
-            self.layer_caches.append((pool[used[g], 0], pool[used[g], 1]))
+            self.layer_caches.append((pool[used[g]], None) if latent[g] else
+                                     (pool[used[g], 0], pool[used[g], 1]))
             used[g] += 1
 
     def pad_slot(self, group: int) -> int:

@@ -94,22 +94,28 @@ class ModelRunner:
                                      stored_weight_types(info, args))
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
+        # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides
+        # the metadata the runner builds and whether CUDA graphs can capture it.
+        self.backend = self.model.attention_backend
         cfg = self.model.cfg
         self.block_size = args.block_size
         self.max_model_len = info.max_model_len
         kv_heads = self.model.num_local_kv_heads  # this rank's share of the KV heads
         # Layers of one cache spec (full attention, a sliding window) share a pool: kv_cache.py.
-        layout = cache_layout(cfg.layer_windows, self.max_model_len)
+        # An MLA model caches one latent row per position (kv_cache.py).
+        latent = self.model.latent_cache_width
+        layout = cache_layout(cfg.layer_windows, self.max_model_len, latent is not None)
         self.model.layer_group = tuple(layout.layer_group)
-        per_layer_block = kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
-                                             self.dtype)
+        per_layer_block = (kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
+                                              self.dtype) if latent is None
+                           else self.block_size * latent * self.dtype.itemsize)
         if self.device.type == "cpu":  # the ranks of a host share one RAM budget
             per_layer_block *= ranks_on_this_host(args)
         # Every rank must hold what rank 0 declares: the smallest count wins.
         counts = [self.tp.min_int(n, self.device) for n in plan_blocks(
             layout, args, self.max_model_len, per_layer_block, self.device)]
         self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
-                               self.dtype, self.device)
+                               self.dtype, self.device, latent)
         self.kv_caches = self.kv.layer_caches
         self.num_kv_blocks = counts[0]
         self.group_windows = layout.layer_windows
@@ -139,6 +145,7 @@ class ModelRunner:
         return ", ".join(
             f"{g.num_blocks} blocks x {g.num_layers} "
             + ("full-attention layers" if g.spec.kind == "full"
+               else "latent-attention (MLA) layers" if g.spec.kind == "mla"
                else f"sliding-window layers (window {g.spec.window})")
             for g in self.kv.groups())
 
@@ -187,6 +194,10 @@ class ModelRunner:
                 logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
                                "(they need the Triton kernels on a GPU, and not "
                                "--no-cuda-graphs)")
+            return None, None
+        refusal = getattr(self.backend, "no_cuda_graphs", None)
+        if refusal:  # this model's attention cannot be captured: eager steps, said once
+            logger.warning("CUDA graphs are off for %s: %s", self.info.architecture, refusal)
             return None, None
         # A garbage collection during a capture may destroy another runner's graphs (a
         # process that built one before, as tests do): that CUDA call invalidates the

@@ -5,7 +5,9 @@ Every group's table of a request has the same length, one entry per ``block_size
 positions computed, so one position is in the same table entry in every group. What
 differs is which entries hold a block:
 
-- a full-attention group holds every entry from position 0;
+- a full-attention group holds every entry from position 0; so does an MLA group
+  (``kind="mla"``: one compressed latent per position, in a pool of its own width; the
+  scheduler's rules are full attention's);
 - a sliding-window group (window ``w``) needs only the entries covering the last ``w``
   positions a query can read. When a chunk is scheduled from position ``s``, the entries
   wholly before position ``s - w + 1`` are freed back to the group's pool and become
@@ -31,7 +33,7 @@ from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
 
 from .block_manager import BlockManager, blocks_for
 
-SUPPORTED_KINDS = ("full", "sliding")
+SUPPORTED_KINDS = ("full", "sliding", "mla")
 
 
 def check_spec(spec: CacheSpec) -> None:

@@ -157,6 +157,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def fits_widths(rank: int, rope: int) -> bool:
+    """Whether latent rows of ``rank + rope`` take this kernel: whole power-of-two tiles."""
+    return all(w >= 16 and w & (w - 1) == 0 for w in (rank, rope))
+
+
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
            block_tables: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[int, int, int]:
     if q_latent.dim() != 3 or q_rope.dim() != 3 or cache.dim() != 2:
@@ -165,10 +170,9 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          f"{tuple(cache.shape)}")
     tokens, heads, rank = q_latent.shape
     rope = q_rope.shape[2]
-    for name, width in (("kv_lora_rank R", rank), ("qk_rope_head_dim P", rope)):
-        if width < 16 or width & (width - 1):
-            raise ValueError(f"mla_decode_attention: {name} = {width} is not a power of two "
-                             f">= 16 (the kernel's tiles are whole powers of two)")
+    if not fits_widths(rank, rope):
+        raise ValueError(f"mla_decode_attention: kv_lora_rank R = {rank} and qk_rope_head_dim "
+                         f"P = {rope} must be powers of two >= 16 (the kernel's tiles)")
     if q_rope.shape[:2] != (tokens, heads):
         raise ValueError(f"q_rope {tuple(q_rope.shape)} does not match q_latent "
                          f"{tuple(q_latent.shape)} in tokens/heads")

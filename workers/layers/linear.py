@@ -172,11 +172,17 @@ class RowParallelLinear(nn.Module):
     def weight_shard(self) -> Optional[Shard]:
         return None if self.in_shard.whole else self.in_shard
 
-    def forward(self, x: torch.Tensor, hidden_act: str = "") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hidden_act: str = "", reduce: bool = True) -> torch.Tensor:
         """x @ W.T (+ bias). With ``hidden_act``, x is one ``[gate | up]`` row and the
-        input is its ``act(gate) * up`` (the GPU path's fused MLP tail: dense weights)."""
+        input is its ``act(gate) * up`` (the GPU path's fused MLP tail: dense weights).
+        ``reduce=False``: this rank's partial sum, the all-reduce left to the caller
+        (who sums it with another partial first; no bias then)."""
         if self.tp.world == 1:
             return self._product(x, self.bias, hidden_act)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a partial sum has no bias: it is added after the all-reduce")
+            return self._product(x, None, hidden_act)
         out = self.tp.all_reduce(self._product(x, None, hidden_act))
         return out if self.bias is None else out + self.bias
 

@@ -1,13 +1,13 @@
 """Mixture-of-experts: routing, and the experts' computation over the routed tokens.
 
-The seam every MoE family shares (Qwen3-MoE and gpt-oss now; DeepSeek-V3's routed
-experts next):
+The seam every MoE family shares (Qwen3-MoE, DeepSeek-V2/V3 and gpt-oss):
 
 * a **routing function** turns router logits [T, E] into ``(weights [T, k] float32,
   ids [T, k])``. ``softmax_topk`` is Qwen's (optionally renormalised over the k
-  chosen), ``topk_softmax`` gpt-oss's (the k largest logits, softmax over those k); a
-  family with another rule (DeepSeek's grouped sigmoid top-k with a bias) passes its own
-  function to ``FusedMoE``;
+  chosen), ``topk_softmax`` gpt-oss's (the k largest logits, softmax over those k);
+  ``SigmoidGroupedTopK`` is DeepSeek-V3's (grouped, with a loaded correction
+  bias: a module, so its parameter loads with the layer) and
+  ``SoftmaxGroupLimitedTopK`` DeepSeek-V2's;
 * ``FusedMoE`` holds every expert's gate/up and down matrices stacked
   (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]) and computes
   ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts
@@ -68,6 +68,68 @@ def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """gpt-oss's routing: the k largest logits, softmax over those k (in float32)."""
     top, ids = torch.topk(logits, k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=torch.float32), ids
+def _group_mask(scores: torch.Tensor, groups: int, keep: int, group_score: str) -> torch.Tensor:
+    """[T, E] True where the expert's group is among the ``keep`` best of ``groups``
+    (contiguous groups of E / groups experts), a group scored by its best expert ("max")
+    or the sum of its two best ("top2")."""
+    per_group = scores.view(scores.shape[0], groups, -1)
+    if group_score == "max":
+        score = per_group.max(dim=-1).values
+    else:
+        score = per_group.topk(2, dim=-1).values.sum(dim=-1)
+    chosen = torch.topk(score, keep, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask.unsqueeze(-1).expand_as(per_group).reshape_as(scores)
+
+
+class SigmoidGroupedTopK(nn.Module):
+    """DeepSeek-V3's routing: sigmoid scores; the correction bias (a loaded parameter,
+    ``mlp.gate.e_score_correction_bias``) is added only to choose the experts: keep the
+    ``topk_group`` best of ``n_group`` groups (a group's score: the sum of its two best
+    biased scores), then the k best biased experts among them. Their weights are the
+    unbiased scores, divided by their sum when ``norm_topk_prob``, times
+    ``routed_scaling_factor``. All in float32, as transformers' DeepseekV3TopkRouter."""
+
+    def __init__(self, num_experts: int, n_group: int, topk_group: int, renormalize: bool,
+                 scaling: float, device: torch.device):
+        super().__init__()
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize, self.scaling = renormalize, scaling
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False)
+
+    def forward(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float().sigmoid()
+        biased = scores + self.bias
+        if self.n_group > 1:
+            keep = _group_mask(biased, self.n_group, self.topk_group, "top2")
+            biased = biased.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(biased, k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+@dataclass(frozen=True)
+class SoftmaxGroupLimitedTopK:
+    """DeepSeek-V2's routing: softmax over all experts in float32; ``group_limited``
+    (``topk_method="group_limited_greedy"``) first keeps the ``topk_group`` best of
+    ``n_group`` groups by their best expert, zeroing the others; then the k largest,
+    times ``routed_scaling_factor`` (never renormalised, as transformers'
+    DeepseekV2TopkRouter)."""
+
+    group_limited: bool
+    n_group: int
+    topk_group: int
+    scaling: float
+
+    def __call__(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.group_limited:
+            keep = _group_mask(scores, self.n_group, self.topk_group, "max")
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(scores, k, dim=-1, sorted=False)
+        return weights * self.scaling, ids
 
 
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -111,7 +173,11 @@ class FusedMoE(nn.Module):
     each expert's intermediate columns split across ranks."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, routing: Routing,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
+                 router_dtype: Optional[torch.dtype] = None):
+        """``router_dtype``: the router's (DeepSeek keeps it in float32, as transformers
+        does); the model dtype by default. A ``routing`` that is a module (DeepSeek-V3's,
+        holding its loaded bias) becomes a submodule."""
         super().__init__()
         if spec.top_k > spec.num_experts or spec.top_k < 1:
             raise ValueError(f"num_experts_per_tok={spec.top_k} must be in "
@@ -126,8 +192,11 @@ class FusedMoE(nn.Module):
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype),
                                 requires_grad=False)
 
-        self.gate = param(e, hidden_size)  # the router, HF ``mlp.gate.weight``
-        self.gate_bias = param(e) if spec.router_bias else None
+        self.gate = nn.Parameter(torch.empty(e, hidden_size, device=device,
+                                             dtype=router_dtype or dtype),
+                                 requires_grad=False)  # the router, HF ``mlp.gate.weight``
+        self.gate_bias = (nn.Parameter(torch.empty(e, device=device, dtype=self.gate.dtype),
+                                       requires_grad=False) if spec.router_bias else None)
         self.w13 = param(e, 2 * local, hidden_size)
         self.w2 = param(e, hidden_size, local)
         # Expert biases: b13 split with the columns; b2 is added once, by rank 0 (the other
@@ -146,7 +215,8 @@ class FusedMoE(nn.Module):
             self.routing = functools.partial(_fused_route, fused, True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.routing(self.policy.linear(x, self.gate, self.gate_bias), self.spec.top_k)
+        return self.routing(self.policy.linear(x.to(self.gate.dtype), self.gate, self.gate_bias),
+                            self.spec.top_k)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = self.route(x)

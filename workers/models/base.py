@@ -291,6 +291,7 @@ class CausalLM(nn.Module):
         cfg.validate()
         check_tensor_parallel(cfg, tp.world)
         self.cfg, self.device, self.dtype, self.tp = cfg, device, dtype, tp
+        self.attention_backend = backend  # what the runner builds each step's metadata for
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype,
                                                    cfg.embed_scale, tp,
                                                    *stored(cfg, "model.", "embed_tokens"))
@@ -310,6 +311,10 @@ class CausalLM(nn.Module):
         # Per layer: its KV cache group, whose metadata (block tables) its attention reads.
         # One group until the runner sets its layout (workers/kv_cache.py).
         self.layer_group: tuple[int, ...] = (0,) * cfg.num_layers
+
+    # The width of one position's cache row per layer when the family caches a latent
+    # (MLA) instead of K and V heads; None: K/V heads (kv_cache.py).
+    latent_cache_width: Optional[int] = None
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
@@ -392,19 +397,25 @@ class CausalLM(nn.Module):
             t["lm_head.weight"] = _vocab_target(self.lm_head.weight, self.lm_head.shard,
                                                 self.lm_head.own_blocks)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            _stacked_targets(t, f"{p}self_attn.", ("q_proj", "k_proj", "v_proj"), attn.qkv_proj)
-            _row_parallel_targets(t, f"{p}self_attn.o_proj.", attn.o_proj)
-            if attn.q_norm is not None:
-                t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
-                t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            if attn.sinks is not None:
-                t[f"{p}self_attn.sinks"] = WeightTarget(
-                    attn.sinks, shard=None if attn.head_shard.whole else attn.head_shard)
-            t.update(mlp.weight_targets(f"{p}mlp."))
-            for norm in layer.norm_names:
-                t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)
+            t.update(self.layer_weight_targets(f"model.layers.{i}.", layer))
+        return t
+
+    def layer_weight_targets(self, p: str, layer: DecoderLayer) -> dict[str, WeightTarget]:
+        """One decoder layer's HF names (under ``p``) -> their places (a family with
+        another attention overrides this)."""
+        t: dict[str, WeightTarget] = {}
+        attn, mlp = layer.self_attn, layer.mlp
+        _stacked_targets(t, f"{p}self_attn.", ("q_proj", "k_proj", "v_proj"), attn.qkv_proj)
+        _row_parallel_targets(t, f"{p}self_attn.o_proj.", attn.o_proj)
+        if attn.q_norm is not None:
+            t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
+            t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+        if attn.sinks is not None:
+            t[f"{p}self_attn.sinks"] = WeightTarget(
+                attn.sinks, shard=None if attn.head_shard.whole else attn.head_shard)
+        t.update(mlp.weight_targets(f"{p}mlp."))
+        for norm in layer.norm_names:
+            t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)
         return t
 
     def canonical_name(self, name: str) -> Optional[str]:

@@ -123,6 +123,23 @@ class MoeSpec:
     swiglu_limit: Optional[float] = None
 
 
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention's widths (DeepSeek-V2/V3, ``layers/mla.py``)."""
+
+    q_lora_rank: Optional[int]  # None: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int  # the compressed latent each position caches
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the rotated part of q/k; k's is one head shared by all
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's rope dims come in (even, odd) pairs
+
+    @property
+    def latent_width(self) -> int:
+        """One position's cache row: the latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass
 class MoeArchConfig(ArchConfig):
     """An ArchConfig whose layers ``sparse_layers[i]`` route to experts; the others keep
