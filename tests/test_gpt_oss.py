@@ -28,7 +28,8 @@ from pocketllm.workers.models.base import check_tensor_parallel  # noqa: E402
 from pocketllm.workers.models.gpt_oss import (GptOssExperts, _deinterleave,  # noqa: E402
                                               gpt_oss_arch_config)
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
+from tiny_checkpoints import (PlanDriver, gpt_oss_clamp_from_config, make_tiny_checkpoint,  # noqa: E402
+                              run_step, tables)
 
 LOGPROB_TOL = 1e-4
 
@@ -94,13 +95,14 @@ def test_the_checkpoint_exercises_sinks_biases_windows_and_the_clamp(hf_model, r
     assert len(runner.kv.num_blocks) == 2  # a sliding pool and a full one
     assert runner.model.cfg.rope["default"]["rope_type"] == "yarn"
     moe = runner.model.layers[0].mlp
-    assert moe.compute is torch_experts and moe.act == ClampedSwiGLU(1.702, 1.0)
+    limit = 1.0 if gpt_oss_clamp_from_config() else 7.0  # (tiny_checkpoints says why)
+    assert moe.compute is torch_experts and moe.act == ClampedSwiGLU(1.702, limit)
     # the clamp bites on the prompt's hidden states (else the limit would be untested)
     with torch.no_grad():
         h = hf_model.model.layers[0].post_attention_layernorm(
             hf_model.model.embed_tokens(torch.tensor(PROMPT)))
         gate_up = h @ state["model.layers.0.mlp.experts.gate_up_proj"][0]
-    assert float(gate_up.abs().max()) > 1.0
+    assert float(gate_up.abs().max()) > limit or not gpt_oss_clamp_from_config()
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(runner, reference):
@@ -200,6 +202,8 @@ def hf_config(**kw):
     base = dict(hidden_size=24, intermediate_size=20, num_local_experts=6,
                 num_experts_per_tok=3, swiglu_limit=1.5, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, num_hidden_layers=1, vocab_size=32)
+    if not gpt_oss_clamp_from_config():
+        del base["swiglu_limit"]  # an older transformers clamps at 7.0 whatever this says
     return transformers.GptOssConfig(**{**base, **kw})
 
 
@@ -305,7 +309,7 @@ def test_defaults_match_transformers():
     m = cfg.moe
     assert (m.num_experts, m.top_k, m.intermediate_size, m.swiglu_alpha, m.swiglu_limit) == (
         ref.num_local_experts, ref.num_experts_per_tok, ref.intermediate_size,
-        ref.swiglu_alpha, ref.swiglu_limit)
+        getattr(ref, "swiglu_alpha", 1.702), getattr(ref, "swiglu_limit", 7.0))  # 5.17: fixed
     assert cfg.layer_windows == [ref.sliding_window if t == "sliding_attention" else None
                                  for t in ref.layer_types]
     rope = cfg.rope["default"]
@@ -482,6 +486,8 @@ def mxfp4_path(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.skipif(not gpt_oss_clamp_from_config(), reason="an older transformers (5.17) "
+                    "computes MXFP4 experts in another order: logprobs differ by ~5e-4")
 def test_mxfp4_checkpoint_matches_transformers(mxfp4_path):
     """transformers dequantizes an MXFP4 checkpoint on the CPU; so does the loader here:
     the same tokens and log probabilities; at TP=2 each rank holds its share."""

@@ -124,11 +124,22 @@ def make_tiny_checkpoint(family: str, path: Optional[str] = None,
     return str(path)
 
 
+def gpt_oss_clamp_from_config() -> bool:
+    """Whether this transformers' gpt-oss reads its SwiGLU clamp from the config (5.2x
+    does: ``swiglu_alpha``, ``swiglu_limit``); 5.17 and older hard-code alpha 1.702 and
+    limit 7.0, the released checkpoints' values, so a tiny checkpoint keeps those there."""
+    from transformers import GptOssConfig
+
+    return hasattr(GptOssConfig(), "swiglu_alpha")
+
+
 def _build(family: str, path: str, overrides: dict) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    if family == "gpt_oss" and not gpt_oss_clamp_from_config():
+        cfg_dict.pop("swiglu_limit")  # the reference would clamp at 7.0 whatever it says
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                   "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3",
                   "deepseek_v2": "deepseek_v2"}
