@@ -25,9 +25,8 @@ from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noq
 from pocketllm.workers.models.config import MoeSpec  # noqa: E402
 from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E402
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
-from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
-
-LOGPROB_TOL = 1e-4
+from tiny_checkpoints import make_tiny_checkpoint, run_step, tables  # noqa: E402
+from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +42,6 @@ def reference(moe_path):
 @pytest.fixture(scope="module")
 def runner(moe_path):
     return make_runner(moe_path)
-
-
-def run(runner, prompts: dict, new_tokens=NEW_TOKENS, chunk=None, preempt_after=None):
-    driver = PlanDriver(runner, chunk=chunk, shuffle_blocks=1)
-    for rid, prompt in prompts.items():
-        driver.add(rid, prompt, GREEDY_LP, new_tokens)
-    if preempt_after is not None:
-        for _ in range(preempt_after):
-            driver.step_once()
-        driver.preempt(next(iter(prompts)))  # drops its KV: recomputed from its tokens
-    return driver.run(), driver
-
-
-def assert_matches(tokens, logprobs, reference):
-    ref_tokens, ref_logprobs = reference
-    assert tokens == ref_tokens
-    for step, lp in enumerate(logprobs):
-        ref = ref_logprobs[step]
-        assert lp.logprob == pytest.approx(ref[tokens[step]].item(), abs=LOGPROB_TOL)
-        top_vals, top_ids = ref.topk(5)
-        assert lp.top_token_ids == top_ids.tolist()
-        assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=LOGPROB_TOL)
 
 
 def test_sparse_and_dense_layers_follow_the_config(runner):

@@ -1,0 +1,36 @@
+"""What every family's parity test against transformers drives: the runner through the
+``PlanDriver`` (greedy, with log probabilities; chunked prefill and a preemption on
+demand), and the comparison with transformers' greedy tokens and log probabilities."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_worker_parity import GREEDY_LP, NEW_TOKENS
+from tiny_checkpoints import PlanDriver
+
+LOGPROB_TOL = 1e-4
+
+
+def run(runner, prompts: dict, new_tokens=NEW_TOKENS, chunk=None, preempt_after=None):
+    driver = PlanDriver(runner, chunk=chunk, shuffle_blocks=1)
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt, GREEDY_LP, new_tokens)
+    if preempt_after is not None:
+        for _ in range(preempt_after):
+            driver.step_once()
+        driver.preempt(next(iter(prompts)))  # drops its KV: recomputed from its tokens
+    return driver.run(), driver
+
+
+def assert_matches(tokens, logprobs, reference, tol: float = LOGPROB_TOL):
+    """``reference``: ``hf_greedy``'s (tokens, log-softmax rows): the same tokens, each
+    token's log probability and the top 5 within ``tol``."""
+    ref_tokens, ref_logprobs = reference
+    assert tokens == ref_tokens
+    for step, lp in enumerate(logprobs):
+        ref = ref_logprobs[step]
+        assert lp.logprob == pytest.approx(ref[tokens[step]].item(), abs=tol)
+        top_vals, top_ids = ref.topk(5)
+        assert lp.top_token_ids == top_ids.tolist()
+        assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=tol)
