@@ -17,7 +17,8 @@ from pocketllm.workers.cuda_graphs import ladder  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
 from tiny_checkpoints import PlanDriver, make_tiny_checkpoint  # noqa: E402
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "deepseek_v3",
+            "deepseek_v2"]
 CUDA = torch.cuda.is_available()
 
 

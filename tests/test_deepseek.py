@@ -164,17 +164,6 @@ def test_kv_budget_buys_latent_rows(path):
     assert runner.kv.pools[0].shape == (3, (runner.num_kv_blocks + 1) * 4, width)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_are_refused_for_mla_models(path, caplog):
-    """MLA steps run eagerly on CUDA, said once; the tokens are transformers'."""
-    with caplog.at_level("WARNING", logger="pocketllm.worker"):
-        runner = make_runner(path, "cuda")
-    assert runner.graphs is None and runner.mixed_graphs is None
-    assert "CUDA graphs are off" in caplog.text and "latent attention" in caplog.text
-    out, _ = run(runner, {"r": PROMPT}, new_tokens=8)
-    assert out["r"] == hf_greedy(path, PROMPT, 8)[0]
-
-
 # ---------------------------------------------------------------------- routing
 
 

@@ -1,6 +1,7 @@
-"""The Triton MoE grouped GEMM (``kernels/fused_moe.py``) against the torch reference
-(``layers.moe.torch_experts``): its block-aligned layout, the products on random weights,
-and a whole tiny Qwen3-MoE on the GPU path (interpreted on CPU, compiled on CUDA)."""
+"""The Triton MoE grouped GEMM (``kernels/fused_moe.py``) and the few-token gemvs
+(``kernels/moe_gemv.py``) against the torch reference (``layers.moe.torch_experts``): the
+grouped GEMM's block-aligned layout, the products on random weights, and whole tiny MoE
+models on the GPU path (interpreted on CPU, compiled on CUDA)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pocketllm.workers.layers.activation import ClampedSwiGLU  # noqa: E402
 from pocketllm.workers.layers.moe import softmax_topk, topk_softmax, torch_experts  # noqa: E402
 
 CUDA = DEVICE.type == "cuda"
+# both GPU computations of the experts (the kernel policy picks by token count)
+EXPERTS = {"grouped": K.fused_moe.fused_experts, "gemv": K.moe_gemv.gemv_experts}
 
 
 def moe_case(tokens, experts=8, top_k=2, hidden=64, inter=32, dtype=torch.float32, seed=0,
@@ -55,12 +58,21 @@ def test_align_groups_every_pair_once_in_expert_tiles(tokens, block_m, experts):
         assert (flat[rows] == tile_expert[tile]).all()  # one expert per tile
 
 
+@pytest.mark.parametrize("kind", EXPERTS)
 @pytest.mark.parametrize("tokens", [1, 3, 17, 70])
 @pytest.mark.parametrize("skew", [False, True])
-def test_fused_experts_match_torch_reference_float32(tokens, skew):
+def test_fused_experts_match_torch_reference_float32(kind, tokens, skew):
     x, w13, w2, weights, ids = moe_case(tokens, skew=skew, seed=tokens)
     want = torch_experts(x, w13, w2, weights, ids, "silu")
-    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu")
+    got = EXPERTS[kind](x, w13, w2, weights, ids, "silu")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_gemvs_at_ragged_widths():
+    # widths that are not multiples of the tiles (masks), top-4 of 6 experts, gelu
+    x, w13, w2, weights, ids = moe_case(3, experts=6, top_k=4, hidden=72, inter=40, seed=5)
+    want = torch_experts(x, w13, w2, weights, ids, "gelu_pytorch_tanh")
+    got = K.moe_gemv.gemv_experts(x, w13, w2, weights, ids, "gelu_pytorch_tanh")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -86,9 +98,10 @@ def test_softmax_topk_kernel_matches_torch_routing(experts, top_k, renormalize):
     assert empty[0].shape == empty[1].shape == (0, top_k)
 
 
+@pytest.mark.parametrize("kind", EXPERTS)
 @pytest.mark.parametrize("tokens", [1, 17])
 @pytest.mark.parametrize("down_bias", [True, False])  # False: a tensor-parallel rank past 0
-def test_fused_experts_with_biases_and_clamped_swiglu_match_torch(tokens, down_bias):
+def test_fused_experts_with_biases_and_clamped_swiglu_match_torch(kind, tokens, down_bias):
     """gpt-oss's experts: biases on both products and the clamped SwiGLU (a limit low
     enough that both clamps cut), in the kernel's epilogues."""
     x, w13, w2, _, _ = moe_case(tokens, experts=6, hidden=40, inter=24, seed=tokens)
@@ -98,7 +111,7 @@ def test_fused_experts_with_biases_and_clamped_swiglu_match_torch(tokens, down_b
     weights, ids = topk_softmax(torch.randn(tokens, 6, generator=gen).to(DEVICE), 3)
     act = ClampedSwiGLU(1.702, 0.5)
     want = torch_experts(x, w13, w2, weights, ids, act, b13, b2)
-    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    got = EXPERTS[kind](x, w13, w2, weights, ids, act, b13, b2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     plain = torch_experts(x, w13, w2, weights, ids, "silu")
     assert (got - plain).abs().max() > 0.1  # the biases and the clamp changed something
@@ -116,29 +129,31 @@ def test_renormalised_softmax_topk_kernel_is_gpt_oss_routing(experts, top_k):
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
 
 
-def test_fused_experts_no_tokens():
+@pytest.mark.parametrize("kind", EXPERTS)
+def test_fused_experts_no_tokens(kind):
     x, w13, w2, weights, ids = moe_case(0)
-    assert K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu").shape == (0, 64)
+    assert EXPERTS[kind](x, w13, w2, weights, ids, "silu").shape == (0, 64)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="Triton's interpreter gets tl.dot on bfloat16 wrong "
                     "(numpy has no bfloat16); checked compiled on CUDA")
-@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
-def test_fused_experts_match_torch_reference_bfloat16(tokens):
+@pytest.mark.parametrize("kind, tokens", [("grouped", 1), ("grouped", 8), ("grouped", 64),
+                                          ("grouped", 512), ("gemv", 1), ("gemv", 4)])
+def test_fused_experts_match_torch_reference_bfloat16(kind, tokens):
     # Qwen3-30B-A3B's expert shapes (128 experts, top-8, 2048 -> 768), fewer rows
     x, w13, w2, weights, ids = moe_case(tokens, experts=128, top_k=8, hidden=2048, inter=768,
                                         dtype=torch.bfloat16, seed=tokens)
     want = torch_experts(x.float(), w13.float(), w2.float(), weights, ids, "silu")
-    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, "silu")
+    got = EXPERTS[kind](x, w13, w2, weights, ids, "silu")
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="Triton's interpreter gets tl.dot on bfloat16 wrong "
                     "(numpy has no bfloat16); checked compiled on CUDA")
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_gpt_oss_experts_bfloat16_at_20b_shapes(tokens):
+@pytest.mark.parametrize("kind, tokens", [("grouped", 1), ("grouped", 64), ("gemv", 2)])
+def test_gpt_oss_experts_bfloat16_at_20b_shapes(kind, tokens):
     # gpt-oss-20b's experts (32, top-4, 2880 -> 2880) with biases and the clamp at 7
     x, w13, w2, _, _ = moe_case(tokens, experts=32, hidden=2880, inter=2880,
                                 dtype=torch.bfloat16, seed=tokens)
@@ -149,21 +164,23 @@ def test_gpt_oss_experts_bfloat16_at_20b_shapes(tokens):
     act = ClampedSwiGLU(1.702, 7.0)
     want = torch_experts(x.float(), w13.float(), w2.float(), weights, ids, act, b13.float(),
                          b2.float())
-    got = K.fused_moe.fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    got = EXPERTS[kind](x, w13, w2, weights, ids, act, b13, b2)
     torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_fused_experts_replay_under_a_cuda_graph():
+@pytest.mark.parametrize("kind, tokens", [("grouped", 24), ("gemv", 3)])
+def test_fused_experts_replay_under_a_cuda_graph(kind, tokens):
     """No host read-back: captured once, replayed on new routing, equal to eager."""
-    x, w13, w2, weights, ids = moe_case(24, seed=1)
+    x, w13, w2, weights, ids = moe_case(tokens, seed=1)
     static = [t.clone() for t in (x, weights, ids)]
-    K.fused_moe.fused_experts(*static[:1], w13, w2, *static[1:], "silu")  # compile first
+    experts = EXPERTS[kind]
+    experts(*static[:1], w13, w2, *static[1:], "silu")  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = K.fused_moe.fused_experts(static[0], w13, w2, static[1], static[2], "silu")
-    x2, _, _, weights2, ids2 = moe_case(24, seed=2)
+        out = experts(static[0], w13, w2, static[1], static[2], "silu")
+    x2, _, _, weights2, ids2 = moe_case(tokens, seed=2)
     for buf, new in zip(static, (x2, weights2, ids2)):
         buf.copy_(new)
     graph.replay()
@@ -192,7 +209,8 @@ def test_gpu_path_of_a_whole_moe_model_matches_torch():
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
     moe = runner.model.layers[0].mlp
-    assert moe.compute is K.fused_moe.fused_experts
+    assert moe.compute.grouped is K.fused_moe.fused_experts
+    assert moe.compute.gemv is K.moe_gemv.gemv_experts
     assert moe.routing.args[0] is K.fused_moe.softmax_topk  # routing in one launch too
     tokens, logprobs = greedy(runner)
     assert tokens == torch_tokens
@@ -220,7 +238,8 @@ def test_gpu_path_of_a_whole_gpt_oss_model_matches_torch():
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
     moe = runner.model.layers[0].mlp
-    assert moe.compute is K.fused_moe.fused_experts
+    assert moe.compute.grouped is K.fused_moe.fused_experts
+    assert moe.compute.gemv is K.moe_gemv.gemv_experts
     assert moe.routing.args == (K.fused_moe.softmax_topk, True)
     assert type(runner.backend).__name__ == "TritonAttention"
     tokens, logprobs = greedy(runner)
@@ -253,7 +272,7 @@ def test_gpu_path_of_a_deepseek_model_matches_torch(family):
         torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
-    assert runner.model.layers[1].mlp.experts.compute is K.fused_moe.fused_experts
+    assert runner.model.layers[1].mlp.experts.compute.grouped is K.fused_moe.fused_experts
     # V3's latent widths (32 + 16) fit the Triton kernel's tiles, V2's (24 + 8) do not
     if family == "deepseek_v3":
         assert runner.backend.decode.args[1] is importlib.import_module(

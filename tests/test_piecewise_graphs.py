@@ -71,7 +71,9 @@ def make_runner(path: str, device: str = "cpu") -> ModelRunner:
 @pytest.mark.parametrize("family, fused", [("llama", False), ("gemma3", False),
                                            ("qwen3", False), ("llama", True),
                                            ("qwen3_moe", False), ("qwen3_moe", True),
-                                           ("gpt_oss", False), ("gpt_oss", True)])
+                                           ("gpt_oss", False), ("gpt_oss", True),
+                                           ("deepseek_v3", False), ("deepseek_v3", True),
+                                           ("deepseek_v2", False)])
 def test_pieces_replayed_around_eager_attention_match_the_eager_forward(family, fused):
     path = make_tiny_checkpoint(family)
     device = KERNEL_DEVICE.type if fused else "cpu"

@@ -10,8 +10,9 @@ Default mode, tuned for speed:
   ``kernels/bench.py --tune``; the torch reference on CPU;
 - the sampler cuts top-k/top-p at the widest row's width, probing the nucleus;
 - routed experts (MoE layers) run the Triton grouped GEMM on CUDA, one launch for every
-  expert (``kernels/fused_moe.py``, gpt-oss's biases and clamped SwiGLU included); the
-  torch reference on CPU (``moe_experts``);
+  expert (``kernels/fused_moe.py``, gpt-oss's biases and clamped SwiGLU included), or
+  per-pair gemvs for a step of a few tokens (``kernels/moe_gemv.py``); the torch
+  reference on CPU (``moe_experts``);
 - multi-head latent attention's paged decode (DeepSeek) is ``kernels/mla_decode.py`` on
   CUDA where the latent widths fit its tiles, else the torch
   reference of ``layers/mla.py`` (``mla_decode``);
@@ -50,7 +51,7 @@ import functools
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,9 @@ class KernelPolicy:
     decode_min_partition: int = 64  # fewest keys per decode split
     decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
     sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
+    # Steps of at most this many tokens run their experts as gemvs (kernels/moe_gemv.py):
+    # below it a token's experts are rarely shared, so grouping buys no reuse.
+    moe_gemv_max_tokens: int = 4
 
     def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
         """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;
@@ -146,15 +150,20 @@ class KernelPolicy:
         ``torch_experts``'): on the GPU path the Triton grouped GEMM of
         ``kernels/fused_moe.py`` (tokens sorted by expert into block-aligned groups, one
         launch for gate/up and the activation, one for down; its tile fixed in
-        batch-invariant mode), else the torch reference, one product per expert hit.
-        Both take gpt-oss's expert biases and clamped SwiGLU."""
+        batch-invariant mode) or, for steps of at most ``moe_gemv_max_tokens`` tokens,
+        the per-pair gemvs of ``kernels/moe_gemv.py`` (no sort, the per-token sum in the
+        down launch); else the torch reference, one product per expert hit. All take
+        gpt-oss's expert biases and clamped SwiGLU."""
         if not self.triton:
             from .layers.moe import torch_experts
 
             return torch_experts
         from .kernels.fused_moe import fused_experts, fused_experts_fixed_tile
+        from .kernels.moe_gemv import gemv_experts
 
-        return fused_experts_fixed_tile if self.batch_invariant else fused_experts
+        if self.batch_invariant:
+            return fused_experts_fixed_tile
+        return ExpertsByTokens(self.moe_gemv_max_tokens, gemv_experts, fused_experts)
 
     def mla_decode(self, rank: int, rope: int):
         """The decode attention over a paged MLA latent cache of rows ``rank + rope`` wide
@@ -183,6 +192,18 @@ class KernelPolicy:
         from .kernels.attention_backend import TritonAttention
 
         return TritonAttention(self)
+
+
+@dataclass(frozen=True)
+class ExpertsByTokens:
+    """The experts' computation by the step's token count (``KernelPolicy.moe_experts``)."""
+
+    max_gemv_tokens: int
+    gemv: Callable
+    grouped: Callable
+
+    def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return (self.gemv if x.shape[0] <= self.max_gemv_tokens else self.grouped)(x, *args)
 
 
 def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,

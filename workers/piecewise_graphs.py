@@ -51,24 +51,24 @@ class MixedGraphs:
                  capture: Callable = capture_cuda_graph):
         self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
         rungs = token_ladder(max_tokens)
-        t, dtype = rungs[-1], model.dtype
-        attn = model.layers[0].self_attn
-        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        t = rungs[-1]
 
-        def buffer(*shape, dtype=dtype):
+        def buffer(*shape, dtype=model.dtype):
             return torch.zeros(t, *shape, dtype=dtype, device=device)
 
+        def like(x: torch.Tensor) -> torch.Tensor:
+            return buffer(*x.shape[1:], dtype=x.dtype)
+
         self.input_ids, self.positions = buffer(dtype=torch.long), buffer(dtype=torch.long)
-        self.attn = buffer(heads, dim)
-        self.q, self.k, self.v = buffer(heads, dim), buffer(kv_heads, dim), buffer(kv_heads, dim)
+        self.attn = buffer(*model.layers[0].self_attn.output_shape)
         self.residual = buffer(model.cfg.hidden_size)
         self.hidden = buffer(model.cfg.hidden_size)
-        # (also grows the rotary tables to max_model_len, as the pieces expect them)
-        rope = {kind: table.lookup(self.positions[:1], max_model_len - 1)
-                for kind, table in model.rotary.items()}
-        self.rope = {kind: (buffer(*cos.shape[1:], dtype=cos.dtype),
-                            buffer(*sin.shape[1:], dtype=sin.dtype))
-                     for kind, (cos, sin) in rope.items()}
+        # The buffers take the shapes the first piece hands on (q/k/v heads, or an MLA
+        # layer's query parts and latent rows). This also grows the rotary tables to
+        # max_model_len, as the pieces expect them.
+        first = model.embed(self.input_ids, self.positions, max_model_len - 1)
+        self.qkv = tuple(like(x) for x in first.qkv)
+        self.rope = {kind: (like(cos), like(sin)) for kind, (cos, sin) in first.rope.items()}
         self.graphs: dict[int, list] = {}
         self._capture(rungs, capture)
         self.token_counts = sorted(self.graphs)  # the rungs captured, ascending
@@ -81,7 +81,7 @@ class MixedGraphs:
 
     def _static(self, t: int) -> Segment:
         return Segment({k: (cos[:t], sin[:t]) for k, (cos, sin) in self.rope.items()},
-                       self.residual[:t], (self.q[:t], self.k[:t], self.v[:t]))
+                       self.residual[:t], tuple(buf[:t] for buf in self.qkv))
 
     def _piece(self, index: int, t: int) -> None:
         """Piece ``index`` over the first ``t`` rows, static buffers in and out."""
@@ -96,7 +96,7 @@ class MixedGraphs:
             self.hidden[:t].copy_(seg.hidden)
             return
         self.residual[:t].copy_(seg.residual)
-        for buf, x in zip((self.q, self.k, self.v), seg.qkv):
+        for buf, x in zip(self.qkv, seg.qkv):
             buf[:t].copy_(x)
 
     def _capture(self, rungs: Sequence[int], capture: Callable) -> None:
@@ -136,7 +136,7 @@ class MixedGraphs:
         graphs[0].replay()
         metas = as_group_metas(meta)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attend(self.q[:n], self.k[:n], self.v[:n],
+            layer.self_attn.attend(*(buf[:n] for buf in self.qkv),
                                    metas[self.model.layer_group[i]], self.kv_caches[i],
                                    out=self.attn[:n])
             graphs[i + 1].replay()

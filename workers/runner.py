@@ -195,10 +195,6 @@ class ModelRunner:
                                "(they need the Triton kernels on a GPU, and not "
                                "--no-cuda-graphs)")
             return None, None
-        refusal = getattr(self.backend, "no_cuda_graphs", None)
-        if refusal:  # this model's attention cannot be captured: eager steps, said once
-            logger.warning("CUDA graphs are off for %s: %s", self.info.architecture, refusal)
-            return None, None
         # A garbage collection during a capture may destroy another runner's graphs (a
         # process that built one before, as tests do): that CUDA call invalidates the
         # capture. So collect once now and not while capturing.

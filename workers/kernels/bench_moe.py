@@ -1,13 +1,14 @@
 """The MoE grouped GEMM at Qwen3-30B-A3B's expert shapes: error and time against the torch
 reference, and its time against the memory roofline of the experts a step actually reads.
 
-    python -m pocketllm.workers.kernels.bench_moe [--out DIR] [--tune] [--tp N]
+    python -m pocketllm.workers.kernels.bench_moe [--out DIR] [--tune] [--tp N] [--tokens T ...]
 
 CUDA only. ``roofline_ms`` is (bytes of the distinct experts the step's routing hits,
 plus the rows in and out) over the device's copy bandwidth (``device.copy_bandwidth``,
-read + write); ``of_roofline`` is that over the CUDA-graph time. ``--tune`` also times a
+read + write); ``of_roofline`` is that over the CUDA-graph time. Up to ``GEMV_TOKENS``
+tokens the few-token gemvs (``moe_gemv.py``) are timed too. ``--tune`` also times a
 sweep of tiles per case and reports the best (pass it to ``fused_experts(block=)`` or
-change ``fused_moe.tiles``).
+change ``fused_moe.tiles``; for the gemvs, ``moe_gemv``'s two configs).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import torch
 from ..device import copy_bandwidth
 from ..layers.moe import softmax_topk, torch_experts
 from .bench import BF16, DEV, ROWS, emit, graph_ms, host_us, median_ms, rel_err
+from . import moe_gemv
 from .fused_moe import fused_experts
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 SWEEP = list(itertools.product((16, 32, 64), (32, 64, 128), (32, 64, 128)))
+GEMV_TOKENS = 8  # the few-token gemvs (moe_gemv.py) are timed up to this many tokens
+GEMV_SWEEP = list(itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8)))
 
 
 def case(tokens: int, inter: int, seed: int = 0):
@@ -58,8 +62,16 @@ def run(tokens: int, inter: int, bandwidth: float, tune: bool) -> None:
                eager_ms=median_ms(ours), torch_eager_ms=median_ms(ref), graph_ms=graph_ms(ours),
                host_us=host_us(ours), err=rel_err(out, truth), torch_err=rel_err(ref(), truth))
     ROWS.append(row)
-    roof = 1e3 * read_bytes(x, w13, w2, ids) / (bandwidth / 2)  # copy bw counts r + w
+    # HBM moves about the copy's read + write rate in any mix (bench latency and
+    # bench_mla hold reads to the same figure)
+    roof = 1e3 * read_bytes(x, w13, w2, ids) / bandwidth
     row.update(roofline_ms=roof, of_roofline=roof / row["graph_ms"])
+    if tokens <= GEMV_TOKENS:
+        gemv = lambda: moe_gemv.gemv_experts(x, w13, w2, weights, ids, "silu")  # noqa: E731
+        row.update(gemv_ms=graph_ms(gemv), gemv_err=rel_err(gemv(), truth))
+        row.update(gemv_of_roofline=roof / row["gemv_ms"])
+        if tune:
+            row.update(gemv_best=tune_gemv(gemv))
     if tune:
         times = {}
         for block in SWEEP:
@@ -74,17 +86,32 @@ def run(tokens: int, inter: int, bandwidth: float, tune: bool) -> None:
     emit(row)
 
 
+def tune_gemv(gemv) -> list:
+    """The best (BLOCK_N, BLOCK_K, warps) of each gemv launch, the other at its default."""
+    best = []
+    for name in ("GATE_UP_CONFIG", "DOWN_CONFIG"):
+        default, times = getattr(moe_gemv, name), {}
+        for config in GEMV_SWEEP:
+            setattr(moe_gemv, name, config)
+            times[config] = graph_ms(gemv)
+        setattr(moe_gemv, name, default)
+        pick = min(times, key=times.get)
+        best.append([name, list(pick), times[pick], times[default]])
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="split I as N ranks would")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = parser.parse_args()
     bandwidth = copy_bandwidth(DEV)
     print(torch.cuda.get_device_name(), torch.__version__,
           f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
     with torch.inference_mode():
-        for tokens in TOKENS:
+        for tokens in args.tokens:
             run(tokens, INTER // args.tp, bandwidth, args.tune)
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
@@ -95,7 +122,10 @@ def main() -> None:
               f"{r['torch_eager_ms']:>8.4f} "
               f"{r['roofline_ms']:>8.4f} {r['of_roofline']:>8.0%} {r['err']:>8.1e}"
               + (f"  best {r['best_block']} {r['best_of_roofline']:.0%}" if "best_block" in r
-                 else ""))
+                 else "")
+              + (f"  gemv {r['gemv_ms']:.4f} {r['gemv_of_roofline']:.0%} {r['gemv_err']:.1e}"
+                 if "gemv_ms" in r else "")
+              + (f"  gemv best {r['gemv_best']}" if "gemv_best" in r else ""))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,26 @@ CLAMPED = "clamped_swiglu"  # the kernel's ACT for ClampedSwiGLU
 
 
 @triton.jit
+def gated_epilogue(gate, up, ACT: tl.constexpr, alpha, limit):
+    """``act(gate) * up`` in float32, or gpt-oss's clamped SwiGLU (``ACT`` "clamped_swiglu")."""
+    if ACT == "clamped_swiglu":
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    return activate(gate, ACT) * up
+
+
+def expert_activation(hidden_act) -> tuple[str, float, float]:
+    """(the kernels' ACT, alpha, limit) of an HF activation name or a ``ClampedSwiGLU``."""
+    if isinstance(hidden_act, ClampedSwiGLU):
+        return CLAMPED, hidden_act.alpha, hidden_act.limit
+    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    if act is None:
+        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    return act, 0.0, 0.0
+
+
+@triton.jit
 def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale, Bias,
               num_pairs, n_out, k_in, a_div, w_half,
               stride_am, stride_we, stride_wn, stride_om, stride_be, alpha, limit,
@@ -77,12 +97,7 @@ def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale, Bias,
         if GATED:
             acc_up += tl.load(bias + w_half, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if ACT == "clamped_swiglu":
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-        else:
-            acc = activate(acc, ACT) * acc_up
+        acc = gated_epilogue(acc, acc_up, ACT, alpha, limit)
     if SCALE:
         acc = acc * tl.load(Scale + pairs, mask=valid, other=0.0)[:, None]
     out = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -242,13 +257,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     [T, k] float32; ids [T, k] -> [T, H]; ``hidden_act`` an HF name or ``ClampedSwiGLU``;
     biases ``b13`` [E, 2I], ``b2`` [E, H] or None. ``block``: (BLOCK_M, BLOCK_N, BLOCK_K)
     for both launches (default: ``tiles``)."""
-    alpha = limit = 0.0
-    if isinstance(hidden_act, ClampedSwiGLU):
-        act, alpha, limit = CLAMPED, hidden_act.alpha, hidden_act.limit
-    else:
-        act = KERNEL_ACTIVATIONS.get(hidden_act)
-    if act is None:
-        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    act, alpha, limit = expert_activation(hidden_act)
     for bias in (b13, b2):
         if bias is not None and not bias.is_contiguous():
             raise ValueError("expert biases must be contiguous")

@@ -22,7 +22,7 @@ always, V3 unless ``rope_interleave`` is false). The loader permutes those rows 
 every score is unchanged and the cache holds rotate-half rope keys.
 
 Both paths read block tables (``AttentionMetadata`` built with ``kernel_tables=True``,
-on every device). CUDA graphs are not captured for MLA models (``MlaBackend``).
+on every device), so the decode and piecewise CUDA graphs capture MLA models as any other.
 """
 
 from __future__ import annotations
@@ -101,12 +101,11 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: tor
 
 class MlaBackend:
     """What the runner needs from an MLA model's attention: block-table metadata on every
-    device (``kernel_tables``), and no CUDA graphs (the torch paths sync to the host
-    for prefill lengths, and no captured form exists yet)."""
+    device (``kernel_tables``). Decode steps replay whole CUDA graphs; a prefill's
+    attention (which reads its sequences' lengths on the host) runs eagerly between the
+    piecewise graphs, as every family's does."""
 
     kernel_tables = True
-    no_cuda_graphs = ("multi-head latent attention runs eagerly (its prefill reads "
-                      "sequence lengths on the host)")
 
     def __init__(self, decode: Callable[..., torch.Tensor]):
         self.decode = decode  # KernelPolicy.mla_decode()
@@ -151,6 +150,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(even_shard(num_heads * v, tp, dim=1), hidden_size, False,
                                         device, dtype, tp)
         self.split = [self.a_proj.out_sizes[0], spec.latent_width]
+        self.output_shape = (self.num_heads, v)  # of each token's row ``attend`` writes
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor]):

@@ -103,6 +103,7 @@ class Attention(nn.Module):
         # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
         self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
+        self.output_shape = (self.num_heads, d)  # of each token's row ``attend`` writes
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: RopeCosSin
