@@ -135,6 +135,14 @@ class KernelPolicy:
         """Whether a product of x runs as the one-row gemv (with whatever it fuses)."""
         return self.triton and not self.batch_invariant and x.shape[0] == 1
 
+    def product(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` of a plain weight that no layer fuses anything
+        into (a router): the one-row gemv where ``one_row``, else ``linear``."""
+        if self.one_row(x):
+            return self.kernel("gemv", "gemv")(x, weight, bias)
+        return self.linear(x, weight, bias)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A product of two or more rows (any rows in batch-invariant mode)."""

@@ -188,8 +188,7 @@ class ModelRunner:
     def _capture_graphs(self):
         """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA
         graphs need the Triton kernels on a GPU, and the flags must allow them."""
-        if not (self.args.cuda_graphs and self.device.type == "cuda"
-                and getattr(self.backend, "kernel_tables", False)):
+        if not (self.args.cuda_graphs and self.device.type == "cuda" and self.policy.triton):
             if self.args.cuda_graph_max_tokens:
                 logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
                                "(they need the Triton kernels on a GPU, and not "

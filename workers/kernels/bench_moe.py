@@ -30,7 +30,10 @@ EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 SWEEP = list(itertools.product((16, 32, 64), (32, 64, 128), (32, 64, 128)))
 GEMV_TOKENS = 8  # the few-token gemvs (moe_gemv.py) are timed up to this many tokens
-GEMV_SWEEP = list(itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8)))
+# (BLOCK_N, BLOCK_K, warps) per gemv launch; the down launch's tile is k times taller
+GEMV_SWEEP = {"GATE_UP_CONFIG": list(itertools.product((4, 8, 16), (128, 256, 512), (2, 4, 8))),
+              "DOWN_CONFIG": [c for c in itertools.product((1, 2, 4, 8), (64, 128, 256, 512),
+                                                           (2, 4, 8)) if c[0] * c[1] <= 2048]}
 
 
 def case(tokens: int, inter: int, seed: int = 0):
@@ -89,9 +92,9 @@ def run(tokens: int, inter: int, bandwidth: float, tune: bool) -> None:
 def tune_gemv(gemv) -> list:
     """The best (BLOCK_N, BLOCK_K, warps) of each gemv launch, the other at its default."""
     best = []
-    for name in ("GATE_UP_CONFIG", "DOWN_CONFIG"):
+    for name, sweep in GEMV_SWEEP.items():
         default, times = getattr(moe_gemv, name), {}
-        for config in GEMV_SWEEP:
+        for config in sweep:
             setattr(moe_gemv, name, config)
             times[config] = graph_ms(gemv)
         setattr(moe_gemv, name, default)

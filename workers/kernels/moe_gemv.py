@@ -13,10 +13,10 @@ partial sums per (feature, column) that it reduces once:
 
 - launch 1, per pair: ``act(x W_gate) * (x W_up)`` of the pair's token row and its
   expert's gate/up rows (plus gpt-oss's biases and clamped SwiGLU), stored per pair;
-- launch 2, per token: for each of its k pairs in routing order, the pair's row times
-  its expert's down rows (plus bias), rounded to the model dtype and scaled by the
-  routing weight as the grouped GEMM rounds it, summed in float32 and stored once.
-  No atomics: a token's sum has a fixed order.
+- launch 2, per token: its k pairs' rows times their experts' down rows at once (plus
+  bias), each scaled by its routing weight and rounded to the model dtype as the
+  grouped GEMM rounds it, summed in float32 and stored once. No atomics: a token's sum
+  has a fixed order.
 
 The grid depends on the token count alone and nothing is read back to the host, so a
 step replays under CUDA graphs. The kernel policy picks this path for steps of at most
@@ -35,8 +35,8 @@ from .fused_moe import expert_activation, gated_epilogue
 
 # (BLOCK_N, BLOCK_K, num_warps) of each launch, timed on an H200 at Qwen3-30B-A3B's
 # expert shapes (bench_moe.py --tune).
-GATE_UP_CONFIG = (8, 512, 4)
-DOWN_CONFIG = (8, 512, 4)
+GATE_UP_CONFIG = (8, 256, 4)
+DOWN_CONFIG = (4, 256, 4)
 
 
 @triton.jit
@@ -75,32 +75,36 @@ def _gate_up_gemv(X, W, B, Ids, Out, top_k, inter, hidden, stride_xt, stride_we,
 @triton.jit
 def _down_gemv_sum(H, W, B, Ids, Weights, Out, top_k, hidden, inter, stride_hp, stride_we,
                    stride_wn, stride_be, stride_ot, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program: BLOCK_N output features of one token, all its k experts at once (a
+    # [TOP_K, BLOCK_N, BLOCK_K] tile per step: k matrices' loads in flight together).
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < hidden
     cols = tl.where(ok, cols, 0)
+    js = tl.arange(0, TOP_K)
+    j_ok = js < top_k  # TOP_K is top_k rounded up to a power of two
+    pairs = token * top_k + tl.where(j_ok, js, 0)
+    experts = tl.load(Ids + pairs).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = token * top_k + j
-        expert = tl.load(Ids + pair).to(tl.int64)
-        h_row = H + pair.to(tl.int64) * stride_hp
-        w_ptrs = W + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = k0 + ks < inter
-            h = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * h[None, :]
-            w_ptrs += BLOCK_K
-        y = tl.sum(acc, 1)
-        if HAS_BIAS:
-            y += tl.load(B + expert * stride_be + cols).to(tl.float32)
-        # rounded as the grouped GEMM stores each scaled pair row, then summed in float32
-        y = (y * tl.load(Weights + pair)).to(Out.dtype.element_ty).to(tl.float32)
-        total += y
-    tl.store(Out + token.to(tl.int64) * stride_ot + cols, total.to(Out.dtype.element_ty),
+    w_ptrs = (W + experts[:, None, None] * stride_we
+              + cols.to(tl.int64)[None, :, None] * stride_wn + ks[None, None, :])
+    h_ptrs = H + pairs.to(tl.int64)[:, None] * stride_hp + ks[None, :]
+    acc = tl.zeros([TOP_K, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = k0 + ks < inter
+        h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * h[:, None, :]
+        w_ptrs += BLOCK_K
+        h_ptrs += BLOCK_K
+    y = tl.sum(acc, 2)  # [TOP_K, BLOCK_N]: each pair's row
+    if HAS_BIAS:
+        y += tl.load(B + experts[:, None] * stride_be + cols[None, :]).to(tl.float32)
+    # rounded as the grouped GEMM stores each scaled pair row, then summed in float32
+    scale = tl.where(j_ok, tl.load(Weights + pairs), 0.0)
+    y = (y * scale[:, None]).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + token.to(tl.int64) * stride_ot + cols, tl.sum(y, 0).to(Out.dtype.element_ty),
              mask=ok)
 
 
@@ -135,5 +139,6 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _down_gemv_sum[(tokens, triton.cdiv(hidden, bn))](
         inner, w2, w2 if b2 is None else b2, ids, weights, out, top_k, hidden, inter,
         inner.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
-        out.stride(0), HAS_BIAS=b2 is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        out.stride(0), HAS_BIAS=b2 is not None, TOP_K=triton.next_power_of_2(top_k),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out

@@ -215,8 +215,8 @@ class FusedMoE(nn.Module):
             self.routing = functools.partial(_fused_route, fused, True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.routing(self.policy.linear(x.to(self.gate.dtype), self.gate, self.gate_bias),
-                            self.spec.top_k)
+        return self.routing(self.policy.product(x.to(self.gate.dtype), self.gate,
+                                                self.gate_bias), self.spec.top_k)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = self.route(x)
