@@ -192,7 +192,7 @@ def _gguf_info(path: str) -> ModelInfo:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise CheckpointError(f"{path!r} is not a GGUF file (bad magic)")
-    from .gguf_meta import read_gguf_metadata
+    from .gguf_meta import LazyStrings, read_gguf_metadata
 
     meta = read_gguf_metadata(path)
     garch = meta.get("general.architecture")
@@ -207,9 +207,11 @@ def _gguf_info(path: str) -> ModelInfo:
         hf_config=cfg, vocab_size=int(cfg["vocab_size"]), eos_token_ids=[], eos_source="none",
         max_model_len=min(ctx, DEFAULT_MAX_MODEL_LEN_CAP), bos_token_id=cfg["bos_token_id"],
         chat_template=meta.get("tokenizer.chat_template"), tokenizer_path=path,
+        # (engine.json carries it: no long string array, which JSON would refuse and no stage reads)
         tokenizer_config={k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")
                           and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                                        "tokenizer.ggml.token_type", "tokenizer.ggml.merges")},
+                                        "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+                          and not isinstance(v, LazyStrings)},
         context_length=ctx)
 
 

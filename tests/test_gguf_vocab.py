@@ -115,6 +115,34 @@ def test_build_is_fast_and_torch_free(gemma_path):
     assert seconds < 8, f"building the 262k-token tokenizer took {seconds:.1f}s"  # ~1.3s when idle
 
 
+def test_stages_with_cached_merges_start_without_numpy(gemma_path, tmp_path):
+    """numpy's import is ~0.1 s of CPU in each stage's start on two cores: the detokenizer's
+    vocabulary never needs it, the tokenizer's only to recover merges the cache lacks."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pocketllm.config import EngineArgs
+        from pocketllm.detokenizer.detokenizer import Detokenizer
+        from pocketllm.model_info import load_model_info
+        from pocketllm.tokenizer.stage import TokenizerStage
+        from pocketllm.tokenizer.tokenizer import load_tokenizer
+        info = load_model_info(EngineArgs(model={gemma_path!r}))
+        Detokenizer(load_tokenizer(info, decode_only=True).tokenizer)
+        print("detokenizer", "numpy" in sys.modules)
+        TokenizerStage(info)
+        print("tokenizer", "numpy" in sys.modules)
+    """)
+    env = {**os.environ, "POCKETLLM_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        runs.append(out.stdout.split())
+    assert runs[0] == ["detokenizer", "False", "tokenizer", "True"]  # it recovered the merges
+    assert runs[1] == ["detokenizer", "False", "tokenizer", "False"]  # and read them back
+    assert len(list((tmp_path / "merges").iterdir())) == 1
+
+
 def test_gemma_special_tokens(gemma):
     tok, _ = gemma
     ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>\n").ids

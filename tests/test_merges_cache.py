@@ -5,6 +5,7 @@ recomputation."""
 from __future__ import annotations
 
 import os
+from array import array
 
 import numpy as np
 import pytest
@@ -81,3 +82,14 @@ def test_a_vocabulary_holding_the_separator_is_never_cached(cache):
     for _ in range(2):
         merges_cache.cached_merges(tokens, np.arange(len(tokens), dtype=np.float64), compute)
     assert len(calls) == 2 and not (cache / "merges").exists()
+
+
+def test_array_ranks_key_the_file_numpy_ranks_keyed():
+    """The vocabulary passes its ranks as an array('d') (numpy stays unimported), numpy's
+    float64 array before: the same bytes, so a cache written before is still found."""
+    before = "4f2874d8258191af317577f8e7ab7288ca2df5768224def9270e25ce9224fa8e.txt"  # at 12c2f5b
+    assert os.path.basename(merges_cache._path(TOKENS, RANKS)) == before
+    assert os.path.basename(merges_cache._path(TOKENS, array("d", range(len(TOKENS))))) == before
+    scores = [0.5, -1.0, 0.0, 2.0, -0.0, 3.25, 1e30, -7.0, 1.5, 0.125, 9.0]
+    assert merges_cache._path(TOKENS, array("d", (-s for s in scores))) == \
+           merges_cache._path(TOKENS, -np.asarray(scores, dtype=np.float64))

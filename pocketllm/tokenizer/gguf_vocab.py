@@ -22,7 +22,10 @@ here follows transformers' GGUF conversion, which tests use as the reference:
 
 from __future__ import annotations
 
-import numpy as np
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
                         pre_tokenizers, processors)
 
@@ -31,6 +34,9 @@ from ..gguf_meta import read_gguf_header
 from ..protocol.byte_level import BYTE_TO_CHAR
 from .gguf_pretokenizers import PRE_TOKENIZERS, REFUSED, PreTokenizer
 from .merges_cache import cached_merges
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -83,15 +89,16 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str],
     # Gemma stores runs of spaces as real spaces; the text they must match is ▁-escaped.
     tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     arch = meta.get("general.architecture")
+    # float64 ranks in an array, not numpy: a cached start needs numpy for nothing else (0.1 s)
     if decode_only:
         ranks = None
     elif arch in _POSITION_RANKED_ARCHS:
-        ranks = np.arange(len(tokens), dtype=np.float64)
+        ranks = array("d", range(len(tokens)))
     else:
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):
             raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
-        ranks = -np.asarray(scores, dtype=np.float64)
+        ranks = array("d", (-float(s) for s in scores))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     merges = [] if decode_only else cached_merges(tokens, ranks, _merges_from_vocab)
     bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
@@ -119,7 +126,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 _HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 999_983))
 
 
-def _merges_from_vocab(tokens: list[str], ranks: np.ndarray) -> list[tuple[str, str]]:
+def _merges_from_vocab(tokens: list[str], ranks: Sequence[float]) -> list[tuple[str, str]]:
     """Every (left, right) with left + right == some token and both tokens, best first.
 
     Order: by the merged token's rank, then longer left piece first, then longer
@@ -128,6 +135,9 @@ def _merges_from_vocab(tokens: list[str], ranks: np.ndarray) -> list[tuple[str, 
     ~1M candidate pieces in Python. A hash collision could only add a merge whose
     pieces are not tokens, which ``tokenizers`` refuses loudly, never a silent loss.
     """
+    import numpy as np  # here, not at the top: a start with cached merges never needs it
+
+    ranks = np.asarray(ranks, dtype=np.float64)
     n = len(tokens)
     lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     full = np.zeros(n, dtype=np.int64)
@@ -159,6 +169,8 @@ def _merges_from_vocab(tokens: list[str], ranks: np.ndarray) -> list[tuple[str, 
 
 
 def _member(keys: np.ndarray, sorted_known: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     order = np.argsort(keys)  # sorted queries make searchsorted walk memory in order
     ordered = keys[order]
     at = np.minimum(np.searchsorted(sorted_known, ordered), len(sorted_known) - 1)
@@ -169,6 +181,8 @@ def _member(keys: np.ndarray, sorted_known: np.ndarray) -> np.ndarray:
 
 def _piece_hashes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For words of equal length L: keys of every prefix [:k] and suffix [k:], k = 0..L."""
+    import numpy as np
+
     m, length = codes.shape
     prefix = np.zeros((m, length + 1), dtype=np.int64)
     suffix = np.zeros((m, length + 1), dtype=np.int64)
@@ -218,8 +232,7 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
 def _add_special_tokens(tok: Tokenizer, meta: dict, tokens: list[str], types: list[int],
                         byte_level: bool) -> None:
     spelled = set(BYTE_TO_CHAR.values()) if byte_level else None
-    types_a = np.asarray(types)
-    special_ids = set(np.flatnonzero(types_a == CONTROL).tolist())
+    special_ids = {i for i, t in enumerate(types) if t == CONTROL}
     # the named special tokens are special even where a file forgets to mark them CONTROL
     for key in ("bos", "eos", "unknown", "padding", "eot"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -231,9 +244,9 @@ def _add_special_tokens(tok: Tokenizer, meta: dict, tokens: list[str], types: li
     tok.add_special_tokens(control)
     # USER_DEFINED tokens (e.g. "\n\n", "<think>") are matched whole in text, like llama.cpp does.
     original = meta["tokenizer.ggml.tokens"]
+    # (one respelled to "▁▁" can't match raw text as written)
     user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i in np.flatnonzero(types_a == USER_DEFINED).tolist()
-            if tokens[i] == original[i]]  # one respelled to "▁▁" can't match raw text as written
+            for i, t in enumerate(types) if t == USER_DEFINED and tokens[i] == original[i]]
     tok.add_tokens(user)
 
 

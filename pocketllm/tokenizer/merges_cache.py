@@ -15,9 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from typing import Callable
-
-import numpy as np
+from array import array
+from collections.abc import Callable, Sequence
 
 _FORMAT = "pocketllm-merges 1"
 _SEP = "\x00"
@@ -29,9 +28,10 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocketllm")
 
 
-def _path(tokens: list[str], ranks: np.ndarray) -> str:
+def _path(tokens: list[str], ranks: Sequence[float]) -> str:
     digest = hashlib.sha256(_SEP.join(tokens).encode("utf-8", "surrogatepass"))
-    digest.update(np.ascontiguousarray(ranks, dtype=np.float64).tobytes())
+    # the ranks' native float64 bytes, as numpy's tobytes() gave them: the same files hit
+    digest.update(array("d", ranks).tobytes())
     return os.path.join(cache_dir(), "merges", digest.hexdigest() + ".txt")
 
 
@@ -66,8 +66,8 @@ def _write(path: str, merges: list[tuple[str, str]]) -> None:
         pass
 
 
-def cached_merges(tokens: list[str], ranks: np.ndarray,
-                  compute: Callable[[list[str], np.ndarray], list[tuple[str, str]]]
+def cached_merges(tokens: list[str], ranks: Sequence[float],
+                  compute: Callable[[list[str], Sequence[float]], list[tuple[str, str]]]
                   ) -> list[tuple[str, str]]:
     """``compute(tokens, ranks)``, read from the cache when it holds them."""
     if any(_SEP in t for t in tokens):  # the separator must not occur in a piece
