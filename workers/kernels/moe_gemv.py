@@ -35,8 +35,8 @@ from .fused_moe import expert_activation, gated_epilogue
 
 # (BLOCK_N, BLOCK_K, num_warps) of each launch, timed on an H200 at Qwen3-30B-A3B's
 # expert shapes (bench_moe.py --tune).
-GATE_UP_CONFIG = (8, 256, 4)
-DOWN_CONFIG = (4, 256, 4)
+GATE_UP_CONFIG = (8, 128, 8)
+DOWN_CONFIG = (2, 128, 4)
 
 
 @triton.jit
