@@ -124,8 +124,3 @@ def error_from_wire(err: RequestError | ErrorDetail,
     exc = ERRORS[ErrorKind(kind)].cls(err.message, err.param)
     exc.request_id = request_id if request_id is not None else getattr(err, "request_id", None)
     return exc
-
-
-def error_detail(exc: PocketLLMError) -> ErrorDetail:
-    """The wire form of one of our exceptions (a stage reports what it caught)."""
-    return ErrorDetail(exc.kind, str(exc), exc.param)
