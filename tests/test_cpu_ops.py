@@ -59,6 +59,16 @@ def test_rotary_is_the_reference_bit_for_bit_and_in_place():
     assert torch.equal(qkv[:, 5 * 64:], v_before)  # v untouched
 
 
+def test_rotary_with_qk_norms_is_norm_then_rotary():
+    qkv = rand(3, 6 * 64)
+    q, k = qkv[:, :4 * 64].view(3, 4, 64), qkv[:, 4 * 64:5 * 64].view(3, 1, 64)
+    cos, sin, wq, wk = rand(3, 1, 32), rand(3, 1, 32), rand(64), rand(64)
+    want_q = apply_rotary(F.rms_norm(q, (64,), wq, 1e-6), cos, sin)
+    want_k = apply_rotary(F.rms_norm(k, (64,), wk, 1e-6), cos, sin)
+    got_q, got_k = cpu_ops.apply_rotary_qk(q, k, cos, sin, (wq, wk, 1e-6))
+    assert close(got_q, want_q) and close(got_k, want_k)
+
+
 @pytest.mark.parametrize("act", sorted(cpu_ops.ACTIVATIONS))
 def test_gated_activations_match_torch(act):
     gate_up = torch.cat([torch.linspace(-30, 30, 2048).view(1, -1), rand(2, 2048) * 4])

@@ -79,6 +79,30 @@ def test_rotary_matches_reference_on_qkv_views(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_with_qk_norms_matches_norm_then_rotary(dtype):
+    # Qwen3 / Gemma 3: each head RMS-normed (its own weight for q and k), then rotated
+    heads, kv_heads, dim, tokens = 4, 2, 32, 5
+    table = RotaryTable(dim, {"rope_theta": 10000.0}, 64, DEVICE, dtype)
+    cos, sin = table.lookup(torch.tensor([0, 3, 9, 30, 2], device=DEVICE), 40)
+    q_norm, k_norm = reference_norm(dim, 1e-6, seed=40), reference_norm(dim, 1e-6, seed=41)
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=42) * 3
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    with torch.no_grad():
+        expected_q = apply_rotary(q_norm(q), cos, sin)
+        expected_k = apply_rotary(k_norm(k), cos, sin)
+        got_q, got_k = K.rotary.apply_rotary_qk(q, k, cos, sin,
+                                                (q_norm.weight, k_norm.weight, q_norm.eps))
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, expected_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+    with pytest.raises(ValueError, match="norm weights"):
+        K.rotary.apply_rotary_qk(q, k, cos, sin, (q_norm.weight[:8], k_norm.weight, 1e-6))
+
+
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_activation_matches_layer(hidden_act, dtype):
@@ -146,6 +170,37 @@ def test_norm_gemv_matches_norm_then_linear(dtype, n, k):
                                          config=GEMV_CONFIG)
         assert same_x is x  # the first layer: no residual yet, x becomes it
         assert_product_close(first, _linear(norm(x), weight, bias), dtype)
+        # the router's form: the normed row itself comes back too, for the experts
+        normed = torch.empty_like(x)
+        again, _ = K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight, bias,
+                                    config=GEMV_CONFIG, normed_out=normed)
+        assert torch.equal(again, got)
+        # bit-exact when compiled; the interpreter truncates float32 -> bfloat16 (1 ulp)
+        exact = DEVICE.type == "cuda" or dtype == torch.float32
+        torch.testing.assert_close(normed, out, atol=0 if exact else 1e-2,
+                                   rtol=0 if exact else 2 ** -7)
+        with pytest.raises(ValueError, match="normed_out"):
+            K.gemv.norm_gemv(x, residual, norm.weight, norm.eps, weight, bias,
+                             normed_out=torch.empty(1, k + 1, dtype=dtype, device=DEVICE))
+
+
+@pytest.mark.parametrize("n,k,pre", [(64, 2048, ""), (48, 1024, "silu"), (40, 512, "add_norm")])
+def test_gemv_default_tiles_match_linear(n, k, pre):
+    # the tiles the launch picks by shape (a narrow product takes two rows a program)
+    dtype = torch.bfloat16
+    weight, res = rand(n, k, dtype=dtype, seed=30), rand(1, k, dtype=dtype, seed=31)
+    x = rand(1, 2 * k if pre == "silu" else k, dtype=dtype, seed=32)
+    with torch.no_grad():
+        if pre == "silu":
+            got = K.gemv.gated_gemv(x, weight, None, "silu")
+            expected = _linear(act_and_mul(get_activation("silu"), x), weight, None)
+        elif pre:
+            norm = reference_norm(k, 1e-6, seed=33)
+            got = K.gemv.norm_gemv(x, res, norm.weight, norm.eps, weight)[0]
+            expected = _linear(norm(x + res), weight, None)
+        else:
+            got, expected = K.gemv.gemv(x, weight), _linear(x, weight, None)
+    assert_product_close(got, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 32), (torch.bfloat16, 32),

@@ -92,9 +92,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, what: str) ->
                                           sin.data_ptr(), lc), "rotary")
 
 
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    norms: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary on q [T, H, D] and k [T, Hkv, D] in place; cos/sin [T, 1, D/2]."""
+    """Rotary on q [T, H, D] and k [T, Hkv, D] in place; cos/sin [T, 1, D/2]. ``norms`` =
+    (q weight, k weight, eps): each head RMS-normed first (into new tensors), as the
+    Triton kernel of the same name does."""
+    if norms is not None:
+        q, k = rms_norm(q, norms[0], norms[2]), rms_norm(k, norms[1], norms[2])
     _rotate(q, cos, sin, "q")
     _rotate(k, cos, sin, "k")
     return q, k

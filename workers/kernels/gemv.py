@@ -36,9 +36,10 @@ Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 @triton.jit
-def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
-                 PRE: tl.constexpr):
-    """The product's input at ``cols`` in float32, after the fused op."""
+def _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, write_res,
+                 PRE: tl.constexpr, WRITE_NORMED: tl.constexpr):
+    """The product's input at ``cols`` in float32, after the fused op (program 0 also
+    writes the new residual and, with WRITE_NORMED, the normed row)."""
     x = tl.load(X + cols, mask=k_ok, other=0.0)
     if PRE == "add_norm":
         x = (x.to(tl.float32) + tl.load(Res + cols, mask=k_ok, other=0.0).to(tl.float32)
@@ -48,7 +49,11 @@ def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
     xf = x.to(tl.float32)
     if PRE == "norm" or PRE == "add_norm":
         w = tl.load(NormW + cols, mask=k_ok, other=0.0).to(tl.float32)
-        xf = (xf * inv_rms * w).to(X.dtype.element_ty).to(tl.float32)
+        xn = (xf * inv_rms * w).to(X.dtype.element_ty)
+        if WRITE_NORMED:
+            if write_res:
+                tl.store(NormOut + cols, xn, mask=k_ok)
+        xf = xn.to(tl.float32)
     elif PRE != "":
         up = tl.load(X + x_half + cols, mask=k_ok, other=0.0).to(tl.float32)
         xf = (activate(xf, PRE) * up).to(X.dtype.element_ty).to(tl.float32)
@@ -56,10 +61,10 @@ def _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, write_res,
 
 
 @triton.jit
-def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half, eps,
-                 rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half,
+                 eps, rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  ROW_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PRE: tl.constexpr, HALF: tl.constexpr):
+                 PRE: tl.constexpr, HALF: tl.constexpr, WRITE_NORMED: tl.constexpr):
     pid = tl.program_id(0)
     # Each program owns two groups of BLOCK_N / 2 rows: adjacent ones, or (HALF > 0) the
     # same dims of the two halves of a head, the pairs the rotary epilogue rotates.
@@ -100,7 +105,8 @@ def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_
         else:
             wa = tl.load(wa_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wb = tl.load(wb_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        xf = _input_chunk(X, Res, NormW, ResOut, cols, k_ok, x_half, inv_rms, pid == 0, PRE)
+        xf = _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, pid == 0,
+                          PRE, WRITE_NORMED)
         acc_a += wa.to(tl.float32) * xf[None, :]
         acc_b += wb.to(tl.float32) * xf[None, :]
         wa_ptrs += BLOCK_K
@@ -121,14 +127,21 @@ def _gemv_kernel(X, Res, NormW, ResOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_
     tl.store(Y + rows_b, yb.to(Y.dtype.element_ty), mask=b_ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the Llama-3-8B projections
-# (docs/benchmarks.md): taller tiles for wide outputs (fewer programs redo the norm).
+# (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
+# models (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for wide outputs (fewer
+# programs redo the norm); for narrow products with no norm to redo (o, a router, a
+# shared expert's down), two rows a program, so that enough programs stream at once.
 # BLOCK_K shrinks for narrow rows.
-CONFIG, WIDE_CONFIG, WIDE = (8, 512, 4), (16, 256, 4), 16384
+CONFIG, WIDE_CONFIG, NARROW_CONFIG = (8, 512, 4), (16, 256, 4), (2, 1024, 4)
+WIDE, NARROW = 16384, 4096
 
 
-def _config(n: int) -> tuple[int, int, int]:
-    return WIDE_CONFIG if n >= WIDE else CONFIG
+def _config(n: int, k: int, pre: str) -> tuple[int, int, int]:
+    if n >= WIDE:
+        return WIDE_CONFIG
+    if n <= NARROW and k <= NARROW and pre not in ("norm", "add_norm"):
+        return NARROW_CONFIG
+    return CONFIG
 
 
 def rotary_block_n(block_n: int, head_dim: int) -> int:
@@ -149,14 +162,18 @@ def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pre: str,
             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
             eps: float = 0.0, out_dtype: Optional[torch.dtype] = None,
-            rotary: Optional["Rotary"] = None, config: Optional[tuple[int, int, int]] = None
+            rotary: Optional["Rotary"] = None, config: Optional[tuple[int, int, int]] = None,
+            normed_out: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("a gemv needs a weight whose rows are contiguous")
     y = torch.empty(1, n, device=x.device, dtype=out_dtype or x.dtype)
     res_out = torch.empty_like(x) if pre == "add_norm" else None
-    block_n, block_k, warps = config or _config(n)
+    block_n, block_k, warps = config or _config(n, k, pre)
+    if normed_out is not None and (normed_out.shape != x.shape or normed_out.dtype != x.dtype
+                                   or not normed_out.is_contiguous()):
+        raise ValueError("normed_out must be a contiguous tensor like x")
     block_k = min(block_k, triton.next_power_of_2(k))
     half, cos, sin, rot_rows = 0, y, y, 0
     if rotary is not None:
@@ -169,10 +186,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
-        weight, bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k,
+        normed_out if normed_out is not None else y, weight, bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k,
         eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=min(triton.next_power_of_2(k), 8192), EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None, PRE=pre, HALF=half, num_warps=warps)
+        HAS_BIAS=bias is not None, PRE=pre, HALF=half, WRITE_NORMED=normed_out is not None,
+        num_warps=warps)
     return y, res_out
 
 
@@ -196,17 +214,18 @@ def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              rotary: Optional[Rotary] = None, config: Optional[tuple[int, int, int]] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              rotary: Optional[Rotary] = None, config: Optional[tuple[int, int, int]] = None,
+              normed_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
     to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x.
     ``rotary`` = (cos, sin, head_dim, rows): the first ``rows`` outputs are heads of
     ``head_dim`` that leave rotated by the token's cos/sin ([D/2] each), as
-    ``rotary.apply_rotary_qk`` rotates q and k."""
+    ``rotary.apply_rotary_qk`` rotates q and k. ``normed_out`` (like x): receives the
+    normed row itself, for a second product of it (the experts after their router)."""
     x = _check_row(x, weight.shape[1], "x")
     if residual is None:
         return _launch(x, weight, bias, "norm", None, norm_weight, eps, rotary=rotary,
-                       config=config)[0], x
+                       config=config, normed_out=normed_out)[0], x
     residual = _check_row(residual, weight.shape[1], "residual")
     return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, rotary=rotary,
-                   config=config)
+                   config=config, normed_out=normed_out)

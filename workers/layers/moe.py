@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from ..kernel_policy import policy_for
 from .activation import ClampedSwiGLU, GatedAct, gated, get_activation
 from .linear import Shard, even_shard
 from ..models.config import MoeSpec
+
+if TYPE_CHECKING:
+    from .norm import RMSNorm
 
 Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -219,7 +222,23 @@ class FusedMoE(nn.Module):
                                                 self.gate_bias), self.spec.top_k)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        weights, ids = self.route(x)
+        return self._experts(x, *self.route(x), reduce)
+
+    def normed(self, norm: "RMSNorm", x: torch.Tensor, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)``. On a one-row GPU step the add and
+        norm run inside the router's gemv, which also leaves the normed row for the
+        experts: one launch fewer."""
+        if self.policy.one_row(x) and self.gate.dtype == x.dtype:
+            h = torch.empty_like(x)
+            logits, residual = self.policy.kernel("gemv", "norm_gemv")(
+                x, residual, norm.weight, norm.eps, self.gate, self.gate_bias, normed_out=h)
+            return self._experts(h, *self.routing(logits, self.spec.top_k)), residual
+        h, residual = norm.add(x, residual)
+        return self(h), residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 reduce: bool = True) -> torch.Tensor:
         if self.b13 is None:
             out = self.compute(x, self.w13, self.w2, weights, ids, self.act)
         else:

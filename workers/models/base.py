@@ -105,6 +105,13 @@ class Attention(nn.Module):
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
         self.output_shape = (self.num_heads, d)  # of each token's row ``attend`` writes
 
+    @property
+    def qk_norms(self) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+        """What the rotary kernel needs to norm q and k in its launch (None: no q/k norm)."""
+        if self.q_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: RopeCosSin
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,10 +124,10 @@ class Attention(nn.Module):
             return (*self._heads(qkv), residual)
         qkv, residual = self.qkv_proj.normed(norm, x, residual)
         q, k, v = self._heads(qkv)
+        if self.rotary_kernel is not None:  # with the q/k norms, if any, in the same launch
+            return (*self.rotary_kernel(q, k, *rope, self.qk_norms), v, residual)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_kernel is not None:
-            return (*self.rotary_kernel(q, k, *rope), v, residual)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v, residual
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -166,8 +166,8 @@ class GptOssDecoderLayer(DecoderLayer):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.post_attention_layernorm.add(self.self_attn.output(attn), residual)
-        return self.mlp(h), residual
+        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
+                               residual)
 
     def mlp_norms(self) -> Optional[tuple]:
         return None  # the fused CPU decode layer has no experts or sinks: the module path runs

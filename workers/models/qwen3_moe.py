@@ -93,11 +93,8 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.self_attn.output(attn)
-        if not self.sparse:
-            return self.mlp.normed(self.post_attention_layernorm, x, residual)
-        h, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(h), residual
+        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
+                               residual)
 
     def mlp_norms(self) -> Optional[tuple]:
         return None  # the fused CPU decode layer has no experts: the module path runs
