@@ -132,6 +132,12 @@ def test_split_decode_merges_partial_softmaxes(window, softcap):
                                    0.2, softcap)
     torch.testing.assert_close(whole, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(split, ref, atol=2e-5, rtol=2e-5)
+    # a grid sized for 64-key splits, each sequence cutting its own into splits of at
+    # least 16 (the 34- and 91-key ones run 3 splits each instead of 1 and 2)
+    shrunk = K.paged_decode_attention.paged_decode_attention(
+        *args, out=torch.full_like(q, float("nan")), partition=64, min_partition=16,
+        tiles=(16, 4))
+    torch.testing.assert_close(shrunk, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (37, 2.5)])

@@ -73,7 +73,7 @@ class KernelPolicy:
     # ("bf16" or "float32"); the crossovers are measured in docs/cpu_kernels.md.
     block_float_rows: int = 64
     block_prefill: str = "float32"
-    decode_min_partition: int = 64  # fewest keys per decode split
+    decode_min_partition: int = 64  # fewest keys per decode split (each sequence's own)
     decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
     sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
     # Steps of at most this many tokens run their experts as gemvs (kernels/moe_gemv.py):

@@ -78,6 +78,7 @@ class TritonAttention:
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
                                    d.max_seq_len, meta.block_size, scale, window, softcap, out,
                                    partition=partition,
+                                   min_partition=self.policy.decode_min_partition,
                                    new_kv=(k, v, meta.slot_mapping) if p is None else None,
                                    sinks=sinks)
         rows = p.lone_fresh_rows if p is not None else None

@@ -129,17 +129,18 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
 # models (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for wide outputs (fewer
-# programs redo the norm); for narrow products with no norm to redo (o, a router, a
-# shared expert's down), two rows a program, so that enough programs stream at once.
+# programs redo the norm); for narrow products (o, a shared expert's down) two rows a
+# program, so that enough programs stream at once, unless each must redo a norm; a
+# router (at most ROUTER outputs) has so few programs that it takes two rows either way.
 # BLOCK_K shrinks for narrow rows.
 CONFIG, WIDE_CONFIG, NARROW_CONFIG = (8, 512, 4), (16, 256, 4), (2, 1024, 4)
-WIDE, NARROW = 16384, 4096
+WIDE, NARROW, ROUTER = 16384, 4096, 512
 
 
 def _config(n: int, k: int, pre: str) -> tuple[int, int, int]:
     if n >= WIDE:
         return WIDE_CONFIG
-    if n <= NARROW and k <= NARROW and pre not in ("norm", "add_norm"):
+    if n <= NARROW and k <= NARROW and (n <= ROUTER or pre not in ("norm", "add_norm")):
         return NARROW_CONFIG
     return CONFIG
 

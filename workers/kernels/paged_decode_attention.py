@@ -43,7 +43,7 @@ def _tanh(x):
 # Ints that change from step to step are not specialized (Triton would otherwise compile a
 # variant for each "== 1" / "divisible by 16" pattern of them, stalling the first steps that
 # meet a new one); nothing in the kernels gains from knowing them.
-STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition"]
+STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition", "min_partition"]
 
 
 @triton.jit(do_not_specialize=STEP_INTS)
@@ -52,17 +52,20 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
                    stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   scale, softcap, window, partition,
+                   scale, softcap, window, partition, min_partition,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                   SINKS: tl.constexpr):
+                   SINKS: tl.constexpr, SHRINK: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    if SHRINK:  # this sequence's own splits: as short as min_partition allows, on the grid
+        partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len - lo, tl.num_programs(2)),
+                                                      BLOCK_N) * BLOCK_N)
     start = lo + split * partition
     if start < seq_len:  # a split past this sequence's end has nothing to do
         end = tl.minimum(seq_len, start + partition)
@@ -214,7 +217,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            q_rows: torch.Tensor, max_seq_len: int, block_size: int,
                            scale: float, window: Optional[int] = None,
                            softcap: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                           partition: Optional[int] = None,
+                           partition: Optional[int] = None, min_partition: Optional[int] = None,
                            tiles: Optional[tuple[int, int]] = None,
                            new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -225,8 +228,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     int32 (the query is the last position); ``max_seq_len`` is seq_lens.max() known on
     the host. Writes rows ``q_rows`` of ``out`` ([T, H, D], allocated if None).
     ``partition``: keys per split (the kernel policy's ``decode_partition``); None: one
-    split of the whole span. ``tiles``
-    overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
+    split of the whole span. ``min_partition``: the partition only sizes the grid (a
+    graph's, for its longest context), and each sequence cuts its own keys into as many
+    of its splits as keep each at least this long: a short sequence in a graph captured
+    for long ones runs several short splits, not one long one. ``tiles`` overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
     [T, Hkv, D]: write each sequence's new k/v row (at ``q_rows``) into its slot first,
     as ``kv_write.write_kv`` would (negative slots are skipped); the cache need not
     hold that position yet. ``sinks``: [H] float32 per-head logits joining each
@@ -265,11 +270,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), heads * num_splits, num_splits, 1,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        scale, softcap or 1.0, window or 0, partition,
+        scale, softcap or 1.0, window or 0, partition, min_partition or 0,
         GROUP=group, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
         WRITE_KV=new_kv is not None, BLOCK_G=triton.next_power_of_2(group),
         MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)), SINKS=sinks is not None,
-        num_warps=warps)
+        SHRINK=split and min_partition is not None, num_warps=warps)
     return out
