@@ -26,7 +26,8 @@ SHAPES = {
                    ("gate_up", 28672, 4096, "add_norm", 0), ("down", 4096, 14336, "silu", 0)],
     "qwen3-30b-a3b": [("qkv", 5120, 2048, "add_norm", 0), ("o", 2048, 4096, "", 0),
                       ("router", 128, 2048, "add_norm", 0), ("lm_head", 151936, 2048, "norm", 0)],
-    "deepseek-v2-lite": [("q_and_latent", 3648, 2048, "add_norm", 0), ("router", 64, 2048, "", 0), ("shared_gate_up", 5632, 2048, "", 0),
+    "deepseek-v2-lite": [("q_and_latent", 3648, 2048, "add_norm", 0), ("o", 2048, 2048, "", 0),
+                         ("router", 64, 2048, "", 0), ("shared_gate_up", 5632, 2048, "", 0),
                          ("shared_down", 2048, 2816, "silu", 0)],
 }
 SWEEP = [c for c in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8))

@@ -231,7 +231,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split of the whole span. ``min_partition``: the partition only sizes the grid (a
     graph's, for its longest context), and each sequence cuts its own keys into as many
     of its splits as keep each at least this long: a short sequence in a graph captured
-    for long ones runs several short splits, not one long one. ``tiles`` overrides (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
+    for long ones runs several short splits, not one long one. ``tiles`` overrides
+    (BLOCK_N, warps), for tuning. ``new_kv`` = (k, v, slot_mapping), k/v
     [T, Hkv, D]: write each sequence's new k/v row (at ``q_rows``) into its slot first,
     as ``kv_write.write_kv`` would (negative slots are skipped); the cache need not
     hold that position yet. ``sinks``: [H] float32 per-head logits joining each
