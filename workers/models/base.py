@@ -225,6 +225,30 @@ class DecoderLayer(nn.Module):
         return None
 
 
+class PreNormDecoderLayer(DecoderLayer):
+    """Attention, then an MLP (dense, or experts: anything with ``normed``), each opened by
+    an RMSNorm: Llama's layout, which Qwen3-MoE and gpt-oss share."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
+                               residual)
+
+    def mlp_norms(self):
+        # the fused CPU decode layer computes a dense gated MLP, not experts
+        return (None, self.post_attention_layernorm, None) if isinstance(self.mlp, GatedMLP) else None
+
+
 @dataclass
 class Segment:
     """What one piece between two attention calls hands on: the next layer's q/k/v and the

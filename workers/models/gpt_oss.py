@@ -30,9 +30,8 @@ from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.linear import Shard
 from ..layers.moe import FusedMoE, topk_softmax
-from ..layers.norm import RMSNorm
 from ..loader.mxfp4 import SUFFIXES, dequantized
-from .base import Attention, CausalLM, DecoderLayer, WeightTarget
+from .base import CausalLM, DecoderLayer, PreNormDecoderLayer, WeightTarget
 from .config import (FULL, SLIDING, MoeArchConfig, MoeSpec, as_int, get, layer_kinds,
                      rope_params)
 
@@ -153,30 +152,12 @@ class GptOssExperts(FusedMoE):
         }
 
 
-class GptOssDecoderLayer(DecoderLayer):
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
-        super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.mlp = GptOssExperts(cfg.hidden_size, cfg.moe, topk_softmax, device, dtype, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
-                               residual)
-
-    def mlp_norms(self) -> Optional[tuple]:
-        return None  # the fused CPU decode layer has no experts or sinks: the module path runs
-
-
 class GptOssForCausalLM(CausalLM):
     def make_layer(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
-        return GptOssDecoderLayer(cfg, index, backend, device, dtype, tp)
+        return PreNormDecoderLayer(
+            cfg, index, backend, device, dtype, tp,
+            GptOssExperts(cfg.hidden_size, cfg.moe, topk_softmax, device, dtype, tp))
 
     def load_weights(self, named_tensors: Iterable) -> None:
         if self.cfg.mxfp4:  # each *_blocks/*_scales pair arrives as its float tensor

@@ -10,8 +10,7 @@ import torch
 
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
-from ..layers.norm import RMSNorm
-from .base import Attention, CausalLM, DecoderLayer, GatedMLP
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
 from .config import FULL, SLIDING, ArchConfig, as_int, get, layer_kinds, rope_params
 
 # transformers' config class defaults for keys a config.json may leave out.
@@ -73,27 +72,8 @@ def llama_arch_config(hf: dict, architecture: str) -> ArchConfig:
     )
 
 
-class LlamaDecoderLayer(DecoderLayer):
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
-        super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.mlp = GatedMLP(cfg, index, device, dtype, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
-                               residual)
-
-    def mlp_norms(self):
-        return None, self.post_attention_layernorm, None
-
-
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
-        return LlamaDecoderLayer(cfg, index, backend, device, dtype, tp)
+        return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp,
+                                   GatedMLP(cfg, index, device, dtype, tp))

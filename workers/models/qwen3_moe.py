@@ -11,7 +11,6 @@ experts. ``use_sliding_window`` slides every layer's window, as transformers doe
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 
@@ -20,8 +19,7 @@ from pocketllm.errors import CheckpointError
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.moe import FusedMoE, softmax_topk
-from ..layers.norm import RMSNorm
-from .base import Attention, CausalLM, DecoderLayer, GatedMLP
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
 from .config import FULL, SLIDING, MoeArchConfig, MoeSpec, as_int, get, layer_kinds, rope_params
 
 logger = logging.getLogger("pocketllm.worker")
@@ -76,30 +74,6 @@ def qwen3_moe_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
     )
 
 
-class Qwen3MoeDecoderLayer(DecoderLayer):
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
-        super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.sparse = cfg.sparse_layers[index]
-        self.mlp: "FusedMoE | GatedMLP" = (
-            FusedMoE(cfg.hidden_size, cfg.moe, softmax_topk(cfg.moe.norm_topk_prob),
-                     device, dtype, tp)
-            if self.sparse else GatedMLP(cfg, index, device, dtype, tp))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
-                               residual)
-
-    def mlp_norms(self) -> Optional[tuple]:
-        return None  # the fused CPU decode layer has no experts: the module path runs
-
-
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: MoeArchConfig, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
@@ -110,4 +84,7 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def make_layer(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
-        return Qwen3MoeDecoderLayer(cfg, index, backend, device, dtype, tp)
+        mlp = (FusedMoE(cfg.hidden_size, cfg.moe, softmax_topk(cfg.moe.norm_topk_prob), device,
+                        dtype, tp)
+               if cfg.sparse_layers[index] else GatedMLP(cfg, index, device, dtype, tp))
+        return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp, mlp)
