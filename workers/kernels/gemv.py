@@ -187,8 +187,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
-        normed_out if normed_out is not None else y, weight, bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k,
-        eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        normed_out if normed_out is not None else y, weight,
+        bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k, eps,
+        rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=min(triton.next_power_of_2(k), 8192), EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, PRE=pre, HALF=half, WRITE_NORMED=normed_out is not None,
         num_warps=warps)
