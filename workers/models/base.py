@@ -227,14 +227,17 @@ class DecoderLayer(nn.Module):
 
 class PreNormDecoderLayer(DecoderLayer):
     """Attention, then an MLP (dense, or experts: anything with ``normed``), each opened by
-    an RMSNorm: Llama's layout, which Qwen3-MoE and gpt-oss share."""
+    an RMSNorm: Llama's layout, which Qwen3-MoE, gpt-oss and DeepSeek share."""
 
     norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup, mlp: nn.Module):
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup, mlp: nn.Module,
+                 attention: Optional[nn.Module] = None):
+        """``attention``: one with ``Attention``'s ``project`` and ``output`` (DeepSeek's
+        latent attention); None: ``Attention``."""
         super().__init__()
-        self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
+        self.self_attn = attention or Attention(cfg, index, backend, device, dtype, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
@@ -245,8 +248,9 @@ class PreNormDecoderLayer(DecoderLayer):
                                residual)
 
     def mlp_norms(self):
-        # the fused CPU decode layer computes a dense gated MLP, not experts
-        return (None, self.post_attention_layernorm, None) if isinstance(self.mlp, GatedMLP) else None
+        # the fused CPU decode layer computes Attention and a dense gated MLP, nothing else
+        fused = isinstance(self.self_attn, Attention) and isinstance(self.mlp, GatedMLP)
+        return (None, self.post_attention_layernorm, None) if fused else None
 
 
 @dataclass

@@ -38,7 +38,8 @@ from ..layers.attention import AttentionBackend
 from ..layers.mla import MlaBackend, MLAttention, deinterleave_rope
 from ..layers.moe import FusedMoE, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK
 from ..layers.norm import RMSNorm
-from .base import CausalLM, DecoderLayer, GatedMLP, WeightTarget, _row_parallel_targets
+from .base import (CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, WeightTarget,
+                   _row_parallel_targets)
 from .config import MlaSpec, MoeArchConfig, MoeSpec, as_int, get, rope_params
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
@@ -251,6 +252,12 @@ class DeepseekMoE(nn.Module):
             out = out + s.down_proj(act_and_mul(s.act, s.gate_up_proj(x)), reduce=False)
         return self.tp.all_reduce(out)
 
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)``."""
+        h, residual = norm.add(x, residual)
+        return self(h), residual
+
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         t = self.experts.weight_targets(prefix)
         if isinstance(self.experts.routing, SigmoidGroupedTopK):
@@ -258,30 +265,6 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None:
             t.update(self.shared_experts.weight_targets(f"{prefix}shared_experts."))
         return t
-
-
-class DeepseekDecoderLayer(DecoderLayer):
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, cfg: DeepseekArchConfig, index: int, backend: MlaBackend,
-                 device: torch.device, dtype: torch.dtype, tp: TPGroup):
-        super().__init__()
-        self.self_attn = MLAttention(cfg.hidden_size, cfg.num_heads, cfg.mla, cfg.attn_scale,
-                                     backend, device, dtype, tp)
-        self.sparse = cfg.sparse_layers[index]
-        self.mlp: "DeepseekMoE | GatedMLP" = (DeepseekMoE(cfg, index, device, dtype, tp)
-                                              if self.sparse
-                                              else GatedMLP(cfg, index, device, dtype, tp))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.self_attn.output(attn)
-        if not self.sparse:
-            return self.mlp.normed(self.post_attention_layernorm, x, residual)
-        h, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(h), residual
 
 
 class DeepseekForCausalLM(CausalLM):
@@ -303,7 +286,11 @@ class DeepseekForCausalLM(CausalLM):
 
     def make_layer(self, cfg: DeepseekArchConfig, index: int, backend: MlaBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
-        return DeepseekDecoderLayer(cfg, index, backend, device, dtype, tp)
+        mlp = (DeepseekMoE(cfg, index, device, dtype, tp) if cfg.sparse_layers[index]
+               else GatedMLP(cfg, index, device, dtype, tp))
+        attention = MLAttention(cfg.hidden_size, cfg.num_heads, cfg.mla, cfg.attn_scale,
+                                backend, device, dtype, tp)
+        return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp, mlp, attention)
 
     def layer_weight_targets(self, p: str, layer: DecoderLayer) -> dict[str, WeightTarget]:
         s, attn = self.cfg.mla, layer.self_attn
