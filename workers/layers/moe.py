@@ -258,7 +258,7 @@ class FusedMoE(nn.Module):
         and ``.bias`` of each where the spec has them) -> their places in the stacked
         tensors: one checkpoint tensor at a time, so a loader never holds more than one
         expert's matrix. (gpt-oss stores its experts stacked: ``models/gpt_oss.py``.)"""
-        from ..models.base import WeightTarget
+        from ..models.weight_targets import WeightTarget
 
         local, part = self.inter.size, None if self.inter.whole else self.inter
         down = None if self.inter.whole else Shard(1, self.inter.start, self.inter.stop,

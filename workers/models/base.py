@@ -2,13 +2,14 @@
 and weight loading by HF parameter name.
 
 A family module subclasses ``CausalLM`` with its decoder layer and says how
-HF names map onto the (fused) parameters here, in ``weight_targets``.
+HF names map onto the (fused) parameters here, in ``weight_targets`` (the targets
+themselves: ``weight_targets.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
+from typing import Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -20,12 +21,12 @@ from ..kernel_policy import policy_for
 from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.block_weight import BlockWeight
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryTable, apply_rotary
 from .config import ArchConfig
+from .weight_targets import WeightTarget, row_parallel_targets, stacked_targets, vocab_target
 
 RopeCosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -178,8 +179,8 @@ class GatedMLP(nn.Module):
     def weight_targets(self, prefix: str) -> dict[str, "WeightTarget"]:
         """HF name (under ``prefix``, e.g. ``model.layers.3.mlp.``) -> its place here."""
         t: dict[str, WeightTarget] = {}
-        _stacked_targets(t, prefix, ("gate_proj", "up_proj"), self.gate_up_proj)
-        _row_parallel_targets(t, f"{prefix}down_proj.", self.down_proj)
+        stacked_targets(t, prefix, ("gate_proj", "up_proj"), self.gate_up_proj)
+        row_parallel_targets(t, f"{prefix}down_proj.", self.down_proj)
         return t
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
@@ -262,54 +263,6 @@ class Segment:
     residual: Optional[torch.Tensor] = None
     qkv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     hidden: Optional[torch.Tensor] = None
-
-
-@dataclass
-class WeightTarget:
-    """Where one checkpoint tensor goes: its part ``shard`` (None: all of it) fills rows
-    ``rows`` of ``param`` (None: all of it), after ``transform``; or, for a weight kept
-    as stored (``blocks``), becomes part ``part`` of those blocks."""
-
-    param: Optional[torch.Tensor]
-    rows: Optional[slice] = None
-    transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    shard: Optional[Shard] = None
-    blocks: Optional[BlockWeight] = None
-    part: int = 0
-    # The whole checkpoint tensor's shape where ``transform`` reshapes it (a transpose);
-    # None: the destination's, with the shard's dimension at full size.
-    stored_shape: Optional[tuple[int, ...]] = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the destination (this rank's part)."""
-        if self.blocks is not None:
-            return (self.blocks.part_rows[self.part], self.blocks.in_features)
-        return tuple(self.param[self.rows].shape if self.rows is not None else self.param.shape)
-
-    @property
-    def checkpoint_shape(self) -> tuple[int, ...]:
-        """The shape the whole checkpoint tensor must have."""
-        if self.stored_shape is not None:
-            return self.stored_shape
-        shape = list(self.shape)
-        if self.shard is not None:
-            shape[self.shard.dim] = self.shard.full
-        return tuple(shape)
-
-    @property
-    def dest(self) -> torch.Tensor:
-        return self.param if self.rows is None else self.param[self.rows]
-
-
-def _vocab_target(param: Optional[torch.Tensor], shard: Shard,
-                  blocks: Optional[BlockWeight] = None) -> WeightTarget:
-    if blocks is not None:  # the real rows only
-        return WeightTarget(None, shard=None if shard.whole else shard, blocks=blocks)
-    # The vocabulary is padded per rank: only the first shard.size rows are real.
-    if shard.whole and shard.size == param.shape[0]:
-        return WeightTarget(param)
-    return WeightTarget(param, slice(0, shard.size), shard=None if shard.whole else shard)
 
 
 def as_group_metas(metas: Union[AttentionMetadata, Sequence[AttentionMetadata]]
@@ -425,12 +378,12 @@ class CausalLM(nn.Module):
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF parameter name -> where it is stored here (override to add family params)."""
         t: dict[str, WeightTarget] = {
-            "model.embed_tokens.weight": _vocab_target(self.embed_tokens.weight,
+            "model.embed_tokens.weight": vocab_target(self.embed_tokens.weight,
                                                        self.embed_tokens.shard,
                                                        self.embed_tokens.blocks),
             "model.norm.weight": WeightTarget(self.norm.weight)}
         if self.lm_head.tied_to is None:
-            t["lm_head.weight"] = _vocab_target(self.lm_head.weight, self.lm_head.shard,
+            t["lm_head.weight"] = vocab_target(self.lm_head.weight, self.lm_head.shard,
                                                 self.lm_head.own_blocks)
         for i, layer in enumerate(self.layers):
             t.update(self.layer_weight_targets(f"model.layers.{i}.", layer))
@@ -441,8 +394,8 @@ class CausalLM(nn.Module):
         another attention overrides this)."""
         t: dict[str, WeightTarget] = {}
         attn, mlp = layer.self_attn, layer.mlp
-        _stacked_targets(t, f"{p}self_attn.", ("q_proj", "k_proj", "v_proj"), attn.qkv_proj)
-        _row_parallel_targets(t, f"{p}self_attn.o_proj.", attn.o_proj)
+        stacked_targets(t, f"{p}self_attn.", ("q_proj", "k_proj", "v_proj"), attn.qkv_proj)
+        row_parallel_targets(t, f"{p}self_attn.o_proj.", attn.o_proj)
         if attn.q_norm is not None:
             t[f"{p}self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
             t[f"{p}self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
@@ -501,24 +454,3 @@ class CausalLM(nn.Module):
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}"
                                   + (f"; also missing {missing[1:5]}{more}" if len(missing) > 1 else ""))
-
-
-def _stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, ...],
-                     layer: ColumnParallelLinear) -> None:
-    """q/k/v or gate/up: each checkpoint matrix fills its rows of the fused parameter."""
-    for j, name in enumerate(names):
-        t[f"{prefix}{name}.weight"] = (
-            WeightTarget(layer.weight, layer.out_rows(j), shard=layer.part_shard(j))
-            if layer.blocks is None else
-            WeightTarget(None, shard=layer.part_shard(j), blocks=layer.blocks, part=j))
-        if layer.bias is not None:
-            t[f"{prefix}{name}.bias"] = WeightTarget(layer.bias, layer.out_rows(j),
-                                                     shard=layer.part_shard(j))
-
-
-def _row_parallel_targets(t: dict[str, WeightTarget], prefix: str,
-                          layer: RowParallelLinear) -> None:
-    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard(),
-                                        blocks=layer.blocks)
-    if layer.bias is not None:
-        t[f"{prefix}bias"] = WeightTarget(layer.bias)  # replicated: added after the sum

@@ -38,8 +38,8 @@ from ..layers.attention import AttentionBackend
 from ..layers.mla import MlaBackend, MLAttention, deinterleave_rope
 from ..layers.moe import FusedMoE, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK
 from ..layers.norm import RMSNorm
-from .base import (CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, WeightTarget,
-                   _row_parallel_targets)
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
+from .weight_targets import WeightTarget, row_parallel_targets
 from .config import MlaSpec, MoeArchConfig, MoeSpec, as_int, get, rope_params
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
@@ -314,7 +314,7 @@ class DeepseekForCausalLM(CausalLM):
         t[f"{a}kv_a_layernorm.weight"] = WeightTarget(attn.kv_a_layernorm.weight)
         t[f"{a}kv_b_proj.weight"] = WeightTarget(attn.kv_b_proj.weight,
                                                  shard=attn.kv_b_proj.part_shard(0))
-        _row_parallel_targets(t, f"{a}o_proj.", attn.o_proj)
+        row_parallel_targets(t, f"{a}o_proj.", attn.o_proj)
         t.update(layer.mlp.weight_targets(f"{p}mlp."))
         for norm in layer.norm_names:
             t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)

@@ -13,7 +13,8 @@ from pocketllm.errors import UnsupportedFeatureError
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.norm import RMSNorm
-from .base import Attention, CausalLM, DecoderLayer, GatedMLP, WeightTarget
+from .base import Attention, CausalLM, DecoderLayer, GatedMLP
+from .weight_targets import WeightTarget
 from .config import FULL, SLIDING, ArchConfig, as_int, get, layer_kinds, rope_params
 
 # Multimodal checkpoints nest the text model; the vision tower is not served.

@@ -31,7 +31,8 @@ from ..layers.attention import AttentionBackend
 from ..layers.linear import Shard
 from ..layers.moe import FusedMoE, topk_softmax
 from ..loader.mxfp4 import SUFFIXES, dequantized
-from .base import CausalLM, DecoderLayer, PreNormDecoderLayer, WeightTarget
+from .base import CausalLM, DecoderLayer, PreNormDecoderLayer
+from .weight_targets import WeightTarget
 from .config import (FULL, SLIDING, MoeArchConfig, MoeSpec, as_int, get, layer_kinds,
                      rope_params)
 
