@@ -210,6 +210,7 @@ class FusedMoE(nn.Module):
                               if spec.swiglu_limit is not None else spec.hidden_act)
         self.policy = policy_for(device)
         self.compute = self.policy.moe_experts()
+        self.norm_gemv = self.policy.kernel("gemv", "norm_gemv")  # the router's, at one row
         fused = self.policy.kernel("fused_moe", "softmax_topk")
         if fused is not None and isinstance(routing, SoftmaxTopK):  # one launch, not four
             self.routing = functools.partial(_fused_route, fused, routing.renormalize)
@@ -231,8 +232,8 @@ class FusedMoE(nn.Module):
         experts: one launch fewer."""
         if self.policy.one_row(x) and self.gate.dtype == x.dtype:
             h = torch.empty_like(x)
-            logits, residual = self.policy.kernel("gemv", "norm_gemv")(
-                x, residual, norm.weight, norm.eps, self.gate, self.gate_bias, normed_out=h)
+            logits, residual = self.norm_gemv(x, residual, norm.weight, norm.eps, self.gate,
+                                              self.gate_bias, normed_out=h)
             return self._experts(h, *self.routing(logits, self.spec.top_k)), residual
         h, residual = norm.add(x, residual)
         return self(h), residual
