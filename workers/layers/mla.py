@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import SINGLE, TPGroup
+from ..kernels import fused_kernel
 from .attention import AttentionMetadata, PagedSeqs
 from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
 from .norm import RMSNorm
@@ -150,6 +151,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(even_shard(num_heads * v, tp, dim=1), hidden_size, False,
                                         device, dtype, tp)
         self.split = [self.a_proj.out_sizes[0], spec.latent_width]
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk", dtype)
         self.output_shape = (self.num_heads, v)  # of each token's row ``attend`` writes
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -164,9 +166,13 @@ class MLAttention(nn.Module):
         q = q.view(x.shape[0], self.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim)
         q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         latent, k_rope = kv.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        rows = torch.cat((self.kv_a_layernorm(latent),
-                          apply_rotary(k_rope.unsqueeze(1), *rope).squeeze(1)), dim=-1)
-        return q_nope, apply_rotary(q_rope, *rope), rows, residual
+        k_rope = k_rope.unsqueeze(1)
+        if self.rotary_kernel is not None:  # both in place, one launch
+            q_rope, k_rope = self.rotary_kernel(q_rope, k_rope, *rope)
+        else:
+            q_rope, k_rope = apply_rotary(q_rope, *rope), apply_rotary(k_rope, *rope)
+        rows = torch.cat((self.kv_a_layernorm(latent), k_rope.squeeze(1)), dim=-1)
+        return q_nope, q_rope, rows, residual
 
     def _kv_b(self) -> torch.Tensor:
         """kv_b_proj per head: [H, N + V, R] (W_UK rows, then W_UV rows)."""
