@@ -173,8 +173,9 @@ class GatedMLP(nn.Module):
             kernel = None
         self.act_kernel = kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._down(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial sum (``RowParallelLinear``'s)."""
+        return self._down(self.gate_up_proj(x), reduce)
 
     def weight_targets(self, prefix: str) -> dict[str, "WeightTarget"]:
         """HF name (under ``prefix``, e.g. ``model.layers.3.mlp.``) -> its place here."""
@@ -189,13 +190,13 @@ class GatedMLP(nn.Module):
         gate_up, residual = self.gate_up_proj.normed(norm, x, residual)
         return self._down(gate_up), residual
 
-    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         if self.act_kernel is not None:
             if self.down_proj.blocks is None and self.down_proj.policy.one_row(gate_up):
                 # one launch: the activation inside the product
-                return self.down_proj(gate_up, hidden_act=self.hidden_act)
-            return self.down_proj(self.act_kernel(gate_up, self.hidden_act))
-        return self.down_proj(act_and_mul(self.act, gate_up))
+                return self.down_proj(gate_up, hidden_act=self.hidden_act, reduce=reduce)
+            return self.down_proj(self.act_kernel(gate_up, self.hidden_act), reduce=reduce)
+        return self.down_proj(act_and_mul(self.act, gate_up), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,6 @@ from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
 from ..distributed import SINGLE, TPGroup
 from ..kernel_policy import policy_for
-from ..layers.activation import act_and_mul
 from ..layers.attention import AttentionBackend
 from ..layers.mla import MlaBackend, MLAttention, deinterleave_rope
 from ..layers.moe import FusedMoE, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK
@@ -248,8 +247,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, reduce=False)
         if self.shared_experts is not None:
-            s = self.shared_experts
-            out = out + s.down_proj(act_and_mul(s.act, s.gate_up_proj(x)), reduce=False)
+            out = out + self.shared_experts(x, reduce=False)
         return self.tp.all_reduce(out)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
