@@ -117,32 +117,6 @@ def test_fused_experts_with_biases_and_clamped_swiglu_match_torch(kind, tokens, 
     assert (got - plain).abs().max() > 0.1  # the biases and the clamp changed something
 
 
-@pytest.mark.parametrize("experts, top_k, dtype", [(8, 2, torch.float32), (128, 8, torch.float32),
-                                                   (60, 4, torch.bfloat16)])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_router_gemv_routes_the_row_as_the_topk_kernel(experts, top_k, dtype, renormalize):
-    """A one-row router (its norm in front) whose last program routes the row: the same
-    logits, and the same weights and ids as the separate softmax top-k launch. Twice in a
-    row, so the arrival counter must have been left at zero."""
-    gen = torch.Generator().manual_seed(experts)
-    hidden = 96
-    x, res = (torch.randn(2, 1, hidden, generator=gen).to(dtype).to(DEVICE) * 2)
-    gate = (torch.randn(experts, hidden, generator=gen) * 0.3).to(dtype).to(DEVICE)
-    norm_w = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE)
-    tiles = (2, 32, 1)  # several programs arrive on the counter
-    logits, residual = K.gemv.norm_gemv(x, res, norm_w, 1e-6, gate, config=tiles)
-    want_w, want_ids = K.fused_moe.softmax_topk(logits, top_k, renormalize)
-    for _ in range(2):
-        route = (torch.full((1, top_k), float("nan"), device=DEVICE),
-                 torch.full((1, top_k), -1, dtype=torch.int32, device=DEVICE), renormalize)
-        got, got_res = K.gemv.norm_gemv(x, res, norm_w, 1e-6, gate, route=route,
-                                        config=tiles)
-        assert torch.equal(got, logits) and torch.equal(got_res, residual)
-        assert torch.equal(route[1], want_ids) and torch.equal(route[0], want_w)
-    with pytest.raises(ValueError, match="route"):
-        K.gemv.norm_gemv(x, res, norm_w, 1e-6, gate, route=(route[0].double(), route[1], True))
-
-
 @pytest.mark.parametrize("experts, top_k", [(8, 2), (32, 4)])
 def test_renormalised_softmax_topk_kernel_is_gpt_oss_routing(experts, top_k):
     """gpt-oss's softmax over the k largest logits equals the softmax over all of them, the

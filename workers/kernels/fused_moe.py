@@ -105,20 +105,19 @@ def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale, Bias,
 
 
 @triton.jit
-def softmax_topk_row(Logits, num_experts, Weights, Ids, TOP_K: tl.constexpr,
-                     K_BLOCK: tl.constexpr, BINS: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One row's routing: softmax over its logits, the k largest (the lowest index among
-    ties), renormalised or not. Loads skip L1: a router gemv's other programs may have
-    written the logits (``gemv.norm_gemv(route=)``)."""
+def _softmax_topk(Logits, Weights, Ids, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, BINS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BINS)
-    x = tl.load(Logits + e, mask=e < num_experts, other=-float("inf"), cache_modifier=".cg")
+    x = tl.load(Logits + row * stride_l + e, mask=e < num_experts, other=-float("inf"))
     x = x.to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     slot = tl.arange(0, K_BLOCK)
     weights = tl.zeros([K_BLOCK], tl.float32)
     ids = tl.zeros([K_BLOCK], tl.int32)
-    for j in tl.static_range(TOP_K):  # k rounds of argmax
+    for j in tl.static_range(TOP_K):  # k rounds of argmax (the lowest index among ties)
         best = tl.max(p, 0)
         pick = tl.min(tl.where(p == best, e, BINS), 0)
         weights = tl.where(slot == j, best, weights)
@@ -126,17 +125,8 @@ def softmax_topk_row(Logits, num_experts, Weights, Ids, TOP_K: tl.constexpr,
         p = tl.where(e == pick, -1.0, p)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)  # the unused slots hold 0
-    tl.store(Weights + slot, weights, mask=slot < TOP_K)
-    tl.store(Ids + slot, ids, mask=slot < TOP_K)
-
-
-@triton.jit
-def _softmax_topk(Logits, Weights, Ids, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, BINS: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    softmax_topk_row(Logits + row * stride_l, num_experts, Weights + row * TOP_K,
-                     Ids + row * TOP_K, TOP_K, K_BLOCK, BINS, RENORMALIZE)
+    tl.store(Weights + row * TOP_K + slot, weights, mask=slot < TOP_K)
+    tl.store(Ids + row * TOP_K + slot, ids, mask=slot < TOP_K)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool

@@ -29,13 +29,10 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-from .fused_moe import softmax_topk_row
 from .gated_act import KERNEL_ACTIVATIONS, activate
 
 # (cos, sin, head_dim, rows): see norm_gemv.
 Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
-# (weights [1, k] float32, ids [1, k] int32, renormalize): see norm_gemv.
-Route = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 @triton.jit
@@ -64,12 +61,10 @@ def _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, wr
 
 
 @triton.jit
-def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, RouteW, RouteIds,
-                 Counter, N, K, stride_w, x_half, eps, rot_rows, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PRE: tl.constexpr, HALF: tl.constexpr,
-                 WRITE_NORMED: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
-                 BINS: tl.constexpr, RENORMALIZE: tl.constexpr):
+def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half,
+                 eps, rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PRE: tl.constexpr, HALF: tl.constexpr, WRITE_NORMED: tl.constexpr):
     pid = tl.program_id(0)
     # Each program owns two groups of BLOCK_N / 2 rows: adjacent ones, or (HALF > 0) the
     # same dims of the two halves of a head, the pairs the rotary epilogue rotates.
@@ -130,11 +125,6 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, RouteW, R
         ya, yb = tl.where(rotate, ya * cos - yb * sin, ya), tl.where(rotate, yb * cos + ya * sin, yb)
     tl.store(Y + rows_a, ya.to(Y.dtype.element_ty), mask=a_ok)
     tl.store(Y + rows_b, yb.to(Y.dtype.element_ty), mask=b_ok)
-    if TOP_K > 0:  # a router: the last program to finish routes the row, no launch of its own
-        tl.debug_barrier()
-        if tl.atomic_add(Counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(Counter, 0)
-            softmax_topk_row(Y, N, RouteW, RouteIds, TOP_K, K_BLOCK, BINS, RENORMALIZE)
 
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
@@ -162,17 +152,6 @@ def rotary_block_n(block_n: int, head_dim: int) -> int:
     return block_n
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counter(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 that a routing launch counts its programs on and leaves zero again;
-    one per device, so a CUDA graph replays over it (the warm-up before capture makes it)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"a gemv takes one row, got {what} of shape {tuple(x.shape)}")
@@ -185,7 +164,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
             eps: float = 0.0, out_dtype: Optional[torch.dtype] = None,
             rotary: Optional["Rotary"] = None, config: Optional[tuple[int, int, int]] = None,
-            normed_out: Optional[torch.Tensor] = None, route: Optional[Route] = None
+            normed_out: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     n, k = weight.shape
     if weight.stride(-1) != 1:
@@ -205,25 +184,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             raise ValueError(f"rotary over heads of {head_dim} does not tile {n} rows")
         block_n = rotary_block_n(block_n, head_dim)
         cos, sin = cos.reshape(half), sin.reshape(half)
-    top_k, route_w, route_ids, renormalize, counter = 0, y, y, False, y
-    if route is not None:
-        route_w, route_ids, renormalize = route
-        top_k = route_w.shape[-1]
-        if (route_w.shape != (1, top_k) or route_ids.shape != (1, top_k) or top_k > n
-                or route_w.dtype != torch.float32 or route_ids.dtype != torch.int32):
-            raise ValueError("route takes weights [1, k] float32 and ids [1, k] int32, k <= N")
-        counter = _arrival_counter(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
         normed_out if normed_out is not None else y, weight,
-        bias if bias is not None else weight, y, cos, sin, route_w, route_ids, counter,
-        n, k, weight.stride(0), k, eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k, eps,
+        rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=min(triton.next_power_of_2(k), 8192), EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, PRE=pre, HALF=half, WRITE_NORMED=normed_out is not None,
-        TOP_K=top_k, K_BLOCK=triton.next_power_of_2(max(top_k, 1)),
-        BINS=triton.next_power_of_2(n) if top_k else 1,  # no variant per N where unused
-        RENORMALIZE=renormalize, num_warps=warps)
+        num_warps=warps)
     return y, res_out
 
 
@@ -248,20 +217,17 @@ def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               rotary: Optional[Rotary] = None, config: Optional[tuple[int, int, int]] = None,
-              normed_out: Optional[torch.Tensor] = None, route: Optional[Route] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              normed_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
     to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x.
     ``rotary`` = (cos, sin, head_dim, rows): the first ``rows`` outputs are heads of
     ``head_dim`` that leave rotated by the token's cos/sin ([D/2] each), as
     ``rotary.apply_rotary_qk`` rotates q and k. ``normed_out`` (like x): receives the
-    normed row itself, for a second product of it (the experts after their router).
-    ``route`` = (weights, ids, renormalize), for a router: the last of the launch's
-    programs to finish also routes the row into them, as ``fused_moe.softmax_topk``."""
+    normed row itself, for a second product of it (the experts after their router)."""
     x = _check_row(x, weight.shape[1], "x")
     if residual is None:
         return _launch(x, weight, bias, "norm", None, norm_weight, eps, rotary=rotary,
-                       config=config, normed_out=normed_out, route=route)[0], x
+                       config=config, normed_out=normed_out)[0], x
     residual = _check_row(residual, weight.shape[1], "residual")
     return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, rotary=rotary,
-                   config=config, normed_out=normed_out, route=route)
+                   config=config, normed_out=normed_out)

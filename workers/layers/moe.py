@@ -212,16 +212,11 @@ class FusedMoE(nn.Module):
         self.compute = self.policy.moe_experts()
         self.norm_gemv = self.policy.kernel("gemv", "norm_gemv")  # the router's, at one row
         fused = self.policy.kernel("fused_moe", "softmax_topk")
-        # Softmax top-k routing in one launch, not four; on a one-row step inside the
-        # router's gemv (``normed``). None: routing the kernel does not compute.
-        self.renormalize: Optional[bool] = None
-        if fused is not None and isinstance(routing, SoftmaxTopK):
-            self.renormalize = routing.renormalize
+        if fused is not None and isinstance(routing, SoftmaxTopK):  # one launch, not four
+            self.routing = functools.partial(_fused_route, fused, routing.renormalize)
         elif fused is not None and routing is topk_softmax:
             # softmax over the k largest logits = softmax over all, k largest, renormalised
-            self.renormalize = True
-        if self.renormalize is not None:
-            self.routing = functools.partial(_fused_route, fused, self.renormalize)
+            self.routing = functools.partial(_fused_route, fused, True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.routing(self.policy.product(x.to(self.gate.dtype), self.gate,
@@ -234,17 +229,12 @@ class FusedMoE(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x + residual)), x + residual)``. On a one-row GPU step the add and
         norm run inside the router's gemv, which also leaves the normed row for the
-        experts and, for softmax top-k routing, routes the row: two launches fewer."""
+        experts: one launch fewer."""
         if self.policy.one_row(x) and self.gate.dtype == x.dtype:
-            h, k = torch.empty_like(x), self.spec.top_k
-            route = None
-            if self.renormalize is not None:
-                route = (torch.empty(1, k, dtype=torch.float32, device=x.device),
-                         torch.empty(1, k, dtype=torch.int32, device=x.device), self.renormalize)
+            h = torch.empty_like(x)
             logits, residual = self.norm_gemv(x, residual, norm.weight, norm.eps, self.gate,
-                                              self.gate_bias, normed_out=h, route=route)
-            weights, ids = route[:2] if route is not None else self.routing(logits, k)
-            return self._experts(h, weights, ids), residual
+                                              self.gate_bias, normed_out=h)
+            return self._experts(h, *self.routing(logits, self.spec.top_k)), residual
         h, residual = norm.add(x, residual)
         return self(h), residual
 
