@@ -253,7 +253,7 @@ def test_a_flooding_client_does_not_starve_a_small_one(tiny_llama):
         lock = threading.Lock()
 
         def flood(i: int):
-            body = {"prompt": f"flood {i}", "n": 8, "max_tokens": 48, "ignore_eos": True,
+            body = {"prompt": f"flood {i}", "n": 8, "max_tokens": 96, "ignore_eos": True,
                     "stream": True}
             with _client("127.0.0.1") as a, a.stream("POST", srv.url + "/v1/completions",
                                                       json=body) as r:
@@ -273,20 +273,29 @@ def test_a_flooding_client_does_not_starve_a_small_one(tiny_llama):
             time.sleep(0.05)
         assert _waiting(srv.url) >= 24, "the flood did not queue"
         t0 = time.monotonic()
-        with _client("127.0.0.2") as b:
-            r = b.post(srv.url + "/v1/completions", json={"prompt": "small", "max_tokens": 2})
+        first = None
+        with _client("127.0.0.2") as b, b.stream(
+                "POST", srv.url + "/v1/completions",
+                json={"prompt": "small", "max_tokens": 2, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.monotonic()
         done = time.monotonic()
-        assert r.status_code == 200, r.text
         for t in threads:
             t.join(120)
         with lock:
-            before = sum(1 for f in finishes if f < done)
+            # Counted against the small request's first token, which reaches this client
+            # through the same path as the flood's: its own HTTP round trip is left out.
+            before = sum(1 for f in finishes if f < first)
             total, flood_s = len(finishes), max(finishes) - t0
         assert total == 32
         print(f"\nsmall request: {done - t0:.2f} s, after {before} of the flood's 32 choices "
               f"(the flood took {flood_s:.2f} s)")
-        # Served after about one seat freed, not after the flood's queue.
-        assert before <= 6, f"{before} flood choices finished before the small request"
+        # Served after about one seat freed, not after the flood's queue: first come first
+        # served would finish the >= 24 queued choices first. The bound leaves room for the
+        # choices that finish while the small request is on its way in on a loaded machine.
+        assert before <= 8, f"{before} flood choices finished before the small request"
         assert done - t0 < flood_s / 3, (done - t0, flood_s)
     finally:
         assert srv.stop() == 0
