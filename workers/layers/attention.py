@@ -16,7 +16,7 @@ kernels read (``workers/kernels``).
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, Union
 
 import torch
@@ -66,6 +66,9 @@ class PagedSeqs:
     max_seq_len: int  # host copies of the maxima: grid sizes without a device sync
     max_q_len: int
     lone_fresh_rows: Optional[slice] = None  # the rows of a lone sequence starting at 0
+    host: tuple[tuple[int, int, int], ...] = ()  # per sequence: (q_start, q_len, seq_len)
+    # what a layer derives from these once a step for every layer (mla.py's key slots)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -167,7 +170,9 @@ def _kernel_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
                                       max(s.start + s.num_tokens for s in kind),
                                       max(s.num_tokens for s in kind),
                                       slice(lone.row, lone.row + lone.num_tokens) if lone
-                                      else None))
+                                      else None,
+                                      tuple((s.row, s.num_tokens, s.start + s.num_tokens)
+                                            for s in kind)))
     return meta
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import to_device
 from ..distributed import SINGLE, TPGroup
 from ..kernels import fused_kernel
 from .attention import AttentionMetadata, PagedSeqs
@@ -81,23 +82,63 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: tor
     """Prefill chunks: each sequence's queries over all its keys, expanded from the
     cached latents (its own chunk included, written before). q_nope [T, H, N], q_rope
     [T, H, P]; ``expand(latent [L, R]) -> (k_nope [L, H, N], v [L, H, V])``; writes the
-    chunk's rows of ``out`` [T, H, V]."""
+    chunk's rows of ``out`` [T, H, V]. The keys of a run of sequences are gathered and
+    expanded at once (one product, not one per sequence); each sequence then attends."""
     rank = cache.shape[-1] - q_rope.shape[-1]
-    host = zip(seqs.q_start.tolist(), seqs.q_lens.tolist(), seqs.seq_lens.tolist())
-    for b, (start, count, length) in enumerate(host):
-        pos = torch.arange(length, device=cache.device)
-        table = seqs.block_tables[b].long()
-        rows = cache.index_select(0, table[pos // block_size] * block_size + pos % block_size)
+    q = torch.cat((q_nope, q_rope), dim=-1)
+    for members, slots in key_runs(seqs, block_size):
+        rows = cache.index_select(0, slots)
         k_nope, v = expand(rows[:, :rank])
-        heads = k_nope.shape[1]
-        k_rope = rows[:, None, rank:].expand(-1, heads, -1)
-        k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)  # [H, L, N+P]
-        q = torch.cat((q_nope[start:start + count], q_rope[start:start + count]),
-                      dim=-1).transpose(0, 1)  # [H, Q, N+P]
-        # query i is position length - count + i: it reads keys up to there
-        mask = pos[None, :] <= (length - count + torch.arange(count, device=cache.device))[:, None]
-        o = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=mask, scale=scale)
-        out[start:start + count] = o.transpose(0, 1)
+        k = torch.cat((k_nope, rows[:, None, rank:].expand(-1, k_nope.shape[1], -1)), dim=-1)
+        at = 0
+        for start, count, length in members:
+            qs = q[start:start + count].transpose(0, 1)  # [H, Q, N+P]
+            ks, vs = k[at:at + length].transpose(0, 1), v[at:at + length].transpose(0, 1)
+            if count == length:  # a fresh prompt: plain causal
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            else:  # query i is position length - count + i: it reads keys up to there
+                pos = torch.arange(length, device=q.device)
+                mask = pos[None, :] <= pos[length - count:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            out[start:start + count] = o.transpose(0, 1)
+            at += length
+
+
+MAX_RUN_KEYS = 1 << 16  # keys expanded at once: bounds the run's k/v ([keys, H, N+P+V])
+
+
+def key_runs(seqs: PagedSeqs, block_size: int) -> list[tuple[tuple, torch.Tensor]]:
+    """The prefill sequences in runs of at most ``MAX_RUN_KEYS`` keys (a longer sequence
+    alone), each with the cache slots of all its keys in order. Built from the host's
+    lengths (no device sync) once a step, and kept for the other layers."""
+    runs = seqs.memo.get("mla_key_runs")
+    if runs is not None:
+        return runs
+    if len(seqs.host) != seqs.block_tables.shape[0]:
+        raise ValueError("MLA prefill needs the sequences' host lengths (PagedSeqs.host)")
+    groups: list[list[int]] = []
+    keys = 0
+    for b, (_, _, length) in enumerate(seqs.host):
+        if not groups or keys + length > MAX_RUN_KEYS:
+            groups.append([])
+            keys = 0
+        groups[-1].append(b)
+        keys += length
+    runs = []
+    for group in groups:
+        which: list[int] = []
+        pos: list[int] = []
+        for b in group:
+            length = seqs.host[b][2]
+            which.extend([b] * length)
+            pos.extend(range(length))
+        device = seqs.block_tables.device
+        which_t, pos_t = to_device(which, device, torch.long), to_device(pos, device, torch.long)
+        slots = seqs.block_tables[which_t, pos_t // block_size].long() * block_size \
+            + pos_t % block_size
+        runs.append((tuple(seqs.host[b] for b in group), slots))
+    seqs.memo["mla_key_runs"] = runs
+    return runs
 
 
 class MlaBackend:
