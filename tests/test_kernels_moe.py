@@ -272,7 +272,11 @@ def test_gpu_path_of_a_deepseek_model_matches_torch(family):
         torch_tokens, torch_logprobs = greedy(make_runner(path, DEVICE.type))
     with mock.patch.object(kernels, "kernels_usable", lambda device: True):
         runner = make_runner(path, DEVICE.type)
-    assert runner.model.layers[1].mlp.experts.compute.grouped is K.fused_moe.fused_experts
+    experts = runner.model.layers[1].mlp.experts
+    assert experts.compute.grouped is K.fused_moe.fused_experts
+    if family == "deepseek_v2":  # greedy softmax routing in one launch, then its scaling
+        assert experts.routing.args == (K.fused_moe.softmax_topk, False)
+        assert experts.routing.keywords == {"scaling": 1.5}
     # V3's latent widths (32 + 16) fit the Triton kernel's tiles, V2's (24 + 8) do not
     if family == "deepseek_v3":
         assert runner.backend.decode.args[1] is importlib.import_module(

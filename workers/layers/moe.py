@@ -167,8 +167,9 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         0, token_of, rows)
 
 
-def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int):
-    return kernel(logits, k, renormalize)
+def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int, scaling: float = 1.0):
+    weights, ids = kernel(logits, k, renormalize)
+    return (weights if scaling == 1.0 else weights * scaling), ids
 
 
 class FusedMoE(nn.Module):
@@ -217,6 +218,9 @@ class FusedMoE(nn.Module):
         elif fused is not None and routing is topk_softmax:
             # softmax over the k largest logits = softmax over all, k largest, renormalised
             self.routing = functools.partial(_fused_route, fused, True)
+        elif (fused is not None and isinstance(routing, SoftmaxGroupLimitedTopK)
+              and not routing.group_limited):  # DeepSeek-V2's greedy: softmax top-k, scaled
+            self.routing = functools.partial(_fused_route, fused, False, scaling=routing.scaling)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.routing(self.policy.product(x.to(self.gate.dtype), self.gate,
