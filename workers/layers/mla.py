@@ -124,15 +124,14 @@ def key_runs(seqs: PagedSeqs, block_size: int) -> list[tuple[tuple, torch.Tensor
             keys = 0
         groups[-1].append(b)
         keys += length
-    runs = []
+    runs, device = [], seqs.block_tables.device
     for group in groups:
-        which: list[int] = []
+        which: list[int] = []  # per key: its sequence, and its position there
         pos: list[int] = []
         for b in group:
             length = seqs.host[b][2]
             which.extend([b] * length)
             pos.extend(range(length))
-        device = seqs.block_tables.device
         which_t, pos_t = to_device(which, device, torch.long), to_device(pos, device, torch.long)
         slots = seqs.block_tables[which_t, pos_t // block_size].long() * block_size \
             + pos_t % block_size
