@@ -132,6 +132,15 @@ def test_capabilities(runner):
     assert (caps.device, caps.dtype, caps.block_size, caps.num_kv_blocks) == ("cpu", "float32", 4, 48)
     assert caps.vocab_size == 512 and caps.max_model_len == 512 and caps.load_seconds > 0
     assert caps.architecture in ("Gemma3ForCausalLM", "Qwen3ForCausalLM")
+    # the roofline's bytes: all weights, but of an input embedding the LM head does not
+    # share (Qwen3's here; Gemma's is its head) only the row a step looks up
+    model = runner.model
+    params = sum(p.numel() for p in model.parameters())
+    table = model.embed_tokens.weight
+    tied = model.lm_head.tied_to is not None
+    assert tied == (caps.architecture == "Gemma3ForCausalLM")
+    unread = 0 if tied else table.numel() - table.shape[1]
+    assert caps.weight_bytes == 4 * (params - unread)
 
 
 def test_kv_budget_rules():
