@@ -276,7 +276,7 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     attention_backend: str = "TorchAttention"  # or "TritonAttention" (CUDA)
     cuda_graph_batch_sizes: list[int] = []  # decode batches replayed as CUDA graphs
     batch_invariant: bool = False  # logits independent of the rest of the batch (CUDA)
-    weight_bytes: int = 0  # rank 0's weights that one decode step reads (runner.step_read_bytes)
+    weight_bytes: int = 0  # rank 0's weights one decode step reads (CausalLM.step_read_bytes)
     # The KV cache groups, full attention first; empty: one full group of num_kv_blocks.
     cache_groups: list[CacheGroup] = []
 

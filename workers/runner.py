@@ -30,9 +30,6 @@ from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import ScheduledSeq, build_metadata
 from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
                              uses_output_counts)
-from .layers.block_weight import BlockWeight
-from .layers.linear import LMHead, VocabParallelEmbedding
-from .layers.moe import FusedMoE
 from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
@@ -40,23 +37,6 @@ from .models.registry import arch_config, build_model
 logger = logging.getLogger("pocketllm.worker")
 
 MAX_LOGPROBS = 20
-
-
-def step_read_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a one-token decode step reads on this rank (the roofline's
-    denominator): every parameter and block weight, less the experts a token is not routed
-    to and an embedding table the LM head does not share (a step looks up one row of it)."""
-    modules = list(model.modules())
-    total = (sum(p.numel() * p.element_size() for p in model.parameters())
-             + sum(m.nbytes() for m in modules if isinstance(m, BlockWeight)))
-    unread = sum(m.unread_bytes() for m in modules if isinstance(m, FusedMoE))
-    heads = {id(m.tied_to) for m in modules if isinstance(m, LMHead)}
-    for m in modules:
-        if isinstance(m, VocabParallelEmbedding) and id(m) not in heads:
-            table, rows = ((m.blocks.nbytes(), m.num_valid) if m.blocks is not None
-                           else (m.weight.nbytes, m.weight.shape[0]))
-            unread += table - table // rows  # every row but the one looked up
-    return total - unread
 
 
 @dataclass
@@ -258,7 +238,7 @@ class ModelRunner:
             attention_backend=type(self.backend).__name__,
             cuda_graph_batch_sizes=self.graphs.batch_sizes if self.graphs else [],
             batch_invariant=self.policy.batch_invariant,
-            weight_bytes=step_read_bytes(self.model),
+            weight_bytes=self.model.step_read_bytes(),
             cache_groups=self.kv.groups())
 
     def launch(self, plan: StepPlan) -> "LaunchedStep":

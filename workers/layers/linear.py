@@ -232,6 +232,13 @@ class VocabParallelEmbedding(nn.Module):
             return self.blocks.rows(ids)
         return F.embedding(ids, self.weight)
 
+    def unread_bytes(self) -> int:
+        """Bytes of the table a one-token step does not read: all rows but the one it looks
+        up (unless the LM head shares the table: ``CausalLM.step_read_bytes``)."""
+        table, rows = ((self.blocks.nbytes(), self.num_valid) if self.blocks is not None
+                       else (self.weight.nbytes, self.weight.shape[0]))
+        return table - table // rows
+
 
 def _plus(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return y if bias is None else y + bias

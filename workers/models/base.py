@@ -21,6 +21,7 @@ from ..kernel_policy import policy_for
 from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.block_weight import BlockWeight
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
@@ -305,6 +306,16 @@ class CausalLM(nn.Module):
     # The width of one position's cache row per layer when the family caches a latent
     # (MLA) instead of K and V heads; None: K/V heads (kv_cache.py).
     latent_cache_width: Optional[int] = None
+
+    def step_read_bytes(self) -> int:
+        """Bytes of weights a one-token decode step reads on this rank (``bench latency``'s
+        roofline): every parameter and block weight, less what a module declares it leaves
+        unread (``unread_bytes``: the experts a token is not routed to, an input embedding's
+        rows but one). A table the LM head shares is read whole."""
+        total = (sum(p.numel() * p.element_size() for p in self.parameters())
+                 + sum(m.nbytes() for m in self.modules() if isinstance(m, BlockWeight)))
+        return total - sum(m.unread_bytes() for m in self.modules()
+                           if hasattr(m, "unread_bytes") and m is not self.lm_head.tied_to)
 
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
