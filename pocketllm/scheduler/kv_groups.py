@@ -84,9 +84,6 @@ class CacheGroups:
         self._sliding = [i for i, r in enumerate(self.rules) if r.window is not None]
         self._full = [i for i, r in enumerate(self.rules) if r.window is None]
 
-    def __len__(self) -> int:
-        return len(self.pools)
-
     def empty_tables(self) -> list[list[int]]:
         return [[] for _ in self.pools]
 
