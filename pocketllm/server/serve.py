@@ -181,10 +181,7 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
             log.error("the engine died; shutting down")
             exit_code = 1
             break
-        try:
-            await asyncio.wait_for(asyncio.shield(stopper), 0.5)
-        except asyncio.TimeoutError:
-            pass
+        await asyncio.wait({stopper}, timeout=0.5)
     state.draining = True  # new requests get 503, /ready says "draining"
     if exit_code == 0:
         await _drain(state, signals, args.shutdown_timeout)
