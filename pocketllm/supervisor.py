@@ -3,6 +3,7 @@ readiness, liveness, and reaping everything on death, timeout or shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -179,20 +180,16 @@ class Supervisor:
             self._stopping.set()
             for proc in self.procs.values():
                 if proc.poll() is None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
             deadline = time.monotonic() + self.args.shutdown_timeout
             for proc in self.procs.values():
                 while proc.poll() is None and not self._hurry.is_set():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    try:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(min(left, 0.05))
-                    except subprocess.TimeoutExpired:
-                        pass
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()

@@ -43,6 +43,7 @@ the parse as malformed. Duplicate parameters are malformed too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Any, Callable, Optional
@@ -132,12 +133,10 @@ def typed_value(text: str, schema: Any) -> Any:
     choices = schema["enum"] if isinstance(schema.get("enum"), list) else \
         [schema["const"]] if "const" in schema else None
     if choices is not None:  # an untyped enum of mixed values: the value the text spells
-        try:
+        with contextlib.suppress(ValueError):
             value = loads_strict(text)
             if any(value == c and type(value) is type(c) for c in choices):
                 return value
-        except ValueError:
-            pass
     if any(key in schema for key in _CHECKED_STRING):
         return text.strip()  # the grammar checks such a string without its padding
     return text
