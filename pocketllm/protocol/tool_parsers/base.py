@@ -272,3 +272,21 @@ class HeldCallStream:
             return []
         self._sent += len(text)
         return [Delta(content=text)]
+
+
+class FramedToolParser:
+    """A syntax whose calls stand between `<tool_call>` and `</tool_call>`: a subclass names
+    it, lists its ``tags`` and gives its module's ``read_call`` (a staticmethod)."""
+
+    name: str
+    tags: tuple[str, ...]  # markup a tokenizer may hold as (special) tokens
+    read_call: ReadCall
+
+    def __init__(self, id_factory: IdFactory = new_call_id):
+        self._new_id = id_factory
+
+    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
+        return parse_framed(text, tools, self.read_call, self._new_id)
+
+    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
+        return HeldCallStream(self, tools)

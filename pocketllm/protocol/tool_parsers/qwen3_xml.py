@@ -46,10 +46,10 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from .base import (CALL_CLOSE, CALL_OPEN, HeldCallStream, IdFactory, MalformedCall, ParsedToolCalls,
-                   ToolSchemas, expect, loads_strict, new_call_id, parse_framed, skip_whitespace)
+from .base import (CALL_CLOSE, CALL_OPEN, FramedToolParser, MalformedCall, ToolSchemas, expect,
+                   loads_strict, skip_whitespace)
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
@@ -181,16 +181,7 @@ def read_xml_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, dict,
     return name, arguments, expect(text, skip_whitespace(text, pos), CALL_CLOSE)
 
 
-class Qwen3XmlToolParser:
+class Qwen3XmlToolParser(FramedToolParser):
     name = "qwen3_xml"
-    tags = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE,  # markup a tokenizer may
-            PARAMETER_OPEN, PARAMETER_CLOSE)  # hold as (special) tokens
-
-    def __init__(self, id_factory: IdFactory = new_call_id):
-        self._new_id = id_factory
-
-    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
-        return parse_framed(text, tools, read_xml_call, self._new_id)
-
-    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
-        return HeldCallStream(self, tools)
+    tags = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE, PARAMETER_OPEN, PARAMETER_CLOSE)
+    read_call = staticmethod(read_xml_call)
