@@ -113,14 +113,12 @@ def tool_schemas(tools: Any) -> ToolSchemas:
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequestError(f"{where}.function.name must be a non-empty string", "tools")
-        params = fn.get("parameters", {})
-        if params is None:
-            params = {}
+        params = fn.get("parameters")
+        params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequestError(f"{where}.function.parameters must be an object", "tools")
-        props = params.get("properties", {})
-        if props is None:
-            props = {}
+        props = params.get("properties")
+        props = {} if props is None else props
         if not isinstance(props, dict):
             raise InvalidRequestError(
                 f"{where}.function.parameters.properties must be an object", "tools")
