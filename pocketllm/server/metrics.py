@@ -42,15 +42,12 @@ class Metrics:
         self.engine_counters = _EngineCounters(model_name)
         r.register(self.engine_counters)
 
-    def update_engine(self, stats: SchedulerStats) -> None:
+    def render(self, stats: SchedulerStats) -> bytes:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
         self.engine_counters.stats = stats
-
-    def render(self, stats: SchedulerStats) -> bytes:
-        self.update_engine(stats)
         return generate_latest(self.registry)
 
     def count_finish(self, finish_reason: str) -> None:
