@@ -118,10 +118,6 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self._sinks)
 
-    def unresponsive(self) -> dict[str, float]:
-        """Stages that have not answered a heartbeat within the bound: name -> seconds."""
-        return self.heartbeat.unresponsive()
-
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")

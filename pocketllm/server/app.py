@@ -105,7 +105,7 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if not client.supervisor.alive():
         return web.json_response({"status": "dead"}, status=503)
-    hung = client.unresponsive()
+    hung = client.heartbeat.unresponsive()
     if hung:  # alive but stuck: requests would wait, so a load balancer should look elsewhere
         # rounded up: a stage just past the bound must not read as exactly at it
         waited = {k: math.ceil(v * 10) / 10 for k, v in hung.items()}
