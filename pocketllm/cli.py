@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -128,35 +129,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """Every flag named like an EngineArgs field sets that field; the others are mapped here."""
     if getattr(ns, "no_tensor_parallel_supervisor", False):
         launched_rank(ns)
-    return EngineArgs(
-        model=ns.model, tokenizer=ns.tokenizer, backend=ns.backend, load_format=ns.load_format,
-        quantization=ns.quantization, dequantize_weights=ns.dequantize_weights,
-        dtype=ns.dtype, device=ns.device, tensor_parallel_size=ns.tensor_parallel_size,
-        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
-        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gb=ns.kv_cache_memory_gb,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
+    mapped = dict(
         enable_prefix_caching=not ns.no_prefix_caching,
-        enable_chunked_prefill=not ns.no_chunked_prefill, seed=ns.seed,
-        cuda_graphs=not ns.no_cuda_graphs, cuda_graph_max_batch=ns.cuda_graph_max_batch,
-        cuda_graph_max_tokens=ns.cuda_graph_max_tokens,
-        admission_delay=ns.admission_delay,
+        enable_chunked_prefill=not ns.no_chunked_prefill, cuda_graphs=not ns.no_cuda_graphs,
         overlap_scheduling={"auto": None, "on": True, "off": False}[ns.overlap_scheduling],
-        batch_invariant=ns.batch_invariant,
         structured_output_timeout_s=ns.structured_output_timeout,
-        max_output_tokens=ns.max_output_tokens,
         startup_timeout=ns.tensor_parallel_startup_timeout,
         shutdown_timeout=ns.tensor_parallel_shutdown_timeout,
-        heartbeat_timeout=ns.heartbeat_timeout,
         master_addr=ns.tensor_parallel_master_addr, master_port=ns.tensor_parallel_master_port,
-        rendezvous_dir=ns.tensor_parallel_rendezvous_dir, nnodes=ns.nnodes,
-        node_rank=ns.node_rank, tensor_parallel_secret_file=ns.tensor_parallel_secret_file,
-        backend_options=ns.backend_options or {}, max_stop_strings=ns.max_stop_strings,
-        max_stop_bytes=ns.max_stop_bytes, max_prompt_chars=ns.max_prompt_chars,
-        max_json_depth=ns.max_json_depth, chat_template=ns.chat_template,
-        tool_call_parser=ns.tool_call_parser)
+        rendezvous_dir=ns.tensor_parallel_rendezvous_dir,
+        backend_options=ns.backend_options or {})
+    same = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name not in mapped and hasattr(ns, f.name)}
+    return EngineArgs(**same, **mapped)
 
 
 def launched_rank(ns: argparse.Namespace) -> None:

@@ -118,14 +118,11 @@ class EngineArgs:
                      "cuda_graph_max_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer", name)
-        if self.cuda_graph_max_tokens is not None and (
-                not isinstance(self.cuda_graph_max_tokens, int) or self.cuda_graph_max_tokens < 0):
-            raise InvalidRequestError("cuda_graph_max_tokens must be a non-negative integer",
-                                      "cuda_graph_max_tokens")
-        if self.max_output_tokens is not None and (
-                not isinstance(self.max_output_tokens, int) or self.max_output_tokens < 1):
-            raise InvalidRequestError("max_output_tokens must be a positive integer",
-                                      "max_output_tokens")
+        for name, least, what in (("cuda_graph_max_tokens", 0, "a non-negative"),
+                                  ("max_output_tokens", 1, "a positive")):  # None: the default
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise InvalidRequestError(f"{name} must be {what} integer", name)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be a positive integer", "max_model_len")
         for name in ("startup_timeout", "shutdown_timeout", "structured_output_timeout_s",

@@ -6,6 +6,7 @@ Every stage reads the same ``ModelInfo``; the worker builds its model from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -55,16 +56,12 @@ def default_model_path() -> str:
     # is unchanged (size, inode, mtime and ctime) it is not hashed again.
     target = embedded.default_output_path()
     stamp = target.with_name(target.name + ".verified")
-    try:
+    with contextlib.suppress(OSError):
         if stamp.read_text() == _file_identity(target, embedded.EXPECTED_SHA256):
             return str(target)
-    except OSError:
-        pass
     path = embedded.assemble()
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache: verify every time, as before
         stamp.write_text(_file_identity(path, embedded.EXPECTED_SHA256))
-    except OSError:  # a read-only cache: verify every time, as before
-        pass
     return str(path)
 
 

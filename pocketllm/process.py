@@ -4,6 +4,7 @@ the supervisor's, report ready or failed. Each stage's ``__main__`` calls ``run_
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -42,11 +43,9 @@ def die_with_parent() -> None:
     """Ask the kernel to SIGKILL us when the supervisor dies, even by SIGKILL; and poll as a
     fallback for platforms without prctl."""
     parent = os.getppid()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 

@@ -74,10 +74,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids[:L.MAX_STOP_TOKEN_IDS + 1]):
             raise bad("stop_token_ids", "it must be a list of token ids")
-        if len(self.stop_token_ids) > L.MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} entries; "
-                                      f"at most {L.MAX_STOP_TOKEN_IDS} are allowed",
-                                      "stop_token_ids")
+        L.at_most("stop_token_ids", len(self.stop_token_ids), L.MAX_STOP_TOKEN_IDS,
+                  "stop_token_ids has", "entries")
         L.check_token_ids("stop_token_ids", self.stop_token_ids, limits)
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -100,9 +98,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logit_bias must map token ids to numbers, not {type(bias).__name__}",
                 "logit_bias")
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most "
-                                      f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
+        L.at_most("logit_bias", len(bias), MAX_LOGIT_BIAS, "logit_bias has", "entries")
         for token, value in bias.items():
             if not _is_int(token) or token < 0:
                 raise InvalidRequestError(f"logit_bias key {L.shown(token)} is not a token id "

@@ -3,6 +3,7 @@ readiness, liveness, and reaping everything on death, timeout or shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -85,8 +86,7 @@ class Supervisor:
         self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
                                             env={**os.environ, **stage_env, **(env or {})})
 
-    def start(self, timeout: Optional[float] = None,
-              cancel: Optional[threading.Event] = None) -> None:
+    def start(self, cancel: Optional[threading.Event] = None) -> None:
         """Start every stage and wait for each to report ready; on failure reap all and raise.
         ``cancel``: set from another thread (a signal while loading) to stop waiting."""
         world = self.args.tensor_parallel_size
@@ -108,7 +108,7 @@ class Supervisor:
                             "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
             log.debug("stages spawned after %.2f s", time.monotonic() - self._started)
-            self._await_ready(timeout or self.args.startup_timeout, cancel)
+            self._await_ready(self.args.startup_timeout, cancel)
         except BaseException:
             self.shutdown()
             raise
@@ -122,8 +122,8 @@ class Supervisor:
                 raise EngineStartupError("startup was interrupted (the server is stopping)")
             for name, proc in self.procs.items():
                 if proc.poll() is not None and name not in self.ready:
-                    # It may have said why just before exiting.
-                    self._drain_failures(decoder)
+                    while self._inbox.poll(300):  # it may have said why just before exiting
+                        self._on_message(decoder.decode(self._inbox.recv()))
                     raise EngineStartupError(
                         f"the {name} process exited with status {proc.returncode} during startup")
             if time.monotonic() > deadline:
@@ -133,10 +133,6 @@ class Supervisor:
                     f"(still waiting for: {', '.join(missing)})")
             if self._inbox.poll(100):
                 self._on_message(decoder.decode(self._inbox.recv()))
-
-    def _drain_failures(self, decoder) -> None:
-        while self._inbox.poll(300):
-            self._on_message(decoder.decode(self._inbox.recv()))
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, StageFailed):
@@ -178,36 +174,29 @@ class Supervisor:
         """Make a shutdown in progress (or the next one) SIGKILL at once; any thread."""
         self._hurry.set()
 
-    def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Stop and reap every process (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
+    def shutdown(self) -> None:
+        """Stop and reap every process (SIGTERM, SIGKILL after shutdown_timeout); idempotent."""
         with self._shutdown_lock:
-            self._shutdown(self.args.shutdown_timeout if timeout is None else timeout)
-
-    def _shutdown(self, timeout: float) -> None:
-        self._stopping.set()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            while proc.poll() is None and not self._hurry.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    proc.wait(min(left, 0.05))
-                except subprocess.TimeoutExpired:
-                    pass
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if not self._inbox.closed:
-            self._inbox.close(linger=0)
-            self._zmq.term()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._stopping.set()
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.args.shutdown_timeout
+            for proc in self.procs.values():
+                while proc.poll() is None and not self._hurry.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(min(left, 0.05))
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            if not self._inbox.closed:
+                self._inbox.close(linger=0)
+                self._zmq.term()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def run_worker_node(args: EngineArgs) -> int:

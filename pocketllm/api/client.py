@@ -118,10 +118,6 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self._sinks)
 
-    def unresponsive(self) -> dict[str, float]:
-        """Stages that have not answered a heartbeat within the bound: name -> seconds."""
-        return self.heartbeat.unresponsive()
-
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
@@ -149,18 +145,15 @@ class EngineClient:
             if isinstance(msg, SchedulerStats):
                 self.stats = msg
                 continue
-            if isinstance(msg, RequestError):
-                with self._lock:
-                    sink = self._sinks.pop(msg.request_id, None)
-                if sink is not None:
-                    sink(error_from_wire(msg))
-                continue
+            last = isinstance(msg, RequestError) or msg.finished
             with self._lock:
-                sink = self._sinks.pop(msg.request_id, None) if msg.finished \
+                sink = self._sinks.pop(msg.request_id, None) if last \
                     else self._sinks.get(msg.request_id)
             if sink is None:
                 continue
-            if msg.finished and msg.error is not None:  # it failed after it started
+            if isinstance(msg, RequestError):  # refused, or failed before its first output
+                sink(error_from_wire(msg))
+            elif msg.finished and msg.error is not None:  # it failed after it started
                 sink(error_from_wire(msg.error, msg.request_id))
             else:
                 sink(msg)

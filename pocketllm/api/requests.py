@@ -21,10 +21,6 @@ from .client import EngineClient
 Prompt = Union[str, Sequence[int]]
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
 def split_prompts(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
     """A string, a token-id list, or a batch of either."""
     if isinstance(prompts, str):
@@ -51,7 +47,7 @@ def sampling_list(params: Union[None, SamplingParams, Sequence[SamplingParams]],
 
 
 def _request_id(request_id: Optional[str]) -> str:
-    return L.check_request_id(request_id) if request_id else new_request_id()
+    return L.check_request_id(request_id) if request_id else uuid.uuid4().hex
 
 
 def prompt_request(prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,

@@ -10,6 +10,7 @@ guess at the prompt length. Failed requests are counted, never fatal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -387,15 +388,13 @@ def _error_message(body) -> str:
 
 async def _discover_model(session: aiohttp.ClientSession, cfg: ServeBenchConfig,
                           headers: dict) -> Optional[str]:
-    try:
+    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         async with session.get(cfg.base_url + "/v1/models", headers=headers,
                                timeout=aiohttp.ClientTimeout(total=min(10.0, cfg.timeout))) as r:
             if r.status == 200:
                 data = (await r.json()).get("data") or []
                 if data and isinstance(data[0], dict):
                     return data[0].get("id")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        pass
     return None
 
 

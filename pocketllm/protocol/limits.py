@@ -87,6 +87,13 @@ def validate_settings(values: dict) -> None:
 # ---------------------------------------------------------------- numbers
 
 
+def at_most(param: str, count: int, limit: int, what: str, unit: str) -> None:
+    """Refuse a count over its limit, e.g. '"tools" has 200 entries; at most 128 are allowed'
+    (``what``: '"tools" has', ``unit``: "entries")."""
+    if count > limit:
+        raise InvalidRequestError(f"{what} {count} {unit}; at most {limit} are allowed", param)
+
+
 def shown(value: Any) -> str:
     """A value for an error message: short, and never a 4300-digit integer (str() refuses)."""
     text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else \
@@ -154,9 +161,7 @@ def check_text(param: str, s: str) -> None:
 
 def check_stop(stop: Any, limits: RequestLimits) -> None:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > limits.max_stop_strings:
-        raise InvalidRequestError(f'"stop" has {len(stops)} strings; at most '
-                                  f"{limits.max_stop_strings} are allowed", "stop")
+    at_most("stop", len(stops), limits.max_stop_strings, '"stop" has', "strings")
     total = 0
     for s in stops:
         if len(s) > MAX_STOP_STRING_CHARS:
@@ -164,9 +169,7 @@ def check_stop(stop: Any, limits: RequestLimits) -> None:
                                       f"of {MAX_STOP_STRING_CHARS}", "stop")
         check_text("stop", s)
         total += len(s.encode("utf-8"))
-    if total > limits.max_stop_bytes:
-        raise InvalidRequestError(f"the stop strings are {total} bytes together; at most "
-                                  f"{limits.max_stop_bytes} are allowed", "stop")
+    at_most("stop", total, limits.max_stop_bytes, "the stop strings are", "bytes together")
 
 
 def check_prompt_chars(count: int, limits: RequestLimits, param: str) -> None:
@@ -243,37 +246,27 @@ def json_size(param: str, value: Any) -> int:
 def check_schema(param: str, schema: Any) -> None:
     """A response_format schema or a tool's parameters: depth and size."""
     check_structure(schema, MAX_SCHEMA_DEPTH, param, what=f'the schema in "{param}"')
-    size = json_size(param, schema)
-    if size > MAX_SCHEMA_BYTES:
-        raise InvalidRequestError(f'the schema in "{param}" is {size} bytes as JSON; at most '
-                                  f"{MAX_SCHEMA_BYTES} are allowed", param)
+    at_most(param, json_size(param, schema), MAX_SCHEMA_BYTES, f'the schema in "{param}" is',
+            "bytes as JSON")
 
 
 def check_grammar_text(param: str, kind: str, text: str) -> None:
     check_text(param, text)
-    if len(text) > MAX_SCHEMA_BYTES:
-        raise InvalidRequestError(f"the {kind} is {len(text)} characters; at most "
-                                  f"{MAX_SCHEMA_BYTES} are allowed", param)
+    at_most(param, len(text), MAX_SCHEMA_BYTES, f"the {kind} is", "characters")
 
 
 def check_tools(tools: Any) -> None:
     if not isinstance(tools, list):
         return  # its shape is tool_parsers.tool_schemas' check
-    if len(tools) > MAX_TOOLS:
-        raise InvalidRequestError(f'"tools" has {len(tools)} entries; at most {MAX_TOOLS} are '
-                                  "allowed", "tools")
+    at_most("tools", len(tools), MAX_TOOLS, '"tools" has', "entries")
     check_structure(tools, MAX_SCHEMA_DEPTH + 3, "tools", what='"tools"')  # tools[i].function
-    size = json_size("tools", tools)
-    if size > MAX_TOOLS_BYTES:
-        raise InvalidRequestError(f'"tools" is {size} bytes as JSON; at most {MAX_TOOLS_BYTES} '
-                                  "are allowed", "tools")
+    at_most("tools", json_size("tools", tools), MAX_TOOLS_BYTES, '"tools" is', "bytes as JSON")
 
 
 def check_messages(messages: Any, limits: RequestLimits) -> None:
     """Before normalization (which copies them): the count."""
-    if isinstance(messages, _SEQUENCES) and len(messages) > MAX_MESSAGES:
-        raise InvalidRequestError(f'"messages" has {len(messages)} entries; at most '
-                                  f"{MAX_MESSAGES} are allowed", "messages")
+    if isinstance(messages, _SEQUENCES):
+        at_most("messages", len(messages), MAX_MESSAGES, '"messages" has', "entries")
 
 
 def check_message_chars(messages: list[dict], limits: RequestLimits) -> None:
@@ -286,9 +279,7 @@ def check_template_kwargs(kwargs: Optional[dict]) -> None:
     if not kwargs:
         return
     param = "chat_template_kwargs"
-    if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise InvalidRequestError(f'"{param}" has {len(kwargs)} entries; at most '
-                                  f"{MAX_TEMPLATE_KWARGS} are allowed", param)
+    at_most(param, len(kwargs), MAX_TEMPLATE_KWARGS, f'"{param}" has', "entries")
     for key in kwargs:
         if not isinstance(key, str) or not _TEMPLATE_KWARG_NAME.fullmatch(key):
             raise InvalidRequestError(f'"{param}" key {shown(key)} is not a template variable '
@@ -300,10 +291,8 @@ def check_template_kwargs(kwargs: Optional[dict]) -> None:
                 "(the messages, tools, generation prompt and special tokens come from the "
                 "request's own fields and the checkpoint)", param)
     check_structure(kwargs, MAX_TEMPLATE_KWARG_DEPTH + 1, param, what=f'"{param}"')
-    size = json_size(param, kwargs)
-    if size > MAX_TEMPLATE_KWARGS_BYTES:
-        raise InvalidRequestError(f'"{param}" is {size} bytes as JSON; at most '
-                                  f"{MAX_TEMPLATE_KWARGS_BYTES} are allowed", param)
+    at_most(param, json_size(param, kwargs), MAX_TEMPLATE_KWARGS_BYTES, f'"{param}" is',
+            "bytes as JSON")
 
 
 # ---------------------------------------------------------------- the HTTP body

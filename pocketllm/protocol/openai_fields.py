@@ -144,9 +144,8 @@ def _logit_bias(body: dict) -> Optional[dict[int, float]]:
     if bias is None:
         return None
     out: dict[int, float] = {}
-    if len(bias) > MAX_LOGIT_BIAS:  # before parsing any key
-        raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most "
-                                  f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    # The entry cap before parsing any key.
+    L.at_most("logit_bias", len(bias), MAX_LOGIT_BIAS, "logit_bias has", "entries")
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise InvalidRequestError(f'invalid key in "logit_bias": {L.shown(key)}; keys are '

@@ -6,6 +6,7 @@ Inbound on one socket: TokenizedRequest (tokenizer), Abort (frontend), StopMatch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -172,10 +173,8 @@ class SchedulerLoop:
             if self.remote is not None:
                 self.check_remote()
             if self.wake_r in events:  # a compile ended: let the caller schedule
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
-                except BlockingIOError:
-                    pass
                 handled = True
             if not events:
                 if handled or not block or grammar_wait is not None:

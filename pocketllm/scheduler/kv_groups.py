@@ -36,21 +36,17 @@ from .block_manager import BlockManager, blocks_for
 SUPPORTED_KINDS = ("full", "sliding", "mla")
 
 
-def check_spec(spec: CacheSpec) -> None:
-    if spec.kind not in SUPPORTED_KINDS:
-        raise UnsupportedFeatureError(
-            f"the worker declared a KV cache group of kind {spec.kind!r}; this scheduler "
-            f"manages only {', '.join(SUPPORTED_KINDS)}")
-    if spec.kind == "sliding" and spec.window < 1:
-        raise UnsupportedFeatureError(f"a sliding-window cache group needs a positive window, "
-                                      f"got {spec.window}")
-
-
 class GroupRule:
     """Which table entries one group needs: the block rules of its ``CacheSpec``."""
 
     def __init__(self, spec: CacheSpec, block_size: int):
-        check_spec(spec)
+        if spec.kind not in SUPPORTED_KINDS:
+            raise UnsupportedFeatureError(
+                f"the worker declared a KV cache group of kind {spec.kind!r}; this scheduler "
+                f"manages only {', '.join(SUPPORTED_KINDS)}")
+        if spec.kind == "sliding" and spec.window < 1:
+            raise UnsupportedFeatureError(f"a sliding-window cache group needs a positive "
+                                          f"window, got {spec.window}")
         self.spec, self.block_size = spec, block_size
         self.window = spec.window if spec.kind == "sliding" else None
 
@@ -83,9 +79,6 @@ class CacheGroups:
         self.pools = [BlockManager(g.num_blocks, block_size, prefix_caching) for g in groups]
         self._sliding = [i for i, r in enumerate(self.rules) if r.window is not None]
         self._full = [i for i, r in enumerate(self.rules) if r.window is None]
-
-    def __len__(self) -> int:
-        return len(self.pools)
 
     def empty_tables(self) -> list[list[int]]:
         return [[] for _ in self.pools]

@@ -22,7 +22,6 @@ class Request:
     def __init__(self, req: TokenizedRequest):
         self.request_id = req.request_id
         self.sampling = req.sampling
-        self.arrival_time = req.arrival_time
         self.queued_at = 0.0  # scheduler clock when it joined the waiting queue
         self.eos_token_ids = frozenset(req.eos_token_ids)
         self.stop_token_ids = frozenset(req.sampling.stop_token_ids)
@@ -39,7 +38,6 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first admission
-        self.num_preemptions = 0
         # What the workers hold: None = nothing (never sent, or dropped after preemption).
         self.worker_num_tokens: Optional[int] = None
         self.worker_num_blocks = 0

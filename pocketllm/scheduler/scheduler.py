@@ -229,7 +229,6 @@ class Scheduler:
             step.preempted_ids.append(req.request_id)
             req.worker_num_tokens, req.worker_num_blocks = None, 0
         step.preempted = True
-        req.num_preemptions += 1
         self.num_preemptions += 1
 
     def _hold_admission(self, step: StepDraft) -> bool:
@@ -298,32 +297,29 @@ class Scheduler:
         for req, detail in failures:  # it leaves the step and fails alone
             step.budget += step.scheduled.pop(req)
             self._fail(self.ended, req, detail)
-        new, cached, new_counts, cached_counts = [], [], [], []
-        new_entries, cached_entries = [], []
+        new, cached, new_entries, cached_entries = [], [], [], []
         for req, n in step.scheduled.items():
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
                 new.append(NewRequestData(req.request_id, list(req.token_ids),
                                           [list(t) for t in req.block_ids],
                                           req.num_computed_tokens, req.sampling))
-                new_counts.append(n)
                 new_entries.append((req, n, samples))
             else:
                 cached.append(CachedRequestData(req.request_id,
                                                 req.token_ids[req.worker_num_tokens:],
                                                 [t[req.worker_num_blocks:] for t in req.block_ids],
                                                 req.num_computed_tokens))
-                cached_counts.append(n)
                 cached_entries.append((req, n, samples))
             req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids[0])
-        for req, n, samples in new_entries + cached_entries:
+        entries = new_entries + cached_entries  # the plan's order
+        for req, n, samples in entries:
             req.num_computed_tokens += n
             if samples:
                 req.token_ids.append(PENDING)
         return self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
-                                       num_scheduled_tokens=new_counts + cached_counts,
-                                       **structured), new_entries + cached_entries,
-                              step.preempted_ids)
+                                       num_scheduled_tokens=[n for _, n, _ in entries],
+                                       **structured), entries, step.preempted_ids)
 
     def _register(self, plan: StepPlan, entries: list, preempted_ids: list[str]) -> StepPlan:
         if self._inflight and entries:
@@ -407,18 +403,14 @@ class Scheduler:
 
     def _after_token(self, batch: TokenBatch, req: Request, token: int,
                      logprob: Optional[TokenLogprobs]) -> None:
-        if req.grammar is not None:
-            if not req.grammar.accept(token):  # the worker applied the mask: never expected
-                self._fail(batch, req, ErrorDetail(
-                    ErrorKind.internal,
-                    f"token {token} does not match the request's {req.grammar.spec.kind}"))
-                return
-            if req.grammar.terminated:  # a stop token after a complete answer (even ignore_eos)
-                self._finish(req, "stop")
-                self._emit(batch, req, finish_reason="stop", num_hidden_tokens=1)
-                return
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept(token):  # never: the worker applied the mask
+            self._fail(batch, req, ErrorDetail(ErrorKind.internal, f"token {token} does not "
+                                               f"match the request's {grammar.spec.kind}"))
+            return
         is_eos = token in req.eos_token_ids and not req.sampling.ignore_eos
-        if is_eos or token in req.stop_token_ids:
+        # A grammar's stop token after a complete answer ends it even with ignore_eos.
+        if is_eos or token in req.stop_token_ids or (grammar is not None and grammar.terminated):
             self._finish(req, "stop")  # the stop token is counted but never shown
             self._emit(batch, req, finish_reason="stop", num_hidden_tokens=1)
             return

@@ -64,7 +64,8 @@ def build_app(state: ServerState, max_body_bytes: int = 8 << 20) -> web.Applicat
                           middlewares=[*edge, openai_errors, _auth])
     app[STATE] = state
     for method, path, handler in (
-            ("GET", "/health", health), ("GET", "/alive", alive), ("GET", "/ready", ready),
+            # /health tells the same truth as /ready: 200 only when every process is up.
+            ("GET", "/health", ready), ("GET", "/alive", alive), ("GET", "/ready", ready),
             ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
             ("GET", "/v1/models/{model_id:.+}", model),
             ("POST", "/v1/chat/completions", chat_completions),
@@ -92,23 +93,19 @@ async def _auth(request: web.Request, handler):
 # ---------------------------------------------------------------- probes
 
 
-def _engine(request: web.Request) -> Optional[EngineClient]:
-    return request.app[STATE].client
-
-
 async def alive(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
 async def ready(request: web.Request) -> web.Response:
-    client = _engine(request)
+    client = request.app[STATE].client
     if client is None:
         return web.json_response({"status": "loading"}, status=503)
     if request.app[STATE].draining:
         return web.json_response({"status": "draining"}, status=503)
     if not client.supervisor.alive():
         return web.json_response({"status": "dead"}, status=503)
-    hung = client.unresponsive()
+    hung = client.heartbeat.unresponsive()
     if hung:  # alive but stuck: requests would wait, so a load balancer should look elsewhere
         # rounded up: a stage just past the bound must not read as exactly at it
         waited = {k: math.ceil(v * 10) / 10 for k, v in hung.items()}
@@ -118,11 +115,6 @@ async def ready(request: web.Request) -> web.Response:
             "message": f"no heartbeat answer from {waits} (bound: "
                        f"{client.args.heartbeat_timeout:g} s)"}, status=503)
     return web.json_response({"status": "ready"})
-
-
-async def health(request: web.Request) -> web.Response:
-    # The same truth as /ready: 200 only when every process of the engine is up.
-    return await ready(request)
 
 
 async def metrics(request: web.Request) -> web.Response:

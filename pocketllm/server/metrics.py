@@ -23,36 +23,31 @@ class Metrics:
         self.requests = Counter(p + "requests", "Finished requests (choices) by finish reason",
                                 m + ["finish_reason"], registry=r)
 
-        def gauge(name: str, doc: str):
-            return Gauge(p + name, doc, m, registry=r).labels(model_name)
+        def series(kind, name: str, doc: str, **kwargs):
+            return kind(p + name, doc, m, registry=r, **kwargs).labels(model_name)
 
-        self.running = gauge("requests_running", "Requests in the running batch")
-        self.waiting = gauge("requests_waiting", "Requests waiting to be scheduled")
-        self.kv_used = gauge("kv_blocks_used", "KV-cache blocks in use (every cache group's pool)")
-        self.kv_total = gauge("kv_blocks_total",
-                              "KV-cache blocks in all (every cache group's pool)")
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", m,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", m,
-                                         registry=r).labels(model_name)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", m,
-                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output deltas", m,
-                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency, end to end", m,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.running = series(Gauge, "requests_running", "Requests in the running batch")
+        self.waiting = series(Gauge, "requests_waiting", "Requests waiting to be scheduled")
+        pools = "(every cache group's pool)"
+        self.kv_used = series(Gauge, "kv_blocks_used", f"KV-cache blocks in use {pools}")
+        self.kv_total = series(Gauge, "kv_blocks_total", f"KV-cache blocks in all {pools}")
+        self.prompt_tokens = series(Counter, "prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = series(Counter, "generation_tokens", "Tokens generated")
+        self.ttft = series(Histogram, "time_to_first_token_seconds", "Time to first token",
+                           buckets=LATENCY_BUCKETS)
+        self.itl = series(Histogram, "inter_token_latency_seconds", "Time between output deltas",
+                          buckets=ITL_BUCKETS)
+        self.e2e = series(Histogram, "e2e_request_latency_seconds", "Request latency, end to end",
+                          buckets=LATENCY_BUCKETS)
         self.engine_counters = _EngineCounters(model_name)
         r.register(self.engine_counters)
 
-    def update_engine(self, stats: SchedulerStats) -> None:
+    def render(self, stats: SchedulerStats) -> bytes:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
         self.engine_counters.stats = stats
-
-    def render(self, stats: SchedulerStats) -> bytes:
-        self.update_engine(stats)
         return generate_latest(self.registry)
 
     def count_finish(self, finish_reason: str) -> None:
@@ -69,18 +64,17 @@ class _EngineCounters:
     def collect(self):
         s, p = self.stats, "pocketllm_"
 
-        def counter(name: str, doc: str, value: float, **labels: str):
-            c = CounterMetricFamily(p + name, doc, labels=["model_name", *labels])
-            c.add_metric([self.model_name, *labels.values()], value)
-            return c
-
-        yield counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix "
-                      "cache", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
-                      s.prefix_cache_hits)
-        yield counter("preemptions", "Requests preempted", s.preemptions)
-        yield counter("overlapped_steps", "Steps planned while the previous one ran",
-                      s.overlapped_steps)
+        for name, doc, value in (
+                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                 s.prefix_cache_queries),
+                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                 s.prefix_cache_hits),
+                ("preemptions", "Requests preempted", s.preemptions),
+                ("overlapped_steps", "Steps planned while the previous one ran",
+                 s.overlapped_steps)):
+            c = CounterMetricFamily(p + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
         for name, doc, values, scale in (
                 ("steps", "Computed steps by how the forward ran: graph (a decode CUDA graph), "
                  "piecewise (graphs around eager attention), eager", s.steps_by_path, 1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -86,12 +87,10 @@ def serve(args: EngineArgs, opts: ServeOptions) -> int:
         from ..supervisor import run_worker_node
 
         return run_worker_node(args)
-    try:
+    with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    except ImportError:
-        pass
     return asyncio.run(_serve(args, opts))
 
 
@@ -121,10 +120,8 @@ class _Signals:
 
     async def sleep(self, seconds: float) -> None:
         """Sleep, waking early on a second signal."""
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.hurry.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
 
 
 async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
@@ -181,10 +178,7 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
             log.error("the engine died; shutting down")
             exit_code = 1
             break
-        try:
-            await asyncio.wait_for(asyncio.shield(stopper), 0.5)
-        except asyncio.TimeoutError:
-            pass
+        await asyncio.wait({stopper}, timeout=0.5)
     state.draining = True  # new requests get 503, /ready says "draining"
     if exit_code == 0:
         await _drain(state, signals, args.shutdown_timeout)

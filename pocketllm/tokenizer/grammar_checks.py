@@ -14,6 +14,7 @@ which brings torch, is the stage's own one-time cost).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import queue
 import threading
@@ -95,10 +96,8 @@ class GrammarChecks:
         while True:
             spec, key, future = self._jobs.get()
             if self.ready_at is None:
-                try:
+                with contextlib.suppress(ImportError):
                     import xgrammar  # noqa: F401 - the one-time import is not on any clock
-                except ImportError:
-                    pass
                 self.ready_at = time.monotonic()
             try:
                 result = self._check(spec)

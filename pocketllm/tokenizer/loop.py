@@ -10,6 +10,7 @@ the order of different requests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -44,10 +45,8 @@ class TokenizerLoop:
             threading.Thread(target=self._work, name=f"tokenize-{i}", daemon=True).start()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
             os.write(self.wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full: the loop is awake anyway
 
     def _work(self) -> None:
         while True:
@@ -77,10 +76,8 @@ class TokenizerLoop:
                         continue
                     self.jobs.put(msg)
             if self.wake_r in events:
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
-                except BlockingIOError:
-                    pass
             while True:
                 try:
                     out = self.done.get_nowait()

@@ -161,9 +161,8 @@ class TokenizerStage:
                 f"max_tokens is too large: {sampling.max_tokens}; this server generates at most "
                 f"{self.max_output_tokens} tokens per choice", "max_tokens")
         room = min(limit - len(ids), self.max_output_tokens)
-        max_tokens = room if sampling.max_tokens == 0 else sampling.max_tokens
-        if max_tokens > room:
-            max_tokens = room  # ends with finish_reason "length" at max_model_len
+        # 0 (not given): the room; past the room, the answer ends with "length" at max_model_len
+        max_tokens = min(sampling.max_tokens or room, room)
         sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
         check_token_ids_in_vocab(sampling, self.info.vocab_size)
         if sampling.structured is not None:

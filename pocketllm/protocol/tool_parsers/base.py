@@ -113,14 +113,12 @@ def tool_schemas(tools: Any) -> ToolSchemas:
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequestError(f"{where}.function.name must be a non-empty string", "tools")
-        params = fn.get("parameters", {})
-        if params is None:
-            params = {}
+        params = fn.get("parameters")
+        params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequestError(f"{where}.function.parameters must be an object", "tools")
-        props = params.get("properties", {})
-        if props is None:
-            props = {}
+        props = params.get("properties")
+        props = {} if props is None else props
         if not isinstance(props, dict):
             raise InvalidRequestError(
                 f"{where}.function.parameters.properties must be an object", "tools")
@@ -272,3 +270,21 @@ class HeldCallStream:
             return []
         self._sent += len(text)
         return [Delta(content=text)]
+
+
+class FramedToolParser:
+    """A syntax whose calls stand between `<tool_call>` and `</tool_call>`: a subclass names
+    it, lists its ``tags`` and gives its module's ``read_call`` (a staticmethod)."""
+
+    name: str
+    tags: tuple[str, ...]  # markup a tokenizer may hold as (special) tokens
+    read_call: ReadCall
+
+    def __init__(self, id_factory: IdFactory = new_call_id):
+        self._new_id = id_factory
+
+    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
+        return parse_framed(text, tools, self.read_call, self._new_id)
+
+    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
+        return HeldCallStream(self, tools)

@@ -13,11 +13,8 @@ text, NaN) is a malformed call, which fails the whole parse (see base.py).
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from .base import (CALL_CLOSE, CALL_OPEN, JSON_DECODER, HeldCallStream, IdFactory, MalformedCall,
-                   ParsedToolCalls, ToolSchemas, expect, new_call_id, parse_framed,
-                   skip_whitespace)
+from .base import (CALL_CLOSE, CALL_OPEN, JSON_DECODER, FramedToolParser, MalformedCall,
+                   ToolSchemas, expect, skip_whitespace)
 
 
 def read_hermes_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, dict, int]:
@@ -34,15 +31,7 @@ def read_hermes_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, di
     return name, arguments, expect(text, skip_whitespace(text, pos), CALL_CLOSE)
 
 
-class HermesToolParser:
+class HermesToolParser(FramedToolParser):
     name = "hermes"
-    tags = (CALL_OPEN, CALL_CLOSE)  # markup a tokenizer may hold as (special) tokens
-
-    def __init__(self, id_factory: IdFactory = new_call_id):
-        self._new_id = id_factory
-
-    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
-        return parse_framed(text, tools, read_hermes_call, self._new_id)
-
-    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
-        return HeldCallStream(self, tools)
+    tags = (CALL_OPEN, CALL_CLOSE)
+    read_call = staticmethod(read_hermes_call)

@@ -43,12 +43,13 @@ the parse as malformed. Duplicate parameters are malformed too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from .base import (CALL_CLOSE, CALL_OPEN, HeldCallStream, IdFactory, MalformedCall, ParsedToolCalls,
-                   ToolSchemas, expect, loads_strict, new_call_id, parse_framed, skip_whitespace)
+from .base import (CALL_CLOSE, CALL_OPEN, FramedToolParser, MalformedCall, ToolSchemas, expect,
+                   loads_strict, skip_whitespace)
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
@@ -132,12 +133,10 @@ def typed_value(text: str, schema: Any) -> Any:
     choices = schema["enum"] if isinstance(schema.get("enum"), list) else \
         [schema["const"]] if "const" in schema else None
     if choices is not None:  # an untyped enum of mixed values: the value the text spells
-        try:
+        with contextlib.suppress(ValueError):
             value = loads_strict(text)
             if any(value == c and type(value) is type(c) for c in choices):
                 return value
-        except ValueError:
-            pass
     if any(key in schema for key in _CHECKED_STRING):
         return text.strip()  # the grammar checks such a string without its padding
     return text
@@ -182,16 +181,7 @@ def read_xml_call(text: str, pos: int, schemas: ToolSchemas) -> tuple[str, dict,
     return name, arguments, expect(text, skip_whitespace(text, pos), CALL_CLOSE)
 
 
-class Qwen3XmlToolParser:
+class Qwen3XmlToolParser(FramedToolParser):
     name = "qwen3_xml"
-    tags = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE,  # markup a tokenizer may
-            PARAMETER_OPEN, PARAMETER_CLOSE)  # hold as (special) tokens
-
-    def __init__(self, id_factory: IdFactory = new_call_id):
-        self._new_id = id_factory
-
-    def parse(self, text: str, tools: Optional[list[Any]]) -> ParsedToolCalls:
-        return parse_framed(text, tools, read_xml_call, self._new_id)
-
-    def stream(self, tools: Optional[list[Any]]) -> HeldCallStream:
-        return HeldCallStream(self, tools)
+    tags = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE, PARAMETER_OPEN, PARAMETER_CLOSE)
+    read_call = staticmethod(read_xml_call)
