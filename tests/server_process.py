@@ -17,6 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (multi-host tensor parallelism's plan link takes
+    master_port + 1): a lone free port's neighbour may be another test's socket."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except (OSError, OverflowError):  # taken, or past 65535
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     """Poll /ready until 200; fail if the process exits first."""
     deadline = time.monotonic() + timeout

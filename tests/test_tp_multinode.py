@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from pocketllm import LLM, EngineArgs, SamplingParams
-from server_process import free_port
+from server_process import free_port, free_port_pair
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -31,7 +31,7 @@ def llm_cpu(tiny_llama, llm_tiny):
 def test_two_hosts_serve_one_request(tiny_llama, tmp_path, llm_cpu):
     secret = tmp_path / "secret"
     secret.write_text("a-shared-secret-for-this-run-only")
-    port = free_port()
+    port = free_port_pair()  # the store's port and the plan link's, the next one
     node1 = subprocess.Popen([
         sys.executable, "-m", "pocketllm", "serve", "--model", tiny_llama, "--device", "cpu",
         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
