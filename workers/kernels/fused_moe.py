@@ -33,7 +33,9 @@ import triton.language as tl
 from pocketllm.errors import UnsupportedFeatureError
 
 from ..layers.activation import ClampedSwiGLU
+from . import pdl
 from .gated_act import KERNEL_ACTIVATIONS, activate
+from .pdl import wait_for_prior
 
 CLAMPED = "clamped_swiglu"  # the kernel's ACT for ClampedSwiGLU
 
@@ -107,7 +109,8 @@ def _moe_gemm(A, W, Out, SortedPairs, TileExpert, NumRows, Scale, Bias,
 @triton.jit
 def _softmax_topk(Logits, Weights, Ids, num_experts, stride_l,
                   TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, BINS: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BINS)
     x = tl.load(Logits + row * stride_l + e, mask=e < num_experts, other=-float("inf"))
@@ -142,7 +145,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool
         _softmax_topk[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_BLOCK=triton.next_power_of_2(top_k),
                                  BINS=triton.next_power_of_2(experts), RENORMALIZE=renormalize,
-                                 num_warps=1 if experts <= 256 else 4)
+                                 num_warps=1 if experts <= 256 else 4,
+                                 **pdl.launch_options(logits.device))
     return weights, ids
 
 

@@ -29,7 +29,9 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
+from . import pdl
 from .gated_act import KERNEL_ACTIVATIONS, activate
+from .pdl import wait_for_prior
 
 # (cos, sin, head_dim, rows): see norm_gemv.
 Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
@@ -63,8 +65,8 @@ def _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, wr
 @triton.jit
 def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half,
                  eps, rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROW_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PRE: tl.constexpr, HALF: tl.constexpr, WRITE_NORMED: tl.constexpr):
+                 ROW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PRE: tl.constexpr,
+                 HALF: tl.constexpr, WRITE_NORMED: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     # Each program owns two groups of BLOCK_N / 2 rows: adjacent ones, or (HALF > 0) the
     # same dims of the two halves of a head, the pairs the rotary epilogue rotates.
@@ -79,6 +81,14 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
     a_ok, b_ok = rows_a < N, rows_b < N
     rows_a = tl.where(a_ok, rows_a, 0)  # padded rows reread row 0: no mask on the hot loads
     rows_b = tl.where(b_ok, rows_b, 0)
+    # The first chunk of weights is in flight before the wait (pdl.py): the weights are
+    # no kernel's output. Each step then loads the next chunk before using this one.
+    ks = tl.arange(0, BLOCK_K)
+    wa_ptrs = W + rows_a.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    wb_ptrs = W + rows_b.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    wa = tl.load(wa_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+    wb = tl.load(wb_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_prior(PDL)
     inv_rms = 1.0
     if PRE == "norm" or PRE == "add_norm":  # the row's RMS, in ROW_BLOCK-wide loads
         sq = tl.zeros([ROW_BLOCK], dtype=tl.float32)
@@ -91,26 +101,21 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
                      ).to(X.dtype.element_ty)
             sq += x.to(tl.float32) * x.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-    ks = tl.arange(0, BLOCK_K)
-    wa_ptrs = W + rows_a.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    wb_ptrs = W + rows_b.to(tl.int64)[:, None] * stride_w + ks[None, :]
     acc_a = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
         k_ok = cols < K
-        if EVEN_K:
-            wa = tl.load(wa_ptrs, eviction_policy="evict_first")
-            wb = tl.load(wb_ptrs, eviction_policy="evict_first")
-        else:
-            wa = tl.load(wa_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            wb = tl.load(wb_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+        next_ok = (cols + BLOCK_K < K)[None, :]  # none on the last step: nothing is read
+        wa_next = tl.load(wa_ptrs, mask=next_ok, other=0.0, eviction_policy="evict_first")
+        wb_next = tl.load(wb_ptrs, mask=next_ok, other=0.0, eviction_policy="evict_first")
         xf = _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, pid == 0,
                           PRE, WRITE_NORMED)
         acc_a += wa.to(tl.float32) * xf[None, :]
         acc_b += wb.to(tl.float32) * xf[None, :]
-        wa_ptrs += BLOCK_K
-        wb_ptrs += BLOCK_K
+        wa, wb = wa_next, wb_next
     ya, yb = tl.sum(acc_a, 1), tl.sum(acc_b, 1)
     if HAS_BIAS:
         ya += tl.load(Bias + rows_a).to(tl.float32)
@@ -133,14 +138,17 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
 # program, so that enough programs stream at once, unless each must redo a norm; a
 # router (at most ROUTER outputs) has so few programs that it takes two rows either way.
 # BLOCK_K shrinks for narrow rows.
-CONFIG, WIDE_CONFIG, NARROW_CONFIG = (8, 512, 4), (16, 256, 4), (2, 1024, 4)
+CONFIG, WIDE_CONFIG, NARROW_CONFIG = (8, 512, 4), (16, 256, 4), (4, 1024, 8)
+ROUTER_CONFIG = (4, 1024, 4)
 WIDE, NARROW, ROUTER = 16384, 4096, 512
 
 
 def _config(n: int, k: int, pre: str) -> tuple[int, int, int]:
     if n >= WIDE:
         return WIDE_CONFIG
-    if n <= NARROW and k <= NARROW and (n <= ROUTER or pre not in ("norm", "add_norm")):
+    if n <= ROUTER:
+        return ROUTER_CONFIG
+    if n <= NARROW and k <= NARROW and pre not in ("norm", "add_norm"):
         return NARROW_CONFIG
     return CONFIG
 
@@ -190,9 +198,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         normed_out if normed_out is not None else y, weight,
         bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k, eps,
         rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=min(triton.next_power_of_2(k), 8192), EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None, PRE=pre, HALF=half, WRITE_NORMED=normed_out is not None,
-        num_warps=warps)
+        ROW_BLOCK=min(triton.next_power_of_2(k), 8192), HAS_BIAS=bias is not None, PRE=pre,
+        HALF=half, WRITE_NORMED=normed_out is not None, num_warps=warps,
+        **pdl.launch_options(x.device))
     return y, res_out
 
 

@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fused_moe import expert_activation, gated_epilogue
+from .pdl import wait_for_prior
 
 # (BLOCK_N, BLOCK_K, num_warps) of each launch, timed on an H200 at Qwen3-30B-A3B's
 # expert shapes (bench_moe.py --tune).
@@ -42,7 +44,9 @@ DOWN_CONFIG = (2, 128, 4)
 @triton.jit
 def _gate_up_gemv(X, W, B, Ids, Out, top_k, inter, hidden, stride_xt, stride_we, stride_wn,
                   stride_be, stride_op, alpha, limit, ACT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_prior(PDL)  # the expert ids come from the launch before
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < inter
@@ -75,7 +79,9 @@ def _gate_up_gemv(X, W, B, Ids, Out, top_k, inter, hidden, stride_xt, stride_we,
 @triton.jit
 def _down_gemv_sum(H, W, B, Ids, Weights, Out, top_k, hidden, inter, stride_hp, stride_we,
                    stride_wn, stride_be, stride_ot, HAS_BIAS: tl.constexpr,
-                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_prior(PDL)
     # One program: BLOCK_N output features of one token, all its k experts at once (a
     # [TOP_K, BLOCK_N, BLOCK_K] tile per step: k matrices' loads in flight together).
     token = tl.program_id(0)
@@ -132,7 +138,7 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x, w13, w13 if b13 is None else b13, ids, inner, top_k, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
         inner.stride(0), alpha, limit, ACT=act, HAS_BIAS=b13 is not None,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch_options(x.device))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     bn, bk, warps = DOWN_CONFIG
     bk = min(bk, triton.next_power_of_2(inter))
@@ -140,5 +146,5 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         inner, w2, w2 if b2 is None else b2, ids, weights, out, top_k, hidden, inter,
         inner.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
         out.stride(0), HAS_BIAS=b2 is not None, TOP_K=triton.next_power_of_2(top_k),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch_options(x.device))
     return out

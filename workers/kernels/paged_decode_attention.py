@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_for_prior
+
 # Launch shape, tuned on an H200 under CUDA graphs (``bench --tune`` sweeps them). A
 # decode graph is captured for the longest context, so a small batch is split finely:
 # splits past a sequence's length exit at once, and short splits keep each program's
@@ -57,7 +60,8 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                   SINKS: tl.constexpr, SHRINK: tl.constexpr):
+                   SINKS: tl.constexpr, SHRINK: tl.constexpr, PDL: tl.constexpr):
+    # Before the wait (pdl.py) only the step's inputs are read: lengths, rows, tables.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,21 +78,33 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         row = tl.load(QRows + seq).to(tl.int64)
-        if WRITE_KV:  # the split holding the new token writes its k/v first (no kv_write launch)
-            if end == seq_len:
-                slot = tl.load(Slots + row)
-                if slot >= 0:
-                    k_new = tl.load(KNew + row * stride_knt + kv_head * stride_knh + dims,
-                                    mask=dim_ok)
-                    v_new = tl.load(VNew + row * stride_vnt + kv_head * stride_vnh + dims,
-                                    mask=dim_ok)
-                    tl.store(K + slot * stride_kslot + kv_head * stride_kh + dims, k_new,
-                             mask=dim_ok)
-                    tl.store(V + slot * stride_vslot + kv_head * stride_vh + dims, v_new,
-                             mask=dim_ok)
-                tl.debug_barrier()  # the whole program reads those rows back below
+        table = BlockTables + seq.to(tl.int64) * stride_bt
+        pos = start + tl.arange(0, BLOCK_N)
+        if WRITE_KV:
+            # The cache as it was before this launch: the first keys' tile is in flight before
+            # the wait. The new rows this launch writes are taken from k/v_new, not read back.
+            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
+                                  stride_kh, stride_vslot, stride_vh, PAGE)
+            new_slot = tl.load(Slots + row)
+        wait_for_prior(PDL)
+        if not WRITE_KV:  # the kv_write launch before this one wrote the new rows
+            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
+                                  stride_kh, stride_vslot, stride_vh, PAGE)
         q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        if WRITE_KV:  # the split holding the new token stores its k/v (no kv_write launch)
+            k_new = tl.load(KNew + row * stride_knt + kv_head * stride_knh + dims, mask=dim_ok,
+                            other=0.0)
+            v_new = tl.load(VNew + row * stride_vnt + kv_head * stride_vnh + dims, mask=dim_ok,
+                            other=0.0)
+            if end == seq_len:
+                if new_slot >= 0:
+                    tl.store(K + new_slot * stride_kslot + kv_head * stride_kh + dims, k_new,
+                             mask=dim_ok)
+                    tl.store(V + new_slot * stride_vslot + kv_head * stride_vh + dims, v_new,
+                             mask=dim_ok)
+            new = (pos == seq_len - 1)[:, None]
+            k, v = tl.where(new, k_new[None, :], k), tl.where(new, v_new[None, :], v)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if SINKS:
@@ -96,51 +112,73 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                 m_i = tl.load(Sinks + heads, mask=head_ok, other=0.0) * 1.4426950408889634
                 l_i = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        table = BlockTables + seq.to(tl.int64) * stride_bt
-        qk_scale = scale * 1.4426950408889634  # exp2 domain
-        for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP,
+                                     PRECISION)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            ok = pos < end
-            page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
-            slot = page * PAGE + pos % PAGE
-            kv_mask = ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + slot[:, None] * stride_kslot + kv_head * stride_kh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if SOFTCAP:
-                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
-            else:
-                s = s * qk_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
+                                  stride_kh, stride_vslot, stride_vh, PAGE)
+            if WRITE_KV:
+                new = (pos == seq_len - 1)[:, None]
+                k, v = tl.where(new, k_new[None, :], k), tl.where(new, v_new[None, :], v)
+            m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP,
+                                         PRECISION)
         out_mask = head_ok[:, None] & dim_ok[None, :]
+        out_rows = Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         if SPLIT:
-            base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
-            tl.store(PartOut + base[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
-                     mask=out_mask)
-            tl.store(PartLse + base, m_i + tl.log2(l_i), mask=head_ok)
-            # The last of this (sequence, KV head)'s splits to finish merges them all: a
-            # counter per pair, released after the partials and reset by that last one.
-            tl.debug_barrier()
             used = tl.cdiv(seq_len - lo, partition)  # the splits that run for this sequence
-            counter = Counters + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-                tl.atomic_xchg(counter, 0)
-                _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used, stride_ot,
-                              stride_oh, stride_pb, stride_ph, stride_ps, GROUP, HEAD_DIM,
-                              BLOCK_G, MERGE_CHUNK, BLOCK_D, SINKS)
+            LONE: tl.constexpr = 1 - SINKS  # (with sinks even one split goes through the merge)
+            if used <= LONE:  # the only split: its softmax is the whole row's
+                tl.store(out_rows, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+            else:
+                base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+                tl.store(PartOut + base[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
+                         mask=out_mask)
+                tl.store(PartLse + base, m_i + tl.log2(l_i), mask=head_ok)
+                # The last of this (sequence, KV head)'s splits to finish merges them all: a
+                # counter per pair, released after the partials and reset by that last one.
+                tl.debug_barrier()
+                counter = Counters + seq * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                    tl.atomic_xchg(counter, 0)
+                    _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used,
+                                  stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, GROUP,
+                                  HEAD_DIM, BLOCK_G, MERGE_CHUNK, BLOCK_D, SINKS)
         else:
-            out = acc / l_i[:, None]
-            tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                     out.to(Out.dtype.element_ty), mask=out_mask)
+            tl.store(out_rows, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
 
+
+@triton.jit
+def _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot, stride_kh,
+               stride_vslot, stride_vh, PAGE: tl.constexpr):
+    """The cached keys and values at positions ``pos`` (those before ``end``) of one KV head."""
+    ok = pos < end
+    page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    slot = page * PAGE + pos % PAGE
+    kv_mask = ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + slot[:, None] * stride_kslot + kv_head * stride_kh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v, ok
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax (m_i, l_i, acc), in the exp2 domain."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 @triton.jit
 def _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used, stride_ot, stride_oh,
@@ -277,5 +315,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
         WRITE_KV=new_kv is not None, BLOCK_G=triton.next_power_of_2(group),
         MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)), SINKS=sinks is not None,
-        SHRINK=split and min_partition is not None, num_warps=warps)
+        SHRINK=split and min_partition is not None, num_warps=warps,
+        **pdl.launch_options(q.device))
     return out

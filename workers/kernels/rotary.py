@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_for_prior
+
 
 @triton.jit
 def _rotate(X, W, token, stride_t, stride_h, heads, cos, sin, eps,
@@ -42,7 +45,8 @@ def _rotate(X, W, token, stride_t, stride_h, heads, cos, sin, eps,
 def _rotary_kernel(Q, K, Cos, Sin, QW, KW, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_ct, stride_st, q_heads, k_heads, eps, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   NORM: tl.constexpr):
+                   NORM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     token = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(Cos + token.to(tl.int64) * stride_ct + d, mask=d < HALF, other=0.0)
@@ -77,5 +81,6 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         cos.stride(0), sin.stride(0), q_heads, k.shape[1], eps,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        NORM=norms is not None, num_warps=4 if q_heads * half >= 1024 else 1)
+        NORM=norms is not None, num_warps=4 if q_heads * half >= 1024 else 1,
+        **pdl.launch_options(q.device))
     return q, k
