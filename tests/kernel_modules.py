@@ -19,7 +19,7 @@ import types
 import pytest
 
 MODULES = ("kv_write", "paged_decode_attention", "prefill_attention", "rmsnorm", "rotary",
-           "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv")
+           "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv", "pdl")
 
 
 def load_kernels() -> tuple[types.SimpleNamespace, "object"]:

@@ -325,3 +325,17 @@ def test_gpu_path_with_sliding_cache_groups_matches_torch():
     engine = Engine(runner)
     assert shared_prefix_workload(engine) == want
     assert engine.cached["c"] == 28 and engine.most_sliding_blocks == 3  # 7 blocks shared
+
+
+def test_pdl_is_on_for_hopper_gpus_only_and_can_be_turned_off(monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py): the launch option goes with the
+    kernels' PDL flag, on a GPU of compute capability 9 or more, unless POCKETLLM_PDL=0."""
+    pdl = K.pdl
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}  # the interpreter too
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)
+    assert pdl.launch_options(cuda) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("POCKETLLM_PDL", "0")
+    assert pdl.launch_options(cuda) == {"PDL": False}

@@ -133,11 +133,11 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
 
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
-# models (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for wide outputs (fewer
-# programs redo the norm); for narrow products (o, a shared expert's down) two rows a
-# program, so that enough programs stream at once, unless each must redo a norm; a
-# router (at most ROUTER outputs) has so few programs that it takes two rows either way.
-# BLOCK_K shrinks for narrow rows.
+# models, launched with PDL (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for
+# wide outputs (fewer programs redo the norm); for narrow products (o, a shared expert's
+# down) four rows a program and eight warps, unless each must redo a norm; a router (at
+# most ROUTER outputs) four rows and four warps either way. BLOCK_K shrinks for narrow
+# rows.
 CONFIG, WIDE_CONFIG, NARROW_CONFIG = (8, 512, 4), (16, 256, 4), (4, 1024, 8)
 ROUTER_CONFIG = (4, 1024, 4)
 WIDE, NARROW, ROUTER = 16384, 4096, 512
