@@ -180,6 +180,7 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constex
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
+
 @triton.jit
 def _merge_splits(Out, PartOut, PartLse, Sinks, row, seq, kv_head, used, stride_ot, stride_oh,
                   stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr,
