@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-equal on CUDA, where the mode runs. Under the interpreter a ``tl.dot`` is numpy's
     BLAS, whose rounding of a row may depend on the rows beside it in the tile (OpenBLAS
-    0.3.31 on a Zen 4 does, for any core type): there the rows must agree to float32
+    0.3.31 on an AVX2 EPYC does, for any core type): there the rows must agree to float32
     rounding, and the bit-exact property is the GPU run's to show."""
     if CUDA:
         return torch.equal(a, b)
