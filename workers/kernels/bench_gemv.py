@@ -64,7 +64,7 @@ def chain(n: int, k: int, pre: str, head_dim: int):
 
 
 def default_config(n: int, k: int, pre: str, head_dim: int):
-    block_n, block_k, warps = gemv_mod._config(n, k, pre)
+    block_n, block_k, warps = gemv_mod._config(n, k, pre, bool(head_dim))
     return (gemv_mod.rotary_block_n(block_n, head_dim) if head_dim else block_n, block_k, warps)
 
 
