@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
 import os
+import threading
 from typing import Callable, Optional, Union
 
 import torch
@@ -53,24 +56,54 @@ def configure_cpu_threads() -> int:
     return wanted
 
 
-def lazy_cpu_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zero CPU tensors on anonymous mappings: the OS backs a page when it is first
-    written, so start-up spends nothing on them and a request pays only for the cache
-    rows it writes (~36 KB a token on the embedded model: microseconds against a
-    milliseconds step). Backing the embedded model's 2.4 GB cache up front took 0.8-7 s
-    of a core on the 2-core VM, and whatever ran meanwhile waited for it: the first
-    request after ready, for the address-space lock (docs/benchmarks.md, "Start-up").
+def populated_cpu_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero CPU tensors (anonymous mappings) whose pages one background thread backs right
+    away (``MADV_POPULATE_WRITE``: the kernel zeroes them without the GIL), so that their
+    memory is taken once, at start, not request by request as they are first written
+    (the worker's memory stays flat: a leak check can tell a leak from the cache), and
+    start-up does not wait for it: backing the embedded model's 2.4 GB KV cache takes
+    0.8-7 s of a core on the 2-core VM (more where the VM's memory is touched for the
+    first time), ~40% of the worker's start (docs/benchmarks.md). Every mapping is made
+    before the thread starts: a new mapping waits for the address-space lock that a
+    backing call holds, hence ``BACKING_CHUNK``. Where the kernel lacks the call (before
+    Linux 5.14) the pages are backed as they are first written.
     ``check_available`` has already refused a cache the RAM cannot hold."""
     size = torch.empty((), dtype=dtype).element_size()
-    tensors = []
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    tensors, spans = [], []
     for shape in shapes:
         nbytes = math.prod(shape) * size
-        if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        if nbytes == 0:
             tensors.append(torch.zeros(shape, dtype=dtype))
             continue
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         tensors.append(torch.frombuffer(buf, dtype=dtype).view(shape))  # keeps buf alive
+        spans.append((tensors[-1].data_ptr(), nbytes))
+    threading.Thread(target=_back_pages, args=(spans,), daemon=True, name="kv-cache-backing").start()
     return tensors
+
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>
+# Bytes backed per call. A call holds the address-space lock for its whole span, and any
+# mapping the worker makes meanwhile (a first request's allocations) waits for it: one
+# call over the 2.4 GB pool kept the first request after ready waiting 2.4-6.8 s on the
+# 2-core VM. A chunk holds it for ~10-50 ms.
+BACKING_CHUNK = 32 << 20
+
+
+def _back_pages(spans: list[tuple[int, int]], madvise=None) -> None:
+    if madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise = libc.madvise
+    for addr, nbytes in spans:
+        for at in range(0, nbytes, BACKING_CHUNK):  # ctypes drops the GIL in each call
+            if madvise(addr + at, min(BACKING_CHUNK, nbytes - at), _MADV_POPULATE_WRITE):
+                logging.getLogger("pocketllm.worker").debug(
+                    "the KV cache is backed as it is written (madvise: %s)",
+                    os.strerror(ctypes.get_errno()))
+                return
 
 
 def check_available(nbytes: int, what: str, param: str) -> None:

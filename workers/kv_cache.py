@@ -35,7 +35,7 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.proto.messages import CacheGroup, CacheSpec
 
-from .device import check_available, lazy_cpu_zeros, num_kv_blocks
+from .device import check_available, num_kv_blocks, populated_cpu_zeros
 
 
 def layer_spec(window: Optional[int], max_model_len: int, latent: bool = False) -> CacheSpec:
@@ -119,11 +119,13 @@ class PagedKVCache:
                   (layout.num_layers(g), 2, (n + 1) * block_size, kv_heads, head_dim)
                   for g, n in enumerate(num_blocks)]
         if device.type == "cpu":
-            # Backed by the OS as rows are written: the worker's memory grows with use up to
-            # the whole cache, so a cache the RAM cannot hold now is refused now.
+            # The OS backs a CPU tensor's pages only when they are first written, so an
+            # untouched cache would grow the worker's memory request by request until full
+            # (and fail mid-serving where RAM is short): refused now if it cannot fit,
+            # backed in the background from now.
             check_available(sum(math.prod(s) for s in shapes) * dtype.itemsize, "KV cache",
                             "kv_cache_memory_gb")
-            self.pools = lazy_cpu_zeros(shapes, dtype)
+            self.pools = populated_cpu_zeros(shapes, dtype)
         else:
             self.pools = [torch.empty(s, device=device, dtype=dtype) for s in shapes]
             for pool, n, mla in zip(self.pools, num_blocks, latent):
