@@ -187,6 +187,10 @@ static int act_buffers(int64_t elems) {
     return g_act_elems != 0;
 }
 
+/* The activations of the last product in a lane-order variant's order (one caller thread). */
+static int16_t *g_qp;
+static int64_t g_qp_elems;
+
 static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, int64_t ldy,
                        int64_t *total) {
     if (nparts <= 0 || nparts > PQ_MAX_PARTS || M < 0 || K <= 0 || K % 32 != 0) return PQ_ERR_ARG;
@@ -218,6 +222,17 @@ static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t 
     first[0] = 0;
     for (int j = 0; j < nparts; j++) first[j + 1] = first[j] + (parts[j].rows + chunk - 1) / chunk;
     const int64_t chunks = first[nparts];
+    const int16_t *qp = NULL;
+    if (isa->lane_order) {
+        if (M * K > g_qp_elems) {
+            free(g_qp);
+            g_qp = aligned(sizeof(int16_t) * (size_t)(M * K));
+            g_qp_elems = g_qp != NULL ? M * K : 0;
+            if (g_qp == NULL) return PQ_ERR_NOMEM;
+        }
+        pq_lane_order(q, M * K, g_qp);
+        qp = g_qp;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -230,7 +245,7 @@ static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t 
             while (c >= first[j + 1]) j++;
             const pq_part *p = &parts[j];
             int64_t n0 = (c - first[j]) * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
-            pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q, d, gsum, M,
+            pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q, qp, d, gsum, M,
                             y + p->col, ldy, p->w + p->rows * p->row_bytes};
             isa->mul_rows(&a, n0, n1, s);
         }

@@ -12,6 +12,7 @@ typedef struct {
     const uint8_t *w;
     int64_t K, row_bytes;
     const int16_t *q;
+    const int16_t *qp; /* q in lane order (pq_lane_order), for a variant that asks for it */
     const float *d;
     const int32_t *gsum;
     int64_t M;
@@ -31,7 +32,20 @@ typedef struct {
     int (*cpu_has)(void);
     /* rows n0..n1-1 of the output, all M activation rows */
     void (*mul_rows)(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s);
+    int lane_order; /* reads pq_mm_args.qp as well as q */
 } pq_isa_impl;
+
+/* The order in which a lane-order variant reads each block of 32 activations: 0-7, 16-23,
+ * 8-15, 24-31, the order in-lane byte unpacks give a 256-bit register's 32 weights. */
+static inline void pq_lane_order(const int16_t *q, int64_t n, int16_t *qp) {
+    for (int64_t b = 0; b < n; b += 32)
+        for (int i = 0; i < 8; i++) {
+            qp[b + i] = q[b + i];
+            qp[b + 8 + i] = q[b + 16 + i];
+            qp[b + 16 + i] = q[b + 8 + i];
+            qp[b + 24 + i] = q[b + 24 + i];
+        }
+}
 
 extern const pq_isa_impl pq_isa_scalar;
 #if defined(__x86_64__)

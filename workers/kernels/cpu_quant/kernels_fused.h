@@ -64,28 +64,26 @@ __attribute__((always_inline)) static inline void legacy_rows(int id, const uint
     const int has_min = id == PQ_Q4_1 || id == PQ_Q5_1, five = id == PQ_Q5_0 || id == PQ_Q5_1;
     const int qs_at = 2 + 2 * has_min + 4 * five;
     const int64_t n32 = x.K / 32;
-    const __m256i bias = _mm256_set1_epi8(has_min ? 0 : (five ? 16 : 8));
+    const int bias = has_min ? 0 : (five ? 16 : 8);
     __m256 acc[R];
     float off[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
     for (int64_t b = 0; b < n32; b++) {
         const uint8_t *blk = w + bytes * b;
         __m256i v = nibbles32(blk + qs_at);
+        __m256i w0, w1;
 #if defined(PQ_DOT_VNNI512)
         if (five && !has_min) { /* q - 16 where the fifth bit is clear, else q: one masked sub */
             uint32_t qh;
             memcpy(&qh, blk + 2, 4);
-            v = _mm256_mask_sub_epi8(v, (__mmask32)~qh, v, bias);
-        } else {
-            if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
-            v = _mm256_sub_epi8(v, bias);
-        }
-#else
-        if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
-        v = _mm256_sub_epi8(v, bias);
+            v = _mm256_mask_sub_epi8(v, (__mmask32)~qh, v, _mm256_set1_epi8(16));
+            widen_u8(v, 0, &w0, &w1);
+        } else
 #endif
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
-                      w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        {
+            if (five) v = _mm256_or_si256(v, fifth_bits(blk + 2 + 2 * has_min));
+            widen_u8(v, bias, &w0, &w1);
+        }
         const float d = f16_at(blk), mn = has_min ? f16_at(blk + 2) : 0.0f;
         for (int r = 0; r < R; r++) {
             const int16_t *q = x.q + r * x.K + 32 * b;
@@ -130,11 +128,9 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
         }
         for (int i = 0; i < 4; i++) {
             const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
-            const __m256i lo = _mm256_and_si256(run, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
-            const __m256i l0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)),
-                          l1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
-                          h0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
-                          h1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
+            __m256i l0, l1, h0, h1;
+            widen_u8(_mm256_and_si256(run, lo4), 0, &l0, &l1);
+            widen_u8(_mm256_and_si256(_mm256_srli_epi16(run, 4), lo4), 0, &h0, &h1);
             for (int r = 0; r < R; r++) {
                 const int16_t *q = x.q + r * x.K + 256 * sb + 64 * i;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(l0, q), l1, q + 16)),

@@ -30,4 +30,4 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
 
 static int always(void) { return 1; }
 
-const pq_isa_impl pq_isa_scalar = {"scalar", always, mul_rows};
+const pq_isa_impl pq_isa_scalar = {"scalar", always, mul_rows, 0};

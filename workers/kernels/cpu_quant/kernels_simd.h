@@ -27,6 +27,27 @@ static inline __m256i widen16(const int8_t *v) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)v));
 }
 
+/* 32 unsigned bytes u (element order) -> the int16 values u - bias, 16 a register, in the
+ * order this variant reads activations: natural (sign-extending vpmovsxbw; u - bias must fit
+ * int8), or, with PQ_LANE_ORDER, in-lane unpacks. vpmovsxbw crosses the register's 128-bit
+ * lanes, and on Zen 3 the two of them took most of a block's shuffle-pipe time; the
+ * unpacks give elements 0-7, 16-23 | 8-15, 24-31, the order of pq_mm_args.qp. */
+static inline void widen_u8(__m256i u, int bias, __m256i *w0, __m256i *w1) {
+#if defined(PQ_LANE_ORDER)
+    const __m256i z = _mm256_setzero_si256();
+    *w0 = _mm256_unpacklo_epi8(u, z);
+    *w1 = _mm256_unpackhi_epi8(u, z);
+    if (bias) {
+        *w0 = _mm256_sub_epi16(*w0, _mm256_set1_epi16((short)bias));
+        *w1 = _mm256_sub_epi16(*w1, _mm256_set1_epi16((short)bias));
+    }
+#else
+    if (bias) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)bias));
+    *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(u));
+    *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u, 1));
+#endif
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -52,6 +73,12 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* One Q8_0 block's 32 products (8 int32 lanes), natural order: vpmovsxbw from memory was
+ * faster here than the lane-order unpacks (the LM head is bound by memory anyway). */
+static inline __m256i q8_0_block(const uint8_t *blk, const int16_t *q) {
+    return dot16_acc(dot16(widen16((const int8_t *)blk + 2), q), widen16((const int8_t *)blk + 18), q + 16);
+}
+
 /* Q8_0 straight from its blocks (f16 d | int8 q[32]), no decode buffer: one scale per
  * block, so both halves add up in integers first. */
 static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64_t n32) {
@@ -59,18 +86,14 @@ static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64
     int64_t b = 0;
     for (; b + 1 < n32; b += 2) {
         const uint8_t *b0 = w + 34 * b, *b1 = b0 + 34;
-        __m256i p0 = dot16_acc(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
-                               widen16((const int8_t *)b0 + 18), q + 32 * b + 16);
-        __m256i p1 = dot16_acc(dot16(widen16((const int8_t *)b1 + 2), q + 32 * b + 32),
-                               widen16((const int8_t *)b1 + 18), q + 32 * b + 48);
+        __m256i p0 = q8_0_block(b0, q + 32 * b), p1 = q8_0_block(b1, q + 32 * b + 32);
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f16_at(b1) * xd[b + 1]), acc1);
     }
     if (b < n32) {
         const uint8_t *b0 = w + 34 * b;
-        __m256i p0 = dot16_acc(dot16(widen16((const int8_t *)b0 + 2), q + 32 * b),
-                               widen16((const int8_t *)b0 + 18), q + 32 * b + 16);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_0_block(b0, q + 32 * b)),
+                               _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
     }
     return hsum(_mm256_add_ps(acc0, acc1));
 }
@@ -93,6 +116,11 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
     const pq_type_info *t = a->t;
     int64_t K = a->K, n32 = K / 32;
     const uint8_t *end = a->w_end;
+#if defined(PQ_LANE_ORDER)
+    const int16_t *qf = a->qp; /* what the multi-row types' fused dots read */
+#else
+    const int16_t *qf = a->q;
+#endif
     if (t->id == PQ_Q8_0) {
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
@@ -103,7 +131,7 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
         return;
     }
     if (multi_row_type(t->id)) {
-        const pq_rows x = {a->q, a->d, a->gsum, K};
+        const pq_rows x = {qf, a->d, a->gsum, K};
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
             prefetch_ahead(wr, a->row_bytes, end);
