@@ -74,8 +74,8 @@ def test_models_the_fused_path_leaves_alone(tmp_path, tiny_llama):
 
     mixed = str(tmp_path / "mixed.gguf")
     write_tiny_gguf(mixed, "llama", _tiny_hf_model("llama"))  # F16/BF16/F32 among the blocks
-    assert _runner(mixed).model._fused_layers() == []
-    assert _runner(tiny_llama).model._fused_layers() == []
+    assert _runner(mixed).model._fused_layers() is False
+    assert _runner(tiny_llama).model._fused_layers() is False
     runner = _runner(_all_block_gguf(tmp_path, "llama"))
     calls = []
     real = runner.model._fused_decode

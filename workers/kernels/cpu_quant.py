@@ -59,6 +59,7 @@ _SIGNATURES = {
     # layer.c, bound in cpu_layer.py
     "pq_decoder_layer": (_int, [_p, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p,
                                 _p, _int]),
+    "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
     "pq_set_isa": (_int, [ctypes.c_char_p]),
     "pq_supported_isas": (ctypes.c_char_p, []),

@@ -298,7 +298,7 @@ class CausalLM(nn.Module):
         self.rotary = {kind: RotaryTable(cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings,
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
         self.policy = policy_for(device)
-        self._fused: Optional[list] = None  # the layers bound for the fused CPU decode path
+        self._fused = None  # the stack bound for the fused CPU decode path (False: cannot be)
         # Per layer: its KV cache group, whose metadata (block tables) its attention reads.
         # One group until the runner sets its layout (workers/kv_cache.py).
         self.layer_group: tuple[int, ...] = (0,) * cfg.num_layers
@@ -336,29 +336,27 @@ class CausalLM(nn.Module):
                 *seg.qkv, metas[self.layer_group[i]], kv_caches[i]), seg)
         return seg.hidden
 
-    def _fused_layers(self) -> list:
-        """Every layer bound for one library call per decode step, or [] where one cannot
-        be (a float weight, a family without ``mlp_norms``, tensor parallelism)."""
+    def _fused_layers(self):
+        """Every layer bound for one library call per decode step, or None where one
+        cannot be (a float weight, a family without ``mlp_norms``, tensor parallelism)."""
         if self._fused is None:
-            from ..kernels.cpu_layer import CpuDecoderLayer
+            from ..kernels.cpu_layer import CpuDecoderLayer, CpuDecoderStack
 
             bound = [CpuDecoderLayer.bind(layer) for layer in self._layer_at]
-            self._fused = bound if all(b is not None for b in bound) else []
+            n = len(bound)
+            self._fused = CpuDecoderStack(
+                bound, [(self.layer_group[i], self.cfg.layer_windows[i]) for i in range(n)],
+                [self.cfg.layer_rope[i] for i in range(n)]) \
+                if all(b is not None for b in bound) else False
         return self._fused
 
     def _fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                       metas: Sequence[AttentionMetadata],
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """``forward`` for a step of one-token decodes, each layer one library call, given
-        its own group's slots and gather (block table) over its own pool."""
+        """``forward`` for a step of one-token decodes: the whole stack in one library
+        call, each layer given its own group's slots and gather over its own pool."""
         rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
-        x, residual = self.embed_tokens(input_ids).contiguous(), None
-        for i, fused in enumerate(self._fused):
-            meta = metas[self.layer_group[i]]
-            x, residual = fused(x, residual, rope[self.cfg.layer_rope[i]], kv_caches[i],
-                                meta.slot_mapping,
-                                meta.groups[0].views[self.cfg.layer_windows[i]])
-        return x + residual
+        return self._fused(self.embed_tokens(input_ids).contiguous(), metas, rope, kv_caches)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int
               ) -> Segment:

@@ -140,6 +140,31 @@ PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_
                             int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
                             int nthreads);
 
+/* The decoder stack's decode step in one call. Each layer names its KV cache and which
+ * of the step's views (a KV cache group's slots, and one window's gather/Lk/lengths) and
+ * rope tables it reads, so a step passes a handful of views instead of a call per layer. */
+typedef struct {
+    const int64_t *slots, *gather, *lengths;
+    int64_t Lk;
+} pq_step_view;
+
+typedef struct {
+    const float *cos, *sin;
+    int64_t lc;
+} pq_step_rope;
+
+typedef struct {
+    const pq_layer *layer;
+    float *k_cache, *v_cache;
+    int64_t view, rope; /* indices into the step's views and ropes */
+} pq_stack_layer;
+
+/* x [M, hidden] (the embedded tokens) through layers[0..n-1] as pq_decoder_layer runs
+ * each; out [M, hidden] = the last layer's output plus its residual. */
+PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_step_view *views,
+                            const pq_step_rope *ropes, const float *x, int64_t M, float *out,
+                            int nthreads);
+
 /* 1 if `type` has a decoder in this build, 0 if not (unknown type included). */
 PQ_API int pq_has_kernel(int type);
 

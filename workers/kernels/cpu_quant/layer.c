@@ -93,3 +93,37 @@ PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_
     if (L->post_ff_norm != NULL) add_norm(down, NULL, M, E, L->post_ff_norm, L->eps, x_out, NULL);
     return PQ_OK;
 }
+
+/* The residual stream between layers: two (x, residual) pairs, used in turn. */
+static float *g_stream;
+static int64_t g_stream_elems;
+
+PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_step_view *views,
+                            const pq_step_rope *ropes, const float *x, int64_t M, float *out,
+                            int nthreads) {
+    if (n <= 0 || M <= 0) return PQ_ERR_ARG;
+    const int64_t E = layers[0].layer->hidden;
+    if (4 * M * E > g_stream_elems) {
+        free(g_stream);
+        g_stream = NULL;
+        if (posix_memalign((void **)&g_stream, 64, sizeof(float) * (size_t)(4 * M * E)) != 0)
+            g_stream = NULL;
+        g_stream_elems = g_stream != NULL ? 4 * M * E : 0;
+        if (g_stream == NULL) return PQ_ERR_NOMEM;
+    }
+    const float *xi = x, *ri = NULL;
+    for (int64_t i = 0; i < n; i++) {
+        const pq_stack_layer *l = &layers[i];
+        if (l->layer->hidden != E) return PQ_ERR_ARG;
+        const pq_step_view *v = &views[l->view];
+        const pq_step_rope *r = &ropes[l->rope];
+        float *xo = g_stream + (i % 2) * 2 * M * E, *ro = xo + M * E;
+        int rc = pq_decoder_layer(l->layer, xi, ri, M, r->cos, r->sin, r->lc, l->k_cache,
+                                  l->v_cache, v->slots, v->gather, v->Lk, v->lengths, xo, ro,
+                                  nthreads);
+        if (rc != PQ_OK) return rc;
+        xi = xo, ri = ro;
+    }
+    for (int64_t k = 0; k < M * E; k++) out[k] = xi[k] + ri[k];
+    return PQ_OK;
+}
