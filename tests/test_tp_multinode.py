@@ -71,9 +71,10 @@ def test_ranks_started_by_torchrun(tiny_llama, llm_cpu):
         pytest.skip("torchrun is not installed")
     http_port = free_port()
     proc = subprocess.Popen(
+        # the plan link binds the port after master_port: both must be free
         [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-         str(free_port()), "-m", "pocketllm", "serve", "--model", tiny_llama, "--device", "cpu",
-         "--no-tensor-parallel-supervisor", "--port", str(http_port)],
+         str(free_port_pair()), "-m", "pocketllm", "serve", "--model", tiny_llama,
+         "--device", "cpu", "--no-tensor-parallel-supervisor", "--port", str(http_port)],
         env={**os.environ, "POCKETLLM_RUN_SECRET": "a-secret-for-this-torchrun-test"},
         start_new_session=True)
     try:

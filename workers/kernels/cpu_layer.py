@@ -113,7 +113,8 @@ class CpuDecoderStack:
         self.stack = (_StackLayer * len(layers))()
         for i, layer in enumerate(layers):
             self.stack[i] = _StackLayer(ctypes.addressof(layer.desc), None, None,
-                                        self.view_keys.index(views[i]), self.rope_keys.index(ropes[i]))
+                                        self.view_keys.index(views[i]),
+                                        self.rope_keys.index(ropes[i]))
         self.views = (_StepView * len(self.view_keys))()
         self.ropes = (_StepRope * len(self.rope_keys))()
         self.head_dim = layers[0].desc.head_dim

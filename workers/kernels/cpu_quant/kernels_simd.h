@@ -76,7 +76,8 @@ static inline float f16_at(const uint8_t *p) {
 /* One Q8_0 block's 32 products (8 int32 lanes), natural order: vpmovsxbw from memory was
  * faster here than the lane-order unpacks (the LM head is bound by memory anyway). */
 static inline __m256i q8_0_block(const uint8_t *blk, const int16_t *q) {
-    return dot16_acc(dot16(widen16((const int8_t *)blk + 2), q), widen16((const int8_t *)blk + 18), q + 16);
+    return dot16_acc(dot16(widen16((const int8_t *)blk + 2), q), widen16((const int8_t *)blk + 18),
+                     q + 16);
 }
 
 /* Q8_0 straight from its blocks (f16 d | int8 q[32]), no decode buffer: one scale per
