@@ -27,8 +27,14 @@ static inline __m256 u8x8_ps(const uint8_t *v) {
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (the order of
  * Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL elements). */
 static inline __m256i nibbles32(const uint8_t *p) {
+#if defined(PQ_LANE_ORDER)
+    /* the 16 bytes in both lanes (a load, no shuffle), the upper lane shifted by 4 */
+    __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i v = _mm256_srlv_epi32(x, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
+#else
     __m128i x = _mm_loadu_si128((const __m128i *)p);
     __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+#endif
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
