@@ -109,6 +109,28 @@ def test_decode_attention_matches_the_reference(window, softcap):
     assert close(got, want, 1e-5), float((got - want).abs().max())
 
 
+# (10, 2): groups of 5, split into parts of 3 and 2
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (6, 1), (10, 2)])
+def test_decode_attention_splits_a_kv_heads_group_across_threads(heads, kv_heads):
+    """A long decode attends in parallel: each KV head's query heads in one pass over its
+    keys, the group split into parts when there are fewer KV heads than threads."""
+    block, dim, length = 16, 64, 700
+    k_cache, v_cache = rand(49 * block, kv_heads, dim), rand(49 * block, kv_heads, dim)
+    seqs = [ScheduledSeq(list(range(47, 3, -1)), length - 1, 1, 0)]  # blocks out of order
+    q, k, v = rand(1, heads, dim), rand(1, kv_heads, dim), rand(1, kv_heads, dim)
+    meta = build_metadata(seqs, block, [None], torch.device("cpu"), 48 * block)
+    want = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, None,
+                                    dim ** -0.5, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # more threads than KV heads: the groups split
+    try:
+        got = cpu_ops.CpuAttention().forward(q, k, v, k_cache, v_cache, meta, None, dim ** -0.5,
+                                             None)
+    finally:
+        torch.set_num_threads(threads)
+    assert close(got, want, 1e-5), float((got - want).abs().max())
+
+
 def test_block_linear_equals_the_per_part_products():
     from test_cpu_quant_kernels import random_blocks
 
