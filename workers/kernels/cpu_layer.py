@@ -130,7 +130,7 @@ class CpuDecoderStack:
         """One-token decode rows x [M, hidden] (the embedded tokens) -> the last layer's
         output plus its residual. ``metas``: the step's metadata per KV cache group."""
         m, hidden = x.shape
-        if kv_caches is not self._caches:
+        if kv_caches is not self._caches:  # the runner's list, built once with its pools
             self._bind_caches(kv_caches)
         for j, (group, window) in enumerate(self.view_keys):
             meta = metas[group]

@@ -337,7 +337,7 @@ class CausalLM(nn.Module):
         return seg.hidden
 
     def _fused_layers(self):
-        """Every layer bound for one library call per decode step, or None where one
+        """Every layer bound for one library call per decode step, or False where that
         cannot be (a float weight, a family without ``mlp_norms``, tensor parallelism)."""
         if self._fused is None:
             from ..kernels.cpu_layer import CpuDecoderLayer, CpuDecoderStack

@@ -83,7 +83,7 @@ __attribute__((always_inline)) static inline void legacy_rows(int id, const uint
             uint32_t qh;
             memcpy(&qh, blk + 2, 4);
             v = _mm256_mask_sub_epi8(v, (__mmask32)~qh, v, _mm256_set1_epi8(16));
-            widen_u8(v, 0, &w0, &w1);
+            widen_u8(v, 0, &w0, &w1); /* signed already: the natural order sign-extends */
         } else
 #endif
         {
