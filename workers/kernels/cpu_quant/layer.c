@@ -11,19 +11,23 @@
 
 #include "cpu_quant.h"
 
-/* Intermediate rows of the last call (one caller thread: the worker's), grown on demand. */
-static float *g_work;
-static int64_t g_work_elems;
+/* A float buffer of at least `elems`, grown on demand (one caller thread: the worker's). */
+typedef struct {
+    float *p;
+    int64_t elems;
+} grown;
 
-static float *work(int64_t elems) {
-    if (elems > g_work_elems) {
-        free(g_work);
-        g_work = NULL;
-        if (posix_memalign((void **)&g_work, 64, sizeof(float) * (size_t)elems) != 0) g_work = NULL;
-        g_work_elems = g_work != NULL ? elems : 0;
+static float *grow(grown *b, int64_t elems) {
+    if (elems > b->elems) {
+        free(b->p);
+        if (posix_memalign((void **)&b->p, 64, sizeof(float) * (size_t)elems) != 0) b->p = NULL;
+        b->elems = b->p != NULL ? elems : 0;
     }
-    return g_work;
+    return b->p;
 }
+
+static grown g_work;   /* a layer's intermediate rows */
+static grown g_stream; /* the stack's residual stream: two (x, residual) pairs, in turn */
 
 static int linear(const pq_layer_linear *l, int64_t K, const float *x, int64_t M, float *y,
                   int64_t N, int nthreads) {
@@ -49,7 +53,7 @@ PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_
     if (M <= 0 || E <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || I <= 0 || H % Hkv != 0) return PQ_ERR_ARG;
     /* h [M,E] | qkv [M,qkvw] | q,k normed [M,qw+kvw] | attn [M,qw] | o [M,E] | res1 [M,E] |
      * gate_up [M,2I] | act [M,I] */
-    float *h = work(M * (3 * E + qkvw + qw + kvw + qw + 3 * I));
+    float *h = grow(&g_work, M * (3 * E + qkvw + qw + kvw + qw + 3 * I));
     if (h == NULL) return PQ_ERR_NOMEM;
     float *qkv = h + M * E, *qk = qkv + M * qkvw, *attn = qk + M * (qw + kvw),
           *o = attn + M * qw, *res1 = o + M * E, *gu = res1 + M * E, *act = gu + M * 2 * I;
@@ -94,30 +98,20 @@ PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_
     return PQ_OK;
 }
 
-/* The residual stream between layers: two (x, residual) pairs, used in turn. */
-static float *g_stream;
-static int64_t g_stream_elems;
-
 PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_step_view *views,
                             const pq_step_rope *ropes, const float *x, int64_t M, float *out,
                             int nthreads) {
     if (n <= 0 || M <= 0) return PQ_ERR_ARG;
     const int64_t E = layers[0].layer->hidden;
-    if (4 * M * E > g_stream_elems) {
-        free(g_stream);
-        g_stream = NULL;
-        if (posix_memalign((void **)&g_stream, 64, sizeof(float) * (size_t)(4 * M * E)) != 0)
-            g_stream = NULL;
-        g_stream_elems = g_stream != NULL ? 4 * M * E : 0;
-        if (g_stream == NULL) return PQ_ERR_NOMEM;
-    }
+    float *stream = grow(&g_stream, 4 * M * E);
+    if (stream == NULL) return PQ_ERR_NOMEM;
     const float *xi = x, *ri = NULL;
     for (int64_t i = 0; i < n; i++) {
         const pq_stack_layer *l = &layers[i];
         if (l->layer->hidden != E) return PQ_ERR_ARG;
         const pq_step_view *v = &views[l->view];
         const pq_step_rope *r = &ropes[l->rope];
-        float *xo = g_stream + (i % 2) * 2 * M * E, *ro = xo + M * E;
+        float *xo = stream + (i % 2) * 2 * M * E, *ro = xo + M * E;
         int rc = pq_decoder_layer(l->layer, xi, ri, M, r->cos, r->sin, r->lc, l->k_cache,
                                   l->v_cache, v->slots, v->gather, v->Lk, v->lengths, xo, ro,
                                   nthreads);
