@@ -1,23 +1,8 @@
 /* Fused row dots for the common types: each block is unpacked to 32 int8 weights
- * in a register and multiplied at once, never written to the decode buffer. One
- * pass over the row's bytes, which is what a decode step (one activation row)
- * is bound by. Included by kernels_simd.h (which defines dot16, widen16, hsum,
- * f16_at); the other types take the decode-then-dot path there.
- *
- * Each returns sum_k x[k] * W[row, k] for one activation row (q, xd, gs as in
- * pq_mm_args, already offset to the row). */
-
-/* The two groups of 16 of one 32-element block: 8 int32 lanes each. */
-static inline void block_dot(__m256i w8, const int16_t *q, __m256i *g0, __m256i *g1) {
-    *g0 = dot16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), q);
-    *g1 = dot16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), q + 16);
-}
-
-static inline __m256i block_sum(__m256i w8, const int16_t *q) {
-    /* the second group's products summed into the first's by the dot instruction itself */
-    return dot16_acc(dot16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8)), q),
-                     _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1)), q + 16);
-}
+ * in a register and multiplied at once with up to 8 activation rows, never written to
+ * the decode buffer. One pass over the row's bytes, which is what a decode step (one
+ * activation row) is bound by. Included by kernels_simd.h (which defines dot16,
+ * widen16, hsum, f16_at); the other types take the decode-then-dot path there. */
 
 /* 8 bytes -> 8 floats */
 static inline __m256 u8x8_ps(const uint8_t *v) {
@@ -149,39 +134,59 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - hsum(off[r]);
 }
 
+/* The sums of one 32-element block's two groups of 16, four int32 lanes each: group one in
+ * the low 128-bit lane, group two in the high one (so that a per-16 scale is one vector
+ * [s0 x4 | s1 x4]). With the lane order the unpacks already put elements 0-7 and 16-23 in
+ * w0, so the two products add lane by lane; natural order moves the halves across. */
+static inline __m256i group_pair_dot(__m256i w0, __m256i w1, const int16_t *q) {
+#if defined(PQ_LANE_ORDER)
+    return dot16_acc(dot16(w0, q), w1, q + 16);
+#else
+    const __m256i p0 = dot16(w0, q), p1 = dot16(w1, q + 16);
+    return _mm256_add_epi32(_mm256_blend_epi32(p0, p1, 0xF0), _mm256_permute2x128_si256(p0, p1, 0x21));
+#endif
+}
+
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
  * nibble k>>1 of ql[64h + 32(k&1) + j] with bits 2k..2k+1 of qh[32h + j] above it, minus 32;
- * one scale per 16. */
-static float dot_q6_k(const uint8_t *w, const int16_t *q, const float *xd, int64_t n256) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30),
-                  bias = _mm256_set1_epi8(32);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+ * one scale per 16, so block 4h+k's two groups take scales 8h+2k and 8h+2k+1. */
+__attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq_rows x,
+                                                            const int R, float *out) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const int64_t n256 = x.K / 256, n32 = x.K / 32;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 210 * sb;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        float d = f16_at(blk + 208);
+        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            __m256i v[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2)),
-                _mm256_or_si256(_mm256_and_si256(l1, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4), _mm256_and_si256(hb, hi2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2)),
-            };
+            /* this half's 8 scales times d; block k's pair spread as [s_2k x4 | s_2k+1 x4] */
+            const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
             for (int k = 0; k < 4; k++) {
-                int blk32 = 8 * (int)sb + 4 * h + k, g = 8 * h + 2 * k;
-                __m256i g0, g1;
-                block_dot(_mm256_sub_epi8(v[k], bias), q + 32 * blk32, &g0, &g1);
-                float x = d * xd[blk32];
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_set1_ps(x * sc[g]), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_set1_ps(x * sc[g + 1]), acc1);
+                const __m256i l = k & 1 ? l1 : l0;
+                const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4)
+                                         : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
+                const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
+                                 : k == 1 ? _mm256_slli_epi16(hb, 2)
+                                 : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                __m256i w0, w1;
+                widen_u8(_mm256_or_si256(lo, _mm256_and_si256(hi, hi2)), 32, &w0, &w1);
+                const __m256 s = _mm256_permutevar8x32_ps(
+                    sc, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
+                const int64_t b = 8 * sb + 4 * h + k;
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = group_pair_dot(w0, w1, x.q + r * x.K + 32 * b);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                             _mm256_mul_ps(s, _mm256_broadcast_ss(x.xd + r * n32 + b)), acc[r]);
+                }
             }
         }
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
 /* R rows (1, 2, 4 or 8) of the types whose weight blocks are unpacked once for all of them. */
@@ -192,12 +197,14 @@ __attribute__((always_inline)) static inline void rows_of(int id, const uint8_t 
     case PQ_Q4_1: legacy_rows(PQ_Q4_1, w, x, R, out); break;
     case PQ_Q5_0: legacy_rows(PQ_Q5_0, w, x, R, out); break;
     case PQ_Q5_1: legacy_rows(PQ_Q5_1, w, x, R, out); break;
+    case PQ_Q6_K: q6_k_rows(w, x, R, out); break;
     default: q4_k_rows(w, x, R, out);
     }
 }
 
 static inline int multi_row_type(int id) {
-    return id == PQ_Q4_0 || id == PQ_Q4_1 || id == PQ_Q5_0 || id == PQ_Q5_1 || id == PQ_Q4_K;
+    return id == PQ_Q4_0 || id == PQ_Q4_1 || id == PQ_Q5_0 || id == PQ_Q5_1 || id == PQ_Q4_K ||
+           id == PQ_Q6_K;
 }
 
 /* y[m*ldy] = row m . W's row for all M rows, in chunks of 8, 4, 2 and 1 rows. */
@@ -215,11 +222,4 @@ static void fused_rows(int id, const uint8_t *w, pq_rows x, int64_t M, float *y,
         for (int r = 0; r < R; r++) y[(m + r) * ldy] = out[r];
         m += R;
     }
-}
-
-/* The fused dot of one row of Q6_K, or 0 (and *done = 0) for a type without one. */
-static inline float fused_dot(int id, const uint8_t *w, const int16_t *q, const float *xd,
-                              int64_t K, int *done) {
-    *done = id == PQ_Q6_K;
-    return *done ? dot_q6_k(w, q, xd, K / 256) : 0.0f;
 }

@@ -101,9 +101,6 @@ static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64
 
 #include "kernels_fused.h"
 
-/* Rows of activations up to which a weight row is unpacked once per activation row (the
- * fused dots); above it, decoded once into the buffer and reused by every row. */
-#define PQ_FUSED_MAX_M 4
 /* Bytes ahead of the row being multiplied that are prefetched: the hardware prefetchers
  * stop at each 4 KiB page, and a decode step streams every weight from memory once. */
 #define PQ_PREFETCH_BYTES 2048
@@ -139,16 +136,6 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
             fused_rows(t->id, wr, x, a->M, a->y + n, a->ldy);
         }
         return;
-    }
-    if (a->M <= PQ_FUSED_MAX_M) {
-        int done = 1;
-        for (int64_t n = n0; n < n1 && done; n++) {
-            const uint8_t *wr = a->w + n * a->row_bytes;
-            prefetch_ahead(wr, a->row_bytes, end);
-            for (int64_t m = 0; m < a->M && done; m++)
-                a->y[m * a->ldy + n] = fused_dot(t->id, wr, a->q + m * K, a->d + m * n32, K, &done);
-        }
-        if (done) return;
     }
     for (int64_t n = n0; n < n1; n++) {
         t->decode(a->w + n * a->row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
