@@ -18,7 +18,7 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
-from pocketllm.sampling import uses_penalties
+from pocketllm.sampling import MAX_LOGPROBS, uses_penalties
 from pocketllm.proto.messages import (NULL_BLOCK, PENDING, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
 
@@ -35,8 +35,6 @@ from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 
 logger = logging.getLogger("pocketllm.worker")
-
-MAX_LOGPROBS = 20
 
 
 @dataclass
