@@ -109,20 +109,24 @@ def test_decode_attention_matches_the_reference(window, softcap):
     assert close(got, want, 1e-5), float((got - want).abs().max())
 
 
-# (10, 2): groups of 5, split into parts of 3 and 2
-@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (6, 1), (10, 2)])
-def test_decode_attention_splits_a_kv_heads_group_across_threads(heads, kv_heads):
+# 3 threads: one KV head's keys in 3 runs (2 when 130 keys make runs under 64), two KV
+# heads' in 2; 20 heads of one KV head attend in passes of 16 and 4
+@pytest.mark.parametrize("heads,kv_heads,length", [(8, 1, 700), (16, 1, 130), (10, 2, 700),
+                                                   (20, 1, 700)])
+def test_decode_attention_splits_the_keys_across_threads(heads, kv_heads, length):
     """A long decode attends in parallel: each KV head's query heads in one pass over its
-    keys, the group split into parts when there are fewer KV heads than threads."""
-    block, dim, length = 16, 64, 700
+    keys, the keys split into runs (merged after) when there are fewer KV heads than
+    threads."""
+    block, dim = 16, 128
     k_cache, v_cache = rand(49 * block, kv_heads, dim), rand(49 * block, kv_heads, dim)
-    seqs = [ScheduledSeq(list(range(47, 3, -1)), length - 1, 1, 0)]  # blocks out of order
+    blocks = list(range(47, 47 - (length + block - 1) // block, -1))  # out of order
+    seqs = [ScheduledSeq(blocks, length - 1, 1, 0)]
     q, k, v = rand(1, heads, dim), rand(1, kv_heads, dim), rand(1, kv_heads, dim)
     meta = build_metadata(seqs, block, [None], torch.device("cpu"), 48 * block)
     want = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, None,
                                     dim ** -0.5, None)
     threads = torch.get_num_threads()
-    torch.set_num_threads(3)  # more threads than KV heads: the groups split
+    torch.set_num_threads(3)  # more threads than KV heads: the keys split
     try:
         got = cpu_ops.CpuAttention().forward(q, k, v, k_cache, v_cache, meta, None, dim ** -0.5,
                                              None)

@@ -146,17 +146,18 @@ static float *scores_buffer(int64_t n) {
 /* nh query heads that share one KV head, against its L keys: each key and value row is
  * read once for all of them (a row of the 256-wide heads of Gemma 3 is 1 KiB; at a few
  * hundred keys a KV head's rows no longer fit in L2, and one head at a time read them
- * once per query head). Each head's arithmetic is the one-head loop's, in its order. */
+ * once per query head). Each head's arithmetic is the one-head loop's, in its order.
+ * out is each head's softmax-weighted sum over these keys; top and total (nh each) are
+ * its largest score and sum of e^(score - top), which merge_parts needs. */
 PQ_CLONES
 static int attend_heads(const float *q, int64_t sqh, int nh, const float *kc, const float *vc,
                         int64_t slot_stride, const int64_t *slots, int64_t L, int64_t D,
-                        float scale, float softcap, float *out) {
+                        float scale, float softcap, float *out, float *top, float *total) {
     for (int64_t i = 0; i < nh * D; i++) out[i] = 0.0f;
+    for (int h = 0; h < nh; h++) top[h] = -INFINITY, total[h] = 0.0f;
     if (L == 0) return PQ_OK;
     float *p = scores_buffer(nh * L);
     if (p == NULL) return PQ_ERR_NOMEM;
-    float top[PQ_MAX_GROUP], total[PQ_MAX_GROUP];
-    for (int h = 0; h < nh; h++) top[h] = -INFINITY, total[h] = 0.0f;
     for (int64_t j = 0; j < L; j++) {
         const float *k = kc + slots[j] * slot_stride;
         for (int h = 0; h < nh; h++) {
@@ -178,6 +179,24 @@ static int attend_heads(const float *q, int64_t sqh, int nh, const float *kc, co
     return PQ_OK;
 }
 
+/* One head's ks parts (each over its own keys, as attend_heads leaves them) -> its
+ * softmax over all of them: part i weighs total_i e^(top_i - max top), normalized. */
+static void merge_parts(const float *parts, const float *top, const float *total, int64_t ks,
+                        int64_t stride, int64_t D, float *out) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < ks; i++) m = top[i * stride] > m ? top[i * stride] : m;
+    for (int64_t i = 0; i < ks; i++)
+        if (total[i * stride] > 0.0f) sum += total[i * stride] * exp_approx(top[i * stride] - m);
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t i = 0; i < ks; i++)
+        if (total[i * stride] > 0.0f)
+            axpy(out, total[i * stride] * exp_approx(top[i * stride] - m) / sum,
+                 parts + i * stride * D, D);
+}
+
+/* Keys a task takes at least when a row's keys are split across threads. */
+#define PQ_MIN_SPLIT_KEYS 64
+
 PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, int64_t sqb,
                                int64_t sqh, const float *k_cache, const float *v_cache,
                                int64_t Hkv, const int64_t *gather, int64_t Lk,
@@ -192,20 +211,52 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
     nt = nthreads > 0 ? nthreads : omp_get_max_threads();
 #endif
     if (pairs * Lk * D < (1 << 18)) nt = 1; /* a parallel region costs more than this */
-    /* a task: `per` query heads of one KV head of one row; a KV head's group is split
-     * only as far as it takes to give every thread a task */
-    int64_t per = group < PQ_MAX_GROUP ? group : PQ_MAX_GROUP;
-    while (per > 1 && B * Hkv * ((group + per - 1) / per) < nt) per = (per + 1) / 2;
-    const int64_t splits = (group + per - 1) / per, tasks = B * Hkv * splits;
+    /* a task: `per` query heads of one KV head of one row, over one of `ks` runs of its
+     * keys. With fewer (row, KV head) pairs than threads the keys split, not the heads:
+     * then no two threads read the same key and value rows. */
+    const int64_t per = group < PQ_MAX_GROUP ? group : PQ_MAX_GROUP;
+    const int64_t hs = (group + per - 1) / per, heads_tasks = B * Hkv * hs;
+    int64_t ks = 1;
+    if (heads_tasks < nt) {
+        ks = (nt + heads_tasks - 1) / heads_tasks;
+        if (ks > Lk / PQ_MIN_SPLIT_KEYS) ks = Lk / PQ_MIN_SPLIT_KEYS > 1 ? Lk / PQ_MIN_SPLIT_KEYS : 1;
+    }
+    const int64_t tasks = heads_tasks * ks;
+    /* one run: straight into out; several: each task's partial rows, merged after */
+    float *parts = NULL, *tops = NULL, *totals = NULL;
+    if (ks > 1) {
+        parts = malloc(sizeof(float) * (size_t)(tasks * per * (D + 2)));
+        if (parts == NULL) return PQ_ERR_NOMEM;
+        tops = parts + tasks * per * D;
+        totals = tops + tasks * per;
+    }
     int failed = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) reduction(| : failed)
     for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = t / (Hkv * splits), kvh = t / splits % Hkv, h0 = kvh * group + t % splits * per;
+        int64_t u = t / ks, run = t % ks;
+        int64_t b = u / (Hkv * hs), kvh = u / hs % Hkv, h0 = kvh * group + u % hs * per;
         int64_t nh = kvh * group + group - h0 < per ? kvh * group + group - h0 : per;
+        int64_t len = (lengths[b] + ks - 1) / ks, j0 = run * len;
+        len = j0 >= lengths[b] ? 0 : (j0 + len > lengths[b] ? lengths[b] - j0 : len);
+        float top[PQ_MAX_GROUP], total[PQ_MAX_GROUP];
+        float *dst = ks > 1 ? parts + t * per * D : out + (b * H + h0) * D;
         if (attend_heads(q + b * sqb + h0 * sqh, sqh, (int)nh, k_cache + kvh * D,
-                         v_cache + kvh * D, slot_stride, gather + b * Lk, lengths[b], D, scale,
-                         softcap, out + (b * H + h0) * D) != PQ_OK)
+                         v_cache + kvh * D, slot_stride, gather + b * Lk + j0, len, D, scale,
+                         softcap, dst, top, total) != PQ_OK)
             failed = 1;
+        if (ks > 1)
+            for (int64_t h = 0; h < nh; h++) tops[t * per + h] = top[h], totals[t * per + h] = total[h];
     }
+    if (ks > 1 && !failed)
+        for (int64_t u = 0; u < heads_tasks; u++) {
+            int64_t b = u / (Hkv * hs), kvh = u / hs % Hkv, h0 = kvh * group + u % hs * per;
+            int64_t nh = kvh * group + group - h0 < per ? kvh * group + group - h0 : per;
+            for (int64_t h = 0; h < nh; h++) {
+                const int64_t first = u * ks * per + h; /* task u*ks's head h */
+                merge_parts(parts + first * D, tops + first, totals + first, ks, per, D,
+                            out + (b * H + h0 + h) * D);
+            }
+        }
+    free(parts);
     return failed ? PQ_ERR_NOMEM : PQ_OK;
 }
