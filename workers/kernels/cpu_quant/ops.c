@@ -197,6 +197,21 @@ static void merge_parts(const float *parts, const float *top, const float *total
 /* Keys a task takes at least when a row's keys are split across threads. */
 #define PQ_MIN_SPLIT_KEYS 64
 
+/* Which query heads unit u attends: row b, KV head kvh, heads h0 .. h0 + nh - 1 (its
+ * group cut into parts of `per`, hs parts a group). */
+typedef struct {
+    int64_t b, kvh, h0, nh;
+} heads_unit;
+
+static heads_unit unit_of(int64_t u, int64_t Hkv, int64_t hs, int64_t group, int64_t per) {
+    heads_unit w;
+    w.b = u / (Hkv * hs);
+    w.kvh = u / hs % Hkv;
+    w.h0 = w.kvh * group + u % hs * per;
+    w.nh = w.kvh * group + group - w.h0 < per ? w.kvh * group + group - w.h0 : per;
+    return w;
+}
+
 PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, int64_t sqb,
                                int64_t sqh, const float *k_cache, const float *v_cache,
                                int64_t Hkv, const int64_t *gather, int64_t Lk,
@@ -211,50 +226,39 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
     nt = nthreads > 0 ? nthreads : omp_get_max_threads();
 #endif
     if (pairs * Lk * D < (1 << 18)) nt = 1; /* a parallel region costs more than this */
-    /* a task: `per` query heads of one KV head of one row, over one of `ks` runs of its
-     * keys. With fewer (row, KV head) pairs than threads the keys split, not the heads:
-     * then no two threads read the same key and value rows. */
+    /* a task: one unit's heads over one of `ks` runs of its row's keys. With fewer units
+     * than threads the keys split, not the heads: no two threads read the same rows. */
     const int64_t per = group < PQ_MAX_GROUP ? group : PQ_MAX_GROUP;
-    const int64_t hs = (group + per - 1) / per, heads_tasks = B * Hkv * hs;
-    int64_t ks = 1;
-    if (heads_tasks < nt) {
-        ks = (nt + heads_tasks - 1) / heads_tasks;
-        if (ks > Lk / PQ_MIN_SPLIT_KEYS) ks = Lk / PQ_MIN_SPLIT_KEYS > 1 ? Lk / PQ_MIN_SPLIT_KEYS : 1;
-    }
-    const int64_t tasks = heads_tasks * ks;
-    /* one run: straight into out; several: each task's partial rows, merged after */
-    float *parts = NULL, *tops = NULL, *totals = NULL;
-    if (ks > 1) {
-        parts = malloc(sizeof(float) * (size_t)(tasks * per * (D + 2)));
-        if (parts == NULL) return PQ_ERR_NOMEM;
-        tops = parts + tasks * per * D;
-        totals = tops + tasks * per;
-    }
+    const int64_t hs = (group + per - 1) / per, units = B * Hkv * hs;
+    int64_t ks = units < nt ? (nt + units - 1) / units : 1;
+    if (ks > Lk / PQ_MIN_SPLIT_KEYS) ks = Lk / PQ_MIN_SPLIT_KEYS > 1 ? Lk / PQ_MIN_SPLIT_KEYS : 1;
+    const int64_t tasks = units * ks;
+    /* one run: straight into out; several: each task's rows, tops and totals, merged after */
+    float *parts = NULL;
+    if (ks > 1 && (parts = malloc(sizeof(float) * (size_t)(tasks * per * (D + 2)))) == NULL)
+        return PQ_ERR_NOMEM;
+    float *tops = parts != NULL ? parts + tasks * per * D : NULL;
+    float *totals = tops != NULL ? tops + tasks * per : NULL;
     int failed = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) reduction(| : failed)
     for (int64_t t = 0; t < tasks; t++) {
-        int64_t u = t / ks, run = t % ks;
-        int64_t b = u / (Hkv * hs), kvh = u / hs % Hkv, h0 = kvh * group + u % hs * per;
-        int64_t nh = kvh * group + group - h0 < per ? kvh * group + group - h0 : per;
-        int64_t len = (lengths[b] + ks - 1) / ks, j0 = run * len;
-        len = j0 >= lengths[b] ? 0 : (j0 + len > lengths[b] ? lengths[b] - j0 : len);
+        const heads_unit w = unit_of(t / ks, Hkv, hs, group, per);
+        const int64_t run = t % ks, n = lengths[w.b], step = (n + ks - 1) / ks;
+        const int64_t j0 = run * step < n ? run * step : n, len = j0 + step < n ? step : n - j0;
         float top[PQ_MAX_GROUP], total[PQ_MAX_GROUP];
-        float *dst = ks > 1 ? parts + t * per * D : out + (b * H + h0) * D;
-        if (attend_heads(q + b * sqb + h0 * sqh, sqh, (int)nh, k_cache + kvh * D,
-                         v_cache + kvh * D, slot_stride, gather + b * Lk + j0, len, D, scale,
-                         softcap, dst, top, total) != PQ_OK)
+        if (attend_heads(q + w.b * sqb + w.h0 * sqh, sqh, (int)w.nh, k_cache + w.kvh * D,
+                         v_cache + w.kvh * D, slot_stride, gather + w.b * Lk + j0, len, D, scale,
+                         softcap, ks > 1 ? parts + t * per * D : out + (w.b * H + w.h0) * D,
+                         ks > 1 ? tops + t * per : top, ks > 1 ? totals + t * per : total) != PQ_OK)
             failed = 1;
-        if (ks > 1)
-            for (int64_t h = 0; h < nh; h++) tops[t * per + h] = top[h], totals[t * per + h] = total[h];
     }
     if (ks > 1 && !failed)
-        for (int64_t u = 0; u < heads_tasks; u++) {
-            int64_t b = u / (Hkv * hs), kvh = u / hs % Hkv, h0 = kvh * group + u % hs * per;
-            int64_t nh = kvh * group + group - h0 < per ? kvh * group + group - h0 : per;
-            for (int64_t h = 0; h < nh; h++) {
-                const int64_t first = u * ks * per + h; /* task u*ks's head h */
+        for (int64_t u = 0; u < units; u++) {
+            const heads_unit w = unit_of(u, Hkv, hs, group, per);
+            for (int64_t h = 0; h < w.nh; h++) {
+                const int64_t first = u * ks * per + h; /* the unit's first run, head h */
                 merge_parts(parts + first * D, tops + first, totals + first, ks, per, D,
-                            out + (b * H + h0 + h) * D);
+                            out + (w.b * H + w.h0 + h) * D);
             }
         }
     free(parts);
