@@ -44,16 +44,16 @@ typedef struct {
     int64_t K;
 } pq_rows;
 
-/* The legacy 32-element types: f16 d [| f16 m] [| u32 qh] | q[16] (nibbles), and Q8_0's
- * f16 d | int8 q[32]. Each weight block is
- * unpacked once and multiplied with R activation rows (R a constant at each call site, so
- * that the accumulators stay in registers), out[r] = row r . W's row; a row's arithmetic
- * is the same whatever R is. Inlined into each case of fused_rows, so that every type's
- * loop is compiled with its layout constant. */
+/* The legacy 32-element types, f16 d [| f16 m] [| u32 qh] | q[16] (nibbles), and Q8_0,
+ * f16 d | int8 q[32]. Each weight block is unpacked once and multiplied with R activation
+ * rows (R a constant at each call site, so that the accumulators stay in registers),
+ * out[r] = row r . W's row; a row's arithmetic is the same whatever R is. Inlined into
+ * each case of fused_rows, so that every type's loop is compiled with its layout constant. */
 __attribute__((always_inline)) static inline void legacy_rows(int id, const uint8_t *w, pq_rows x,
                                                               const int R, float *out) {
-    const int bytes = id == PQ_Q4_0 ? 18 : id == PQ_Q4_1 ? 20 : id == PQ_Q5_0 ? 22 : id == PQ_Q5_1 ? 24 : 34;
-    const int eight = id == PQ_Q8_0; /* f16 d | int8 q[32] */
+    const int bytes = id == PQ_Q4_0 ? 18 : id == PQ_Q4_1 ? 20 : id == PQ_Q5_0 ? 22
+                    : id == PQ_Q5_1 ? 24 : 34;
+    const int eight = id == PQ_Q8_0;
     const int has_min = id == PQ_Q4_1 || id == PQ_Q5_1, five = id == PQ_Q5_0 || id == PQ_Q5_1;
     const int qs_at = 2 + 2 * has_min + 4 * five;
     const int64_t n32 = x.K / 32;
@@ -63,7 +63,8 @@ __attribute__((always_inline)) static inline void legacy_rows(int id, const uint
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
     for (int64_t b = 0; b < n32; b++) {
         const uint8_t *blk = w + bytes * b;
-        __m256i w0, w1, v = eight ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : nibbles32(blk + qs_at);
+        __m256i w0, w1;
+        __m256i v = eight ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : nibbles32(blk + qs_at);
         if (eight) {
             widen_s8(v, &w0, &w1);
         } else
