@@ -32,9 +32,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported by what calls these, not for them (workers/lite)
+    import torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +66,8 @@ def fused_kernel(device: torch.device, module: str, name: str,
     their torch ops, else None: on CUDA the Triton one of ``workers/kernels/<module>.py``
     (see kernels_usable); on the CPU, for a float32 model, the C one of ``cpu_ops`` where
     the CPU kernel library loaded."""
+    import torch
+
     if device.type == "cpu":
         if dtype != torch.float32 or not _cpu_ops_usable():
             return None

@@ -10,18 +10,15 @@ Types with a decoder in this library: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, 
 Q5_K, Q6_K, IQ4_NL, IQ4_XS (``QUANT_KERNEL_TYPES`` asks the built library which are
 linked in; a type whose decoder is missing is refused, never computed wrong).
 
-The library is an optional build product (``setup.py``): ``available()`` says
-whether it loaded and ``unavailable_reason()`` why not; nothing here raises at
-import. Every shape, dtype and stride is checked here (``ValueError``) so the C
-side never sees a bad pointer.
+The library is loaded by ``cpu_lib.py`` (``available()``, ``unavailable_reason()``:
+nothing raises at import). Every shape, dtype and stride is checked here (``ValueError``)
+so the C side never sees a bad pointer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.machinery
-import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -30,92 +27,10 @@ import torch
 from ...errors import UnsupportedFeatureError
 from ..loader.gguf_quants import GGML_TYPES, type_name
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_LIB_STEM = "_cpu_quant"
-
-# ggml type ids the C library knows (decode.h); QUANT_KERNEL_TYPES is the subset built in.
-KNOWN_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)
-
-_OK, _ERR_TYPE, _ERR_ARG, _ERR_ISA, _ERR_NOMEM = 0, -1, -2, -3, -4
-
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-_int = ctypes.c_int
-_f32 = ctypes.c_float
-_SIGNATURES = {
-    "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
-    "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
-    "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
-    "pq_linear_bf16": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
-    "pq_has_bf16": (_int, []),
-    "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
-    "pq_has_kernel": (_int, [_int]),
-    # ops.c, bound in cpu_ops.py
-    "pq_rms_norm": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _f32, _p, _p]),
-    "pq_rotary": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64]),
-    "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
-    "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
-                                   _p, _f32, _f32, _p, _int]),
-    # layer.c, bound in cpu_layer.py
-    "pq_decoder_layer": (_int, [_p, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p,
-                                _p, _int]),
-    "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
-    "pq_isa": (ctypes.c_char_p, []),
-    "pq_set_isa": (_int, [ctypes.c_char_p]),
-    "pq_supported_isas": (ctypes.c_char_p, []),
-    "pq_all_isas": (ctypes.c_char_p, []),
-}
-
-
-def _find_library() -> Optional[str]:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(_HERE, _LIB_STEM + suffix)
-        if os.path.exists(path):
-            return path
-    return None
-
-
-def _load() -> tuple[Optional[ctypes.CDLL], str]:
-    path = _find_library()
-    if path is None:
-        return None, (f"the C library {_LIB_STEM}*.so is not built in {_HERE} (no C compiler "
-                      "at install time? reinstall with one: pip install -e .)")
-    try:
-        lib = ctypes.CDLL(path)
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-    except (OSError, AttributeError) as exc:
-        return None, f"the C library {path} failed to load: {exc}"
-    if not lib.pq_isa():
-        forced = os.environ.get("POCKETLLM_CPU_ISA", "")
-        return None, (f"POCKETLLM_CPU_ISA={forced!r} names no variant this CPU can run "
-                      f"(it can run: {lib.pq_supported_isas().decode()})")
-    return lib, ""
-
-
 # torch first: its libgomp.so.1 is then the one the library's NEEDED entry binds to
 # (one OpenMP pool, sized by torch.set_num_threads).
-_LIB, _REASON = _load()
-
-QUANT_KERNEL_TYPES: frozenset[int] = frozenset(
-    t for t in KNOWN_TYPES if _LIB is not None and _LIB.pq_has_kernel(t))
-
-
-def available() -> bool:
-    """The library is built and loaded."""
-    return _LIB is not None
-
-
-def unavailable_reason() -> str:
-    """Why ``available()`` is False ('' when it is True)."""
-    return _REASON
-
-
-def _lib() -> ctypes.CDLL:
-    if _LIB is None:
-        raise UnsupportedFeatureError(f"CPU quantized kernels unavailable: {_REASON}")
-    return _LIB
+from .cpu_lib import (KNOWN_TYPES, OK, QUANT_KERNEL_TYPES, Part,  # noqa: F401
+                      available, lib as _lib, raise_for as _raise_for, unavailable_reason)
 
 
 def isa() -> str:
@@ -141,7 +56,7 @@ def all_isas() -> list[str]:
 def set_isa(name: Optional[str]) -> None:
     """Force a variant by name (None or 'auto': the best one); refused when the CPU lacks it."""
     lib = _lib()
-    if lib.pq_set_isa((name or "auto").encode()) != _OK:
+    if lib.pq_set_isa((name or "auto").encode()) != OK:
         raise UnsupportedFeatureError(
             f"CPU kernel variant {name!r} is unknown or not supported by this CPU "
             f"(supported: {', '.join(supported_isas())}; compiled: {', '.join(all_isas())})")
@@ -184,18 +99,6 @@ def _check_threads(threads: int) -> int:
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an int >= 0 (0: torch's thread count), got {threads!r}")
     return threads
-
-
-def _raise_for(rc: int, ggml_type: Optional[int], what: str) -> None:
-    if rc == _OK:
-        return
-    if rc == _ERR_TYPE:
-        raise NotImplementedError(f"no CPU quantized kernel for GGUF type {type_name(ggml_type)}")
-    if rc == _ERR_ISA:
-        raise UnsupportedFeatureError(f"{what}: {_REASON or 'the forced CPU kernel variant cannot run'}")
-    if rc == _ERR_NOMEM:
-        raise MemoryError(f"{what}: scratch allocation failed")
-    raise ValueError(f"{what}: the library refused the arguments (code {rc})")
 
 
 def quantize_activations(x: torch.Tensor, threads: int = 0) -> QuantizedActivations:
@@ -273,10 +176,6 @@ def mul_mat(ggml_type: int, w: torch.Tensor, k: int, act: QuantizedActivations, 
     return out
 
 
-class _Part(ctypes.Structure):
-    _fields_ = [("type", _i64), ("rows", _i64), ("row_bytes", _i64), ("col", _i64), ("w", _p)]
-
-
 class BlockLinear:
     """A linear layer's block parts bound once: ``(ggml_type, w, first output column)`` per
     part, checked here, so a product is one library call (quantize the rows, then every
@@ -288,12 +187,12 @@ class BlockLinear:
         self.k = k
         self.width = max(col + w.shape[0] for _, w, col in parts)
         self._weights = [w for _, w, _ in parts]  # the pointers below stay valid
-        self.parts = (_Part * len(parts))()  # pq_part[]: what cpu_layer.py binds too
+        self.parts = (Part * len(parts))()  # pq_part[]: what cpu_layer.py binds too
         for j, (ggml_type, w, col) in enumerate(parts):
             rows, row_bytes = _check_weights(ggml_type, w, k)
             if not isinstance(col, int) or col < 0:
                 raise ValueError(f"part {j}: column {col!r} must be an int >= 0")
-            self.parts[j] = _Part(ggml_type, rows, row_bytes, col, w.data_ptr())
+            self.parts[j] = Part(ggml_type, rows, row_bytes, col, w.data_ptr())
         self._lib = _lib()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0,
