@@ -140,8 +140,9 @@ def tiny(request, tmp_path_factory):
 
 
 def dequantized(tensors) -> dict:
-    """name -> float32 tensor: block tensors (kept as the file's bytes) decoded."""
-    return {name: value.read() if isinstance(value, BlockTensor) else value
+    """name -> float32 tensor: block tensors (kept as the file's bytes) decoded (the
+    loader gives numpy arrays)."""
+    return {name: torch.as_tensor(value.read() if isinstance(value, BlockTensor) else value)
             for name, value in tensors}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,8 +79,10 @@ class BlockWeight(nn.Module):
         ``BlockTensor``'s bytes as they are, or a float tensor's values as float32."""
         rows, kind = self.part_rows[j], self.part_types[j]
         if kind is None:
-            if not isinstance(tensor, torch.Tensor):
-                tensor = tensor.read(shard)
+            if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor
+                tensor = torch.from_numpy(tensor)
+            if not isinstance(tensor, torch.Tensor):  # lazy: torch or numpy comes back
+                tensor = torch.as_tensor(tensor.read(shard))
             elif shard is not None:
                 tensor = shard.take(tensor)
             value = tensor.float().contiguous()

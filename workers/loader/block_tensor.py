@@ -6,7 +6,8 @@ slice of rows (column-parallel: whole rows) or of block columns (row-parallel: t
 input split must fall on block boundaries), both without decoding a value.
 
 A ``BlockTensor`` is also a lazy tensor (``shape`` + ``read``): a layer that keeps
-weights dense (the GPU path, a type with no CPU kernel) reads it dequantized.
+weights dense (the GPU path, a type with no CPU kernel) reads it dequantized, as numpy
+(this module and ``gguf.py`` need no torch: the torch-free worker reads them too).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
 
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
@@ -62,13 +62,12 @@ class BlockTensor:
         lo, hi = (i // self.block_elems * self.block_bytes for i in (shard.start, shard.stop))
         return np.ascontiguousarray(self.blocks[:, lo:hi])
 
-    def read(self, shard: Optional["Shard"] = None) -> torch.Tensor:
+    def read(self, shard: Optional["Shard"] = None) -> np.ndarray:
         """This rank's part, dequantized to float32 (the dense fallback)."""
         raw = self.part(shard)
         cols = raw.shape[1] // self.block_bytes * self.block_elems
         values = dequantize(np.ascontiguousarray(raw).reshape(-1), self.ggml_type)
-        out = torch.from_numpy(values)
-        return out.view(raw.shape[0], cols) if len(self.shape) == 2 else out
+        return values.reshape(raw.shape[0], cols) if len(self.shape) == 2 else values
 
     def with_rows(self, order: np.ndarray) -> "BlockTensor":
         """The same matrix with its rows reordered (a copy): undoes a converter's permutation."""

@@ -1,5 +1,6 @@
-"""Weights from a GGUF file, HuggingFace-named in HF shapes: float tensors as float32,
-block-quantized ones as ``BlockTensor``s (the file's bytes, mapped, not decoded).
+"""Weights from a GGUF file, HuggingFace-named in HF shapes: float tensors as float32
+numpy arrays, block-quantized ones as ``BlockTensor``s (the file's bytes, mapped, not
+decoded). No torch here: the torch-free worker (``workers/lite``) reads files this way too.
 
 llama.cpp's converter renames every tensor (the names are the family's, in
 ``pocketllm/families.py``) and changes two things on the way; this undoes both so
@@ -22,7 +23,6 @@ import re
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
-import torch
 
 from pocketllm.errors import CheckpointError
 from pocketllm.families import BY_NAME, GGUF_DERIVED_TENSORS, GGUF_GLOBAL_TENSORS
@@ -51,8 +51,8 @@ def hf_name(gguf_name: str, family: str) -> str:
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
-def expert_tensors(gguf_name: str, w: "torch.Tensor | BlockTensor", family: str
-                   ) -> Optional[list[tuple[str, "torch.Tensor | BlockTensor"]]]:
+def expert_tensors(gguf_name: str, w: "np.ndarray | BlockTensor", family: str
+                   ) -> Optional[list[tuple[str, "np.ndarray | BlockTensor"]]]:
     """A layer's stacked experts [E, rows, cols] split into (HF name, one expert's matrix),
     views of the mapped file; None if ``gguf_name`` is not a stacked expert tensor."""
     m = _BLOCK_NAME.fullmatch(gguf_name)
@@ -72,16 +72,16 @@ def expert_tensors(gguf_name: str, w: "torch.Tensor | BlockTensor", family: str
     return [(name.format(e), w[e]) for e in range(count)]
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head interleave of q/k rows (its convert script's ``permute``).
 
     GGUF row ``h*d + 2j + t`` is HF row ``h*d + t*d/2 + j`` (t in {0, 1}).
     """
     half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as float32 tensors
+FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as float32 arrays
 
 
 def _check_type(t: GGUFTensorInfo, path: str) -> None:
@@ -91,7 +91,7 @@ def _check_type(t: GGUFTensorInfo, path: str) -> None:
             f"cannot dequantize (supported: {', '.join(sorted(type_name(x) for x in SUPPORTED_TYPES))})")
 
 
-def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> "torch.Tensor | BlockTensor":
+def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> "np.ndarray | BlockTensor":
     _check_type(t, path)
     shape = tuple(reversed(t.shape))  # GGUF lists the fastest-varying dimension first
     if not t.shape:
@@ -102,12 +102,12 @@ def _read_tensor(data: np.ndarray, t: GGUFTensorInfo, path: str) -> "torch.Tenso
     n_bytes = int(np.prod(t.shape)) * elem_bytes
     if t.offset + n_bytes > data.size:
         raise CheckpointError(f"{path!r} is truncated: tensor {t.name!r} ends past the end of the file")
-    return torch.from_numpy(dequantize(data[t.offset:t.offset + n_bytes], t.ggml_type)).view(shape)
+    return dequantize(data[t.offset:t.offset + n_bytes], t.ggml_type).reshape(shape)
 
 
-def _unpermuted(w: "torch.Tensor | BlockTensor", n_heads: int) -> "torch.Tensor | BlockTensor":
+def _unpermuted(w: "np.ndarray | BlockTensor", n_heads: int) -> "np.ndarray | BlockTensor":
     if isinstance(w, BlockTensor):  # whole rows move: the blocks stay as they are
-        return w.with_rows(unpermute_rope_rows(torch.arange(w.shape[0]), n_heads).numpy())
+        return w.with_rows(unpermute_rope_rows(np.arange(w.shape[0]), n_heads))
     return unpermute_rope_rows(w, n_heads)
 
 
@@ -129,15 +129,15 @@ def gguf_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
 
 
 def load_gguf_weights(path: str, info: "ModelInfo"
-                      ) -> Iterator[tuple[str, "torch.Tensor | BlockTensor"]]:
+                      ) -> Iterator[tuple[str, "np.ndarray | BlockTensor"]]:
     """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
-    CPU tensors for float types, ``BlockTensor``s (mapped, not decoded) for block types."""
+    arrays for float types, ``BlockTensor``s (mapped, not decoded) for block types."""
     header = read_gguf_header(path)
     family = BY_NAME[info.family]
     cfg = info.hf_config
     n_heads = int(cfg["num_attention_heads"])
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
-    # copy-on-write: the views are writable for torch, and nothing ever writes them
+    # copy-on-write: the views are writable for torch.from_numpy, and nothing writes them
     data = np.memmap(path, dtype=np.uint8, mode="c")
     for gguf_name, t in header.tensors.items():
         if gguf_name in GGUF_DERIVED_TENSORS:

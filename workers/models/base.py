@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -451,10 +452,12 @@ class CausalLM(nn.Module):
                     target.blocks.load_part(target.part, tensor, target.shard)
                     loaded.add(name)
                     continue
+                if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor
+                    tensor = torch.from_numpy(tensor)
                 if isinstance(tensor, torch.Tensor):
                     part = tensor if target.shard is None else target.shard.take(tensor)
-                else:
-                    part = tensor.read(target.shard)
+                else:  # lazy: torch (safetensors) or numpy (a GGUF block tensor, decoded)
+                    part = torch.as_tensor(tensor.read(target.shard))
                 if target.transform is not None:
                     part = target.transform(part.float())
                 target.dest.copy_(part)
