@@ -82,7 +82,7 @@ def _deepseek2_gguf(cfg: dict, g: Callable[..., Any]) -> None:
         "load the safetensors checkpoint instead")
 
 
-_LLAMA = (f"{_MODELS}.llama:LlamaForCausalLM", f"{_MODELS}.llama:llama_arch_config")
+_LLAMA = (f"{_MODELS}.llama:LlamaForCausalLM", f"{_MODELS}.llama_config:llama_arch_config")
 
 FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), *_LLAMA,
@@ -91,7 +91,7 @@ FAMILIES = (
     Family("qwen3", ("Qwen3ForCausalLM",), *_LLAMA, gguf_architecture="qwen3"),
     # Gemma 3 norms four times per layer; llama.cpp's ffn_norm is its pre-MLP norm.
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-           f"{_MODELS}.gemma3:Gemma3ForCausalLM", f"{_MODELS}.gemma3:gemma3_arch_config",
+           f"{_MODELS}.gemma3:Gemma3ForCausalLM", f"{_MODELS}.gemma3_config:gemma3_arch_config",
            gguf_architecture="gemma3", gguf_model_type="gemma3_text", gguf_config=_gemma3_gguf,
            gguf_tensors={**_LLAMA_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                          "post_attention_norm": "post_attention_layernorm",

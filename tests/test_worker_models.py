@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.workers.layers.rotary import rope_inv_freq  # noqa: E402
 from pocketllm.workers.models.config import FULL, SLIDING  # noqa: E402
-from pocketllm.workers.models.gemma3 import gemma3_arch_config  # noqa: E402
-from pocketllm.workers.models.llama import llama_arch_config  # noqa: E402
+from pocketllm.workers.models.gemma3_config import gemma3_arch_config  # noqa: E402
+from pocketllm.workers.models.llama_config import llama_arch_config  # noqa: E402
 
 
 def test_gemma3_defaults_match_transformers():

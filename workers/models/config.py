@@ -6,10 +6,15 @@ filling missing keys exactly as the matching transformers config class does.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, UnsupportedFeatureError
+from pocketllm.families import BY_ARCHITECTURE
+
+if TYPE_CHECKING:
+    from pocketllm.model_info import ModelInfo
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -40,6 +45,7 @@ class ArchConfig:
     attn_softcap: Optional[float] = None
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator
     final_softcap: Optional[float] = None
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's 1 + w
     # HF name -> the GGML block type the checkpoint stores that tensor in (GGUF files, the
     # dummy quantizations); absent: a float type. Layers choose their storage from it.
     weight_types: dict[str, int] = field(default_factory=dict)
@@ -170,3 +176,19 @@ class MoeArchConfig(ArchConfig):
             if m.top_k > m.num_experts:
                 raise CheckpointError(f"config: num_experts_per_tok={m.top_k} exceeds "
                                       f"num_experts={m.num_experts}")
+
+
+def resolve(info: ModelInfo, part: str) -> Any:
+    """The family's ``model`` class or ``config_parser``, imported from its module path."""
+    if info.architecture not in BY_ARCHITECTURE:
+        raise UnsupportedFeatureError(
+            f"architecture {info.architecture!r} has no model here; "
+            f"supported: {', '.join(sorted(BY_ARCHITECTURE))}")
+    module, _, attribute = getattr(BY_ARCHITECTURE[info.architecture], part).partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def arch_config(info: ModelInfo) -> ArchConfig:
+    cfg = resolve(info, "config_parser")(info.hf_config, info.architecture)
+    cfg.validate()
+    return cfg

@@ -8,60 +8,18 @@ from typing import Optional
 
 import torch
 
-from pocketllm.errors import UnsupportedFeatureError
-
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.norm import RMSNorm
 from .base import Attention, CausalLM, DecoderLayer, GatedMLP
 from .weight_targets import WeightTarget
-from .config import FULL, SLIDING, ArchConfig, as_int, get, layer_kinds, rope_params
+from .config import ArchConfig
 
 # Multimodal checkpoints nest the text model; the vision tower is not served.
 _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
              ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
             "model.multi_modal_projector.")
-
-
-def gemma3_arch_config(hf: dict, architecture: str) -> ArchConfig:
-    """Defaults are transformers' Gemma3TextConfig's."""
-    if hf.get("use_bidirectional_attention"):
-        raise UnsupportedFeatureError("Gemma 3 with use_bidirectional_attention (an embedding "
-                                      "model) cannot generate text")
-    layers = as_int(hf, "num_hidden_layers", 26)
-    pattern = as_int(hf, "sliding_window_pattern", 6)
-    kinds = layer_kinds(hf, layers, [SLIDING if (i + 1) % pattern else FULL for i in range(layers)])
-    window = hf.get("sliding_window", 4096)
-    hidden = as_int(hf, "hidden_size", 2304)
-    bias = bool(get(hf, "attention_bias", False))
-    attn_cap, final_cap = hf.get("attn_logit_softcapping"), hf.get("final_logit_softcapping")
-    return ArchConfig(
-        architecture=architecture,
-        vocab_size=as_int(hf, "vocab_size", 262_208),
-        hidden_size=hidden,
-        intermediate_size=as_int(hf, "intermediate_size", 9216),
-        num_layers=layers,
-        num_heads=as_int(hf, "num_attention_heads", 8),
-        num_kv_heads=as_int(hf, "num_key_value_heads", 4),
-        head_dim=as_int(hf, "head_dim", 256),
-        rms_norm_eps=float(get(hf, "rms_norm_eps", 1e-6)),
-        hidden_act=str(get(hf, "hidden_activation", "gelu_pytorch_tanh")),
-        max_position_embeddings=as_int(hf, "max_position_embeddings", 131_072),
-        tie_word_embeddings=bool(get(hf, "tie_word_embeddings", True)),
-        attn_scale=float(get(hf, "query_pre_attn_scalar", 256)) ** -0.5,
-        layer_windows=[int(window) if k == SLIDING and window is not None else None for k in kinds],
-        layer_rope=kinds,
-        # Global layers: rope_theta (+ rope_scaling); local layers: rope_local_base_freq.
-        rope={FULL: rope_params(hf, FULL, 1_000_000.0),
-              SLIDING: rope_params(hf, SLIDING, 10_000.0, "rope_local_base_freq", use_scaling=False)},
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
-        embed_scale=hidden ** 0.5,
-        attn_softcap=None if attn_cap is None else float(attn_cap),
-        final_softcap=None if final_cap is None else float(final_cap),
-    )
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -87,10 +45,6 @@ class Gemma3DecoderLayer(DecoderLayer):
                 self.post_feedforward_layernorm)
 
 
-def _plus_one(weight: torch.Tensor) -> torch.Tensor:
-    return weight + 1.0
-
-
 class Gemma3ForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
@@ -98,9 +52,10 @@ class Gemma3ForCausalLM(CausalLM):
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = super().weight_targets()
+        offset = self.cfg.norm_weight_offset  # checkpoints store w of (1 + w)
         for name, target in targets.items():
-            if name.endswith("norm.weight"):  # checkpoints store w of (1 + w)
-                target.transform = _plus_one
+            if name.endswith("norm.weight"):
+                target.transform = lambda weight: weight + offset
         return targets
 
     def canonical_name(self, name: str) -> Optional[str]:

@@ -4,35 +4,16 @@ they are imported here, when a checkpoint of that family is built."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.families import BY_ARCHITECTURE
 from pocketllm.model_info import ModelInfo
 
 from ..layers.attention import AttentionBackend
 from ..distributed import SINGLE, TPGroup
 from .base import CausalLM
-from .config import ArchConfig
-
-
-def resolve(info: ModelInfo, part: str) -> Any:
-    """The family's ``model`` class or ``config_parser``, imported from its module path."""
-    if info.architecture not in BY_ARCHITECTURE:
-        raise UnsupportedFeatureError(
-            f"architecture {info.architecture!r} has no model here; "
-            f"supported: {', '.join(sorted(BY_ARCHITECTURE))}")
-    module, _, attribute = getattr(BY_ARCHITECTURE[info.architecture], part).partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def arch_config(info: ModelInfo) -> ArchConfig:
-    cfg = resolve(info, "config_parser")(info.hf_config, info.architecture)
-    cfg.validate()
-    return cfg
+from .config import ArchConfig, arch_config, resolve
 
 
 def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
