@@ -22,21 +22,7 @@ from typing import Optional
 import torch
 
 from . import cpu_ops, cpu_quant
-
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("parts", _p), ("nparts", _i64), ("bias", _p)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = ([(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
-                + [(name, _f32) for name in ("eps", "scale", "softcap")] + [("act", _i64)]
-                + [(name, _p) for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
-                                           "ff_norm", "post_ff_norm")]
-                + [(name, _Linear) for name in ("qkv", "o", "gate_up", "down")])
-
+from .cpu_lib import Layer, Linear, StackLayer, StepRope, StepView
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     if t is None:
@@ -46,19 +32,19 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return t.data_ptr()
 
 
-def _linear(module) -> Optional[_Linear]:
+def _linear(module) -> Optional[Linear]:
     """A projection's block parts bound for the library, None if it has a float part."""
     blocks = module.blocks
     if blocks is None or any(kind is None for kind in blocks.part_types):
         return None
     bound = blocks.bound()
-    return _Linear(ctypes.addressof(bound.parts), len(bound.parts), _ptr(module.bias))
+    return Linear(ctypes.addressof(bound.parts), len(bound.parts), _ptr(module.bias))
 
 
 class CpuDecoderLayer:
     """One decoder layer bound for ``pq_decoder_layer``; ``bind`` says None where it cannot."""
 
-    def __init__(self, desc: _Layer):
+    def __init__(self, desc: Layer):
         # desc points into the layer's own tensors and bound parts, which outlive it (the
         # model binds again after loading new weights)
         self.desc = desc
@@ -75,7 +61,7 @@ class CpuDecoderLayer:
             return None
         post_attn, ff, post_ff = norms
         qn, kn = attn.q_norm, attn.k_norm
-        desc = _Layer(
+        desc = Layer(
             attn.qkv_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             mlp.down_proj.in_shard.size, layer.input_layernorm.eps, attn.scale,
             attn.softcap or 0.0, cpu_ops.ACTIVATIONS[mlp.hidden_act],
@@ -83,18 +69,6 @@ class CpuDecoderLayer:
             _ptr(kn.weight if kn else None), _ptr(post_attn.weight if post_attn else None),
             _ptr(ff.weight), _ptr(post_ff.weight if post_ff else None), *linears)
         return cls(desc)
-
-
-class _StackLayer(ctypes.Structure):
-    _fields_ = [("layer", _p), ("k_cache", _p), ("v_cache", _p), ("view", _i64), ("rope", _i64)]
-
-
-class _StepView(ctypes.Structure):
-    _fields_ = [("slots", _p), ("gather", _p), ("lengths", _p), ("Lk", _i64)]
-
-
-class _StepRope(ctypes.Structure):
-    _fields_ = [("cos", _p), ("sin", _p), ("lc", _i64)]
 
 
 class CpuDecoderStack:
@@ -110,13 +84,13 @@ class CpuDecoderStack:
         self.layers = layers  # their descriptions must outlive the bound array
         self.view_keys = sorted(set(views), key=repr)  # (group, window) per distinct view
         self.rope_keys = sorted(set(ropes))
-        self.stack = (_StackLayer * len(layers))()
+        self.stack = (StackLayer * len(layers))()
         for i, layer in enumerate(layers):
-            self.stack[i] = _StackLayer(ctypes.addressof(layer.desc), None, None,
+            self.stack[i] = StackLayer(ctypes.addressof(layer.desc), None, None,
                                         self.view_keys.index(views[i]),
                                         self.rope_keys.index(ropes[i]))
-        self.views = (_StepView * len(self.view_keys))()
-        self.ropes = (_StepRope * len(self.rope_keys))()
+        self.views = (StepView * len(self.view_keys))()
+        self.ropes = (StepRope * len(self.rope_keys))()
         self.head_dim = layers[0].desc.head_dim
         self._caches: Optional[list] = None
 
@@ -135,11 +109,11 @@ class CpuDecoderStack:
         for j, (group, window) in enumerate(self.view_keys):
             meta = metas[group]
             view = meta.groups[0].views[window]
-            self.views[j] = _StepView(meta.slot_mapping.data_ptr(), view.gather.data_ptr(),
+            self.views[j] = StepView(meta.slot_mapping.data_ptr(), view.gather.data_ptr(),
                                       view.lengths.data_ptr(), view.gather.shape[1])
         for j, kind in enumerate(self.rope_keys):
             cos, sin = rope[kind]
-            self.ropes[j] = _StepRope(cos.data_ptr(), sin.data_ptr(),
+            self.ropes[j] = StepRope(cos.data_ptr(), sin.data_ptr(),
                                       cos.stride(0) if m > 1 else self.head_dim // 2)
         out = torch.empty(m, hidden, dtype=torch.float32)
         rc = cpu_quant._lib().pq_decoder_stack(self.stack, len(self.layers), self.views, self.ropes,

@@ -124,4 +124,32 @@ def raise_for(rc: int, ggml_type: Optional[int], what: str) -> None:
         raise MemoryError(f"{what}: scratch allocation failed")
     raise ValueError(f"{what}: the library refused the arguments (code {rc})")
 
+# ctypes mirrors of cpu_quant.h's layer structs (layer.c): a layer's description, a stack
+# entry, and a step's views (a KV cache group's slots, one window's gather) and rope tables.
+class Linear(ctypes.Structure):
+    """``pq_layer_linear``: a projection's bound parts and its bias (or NULL)."""
+    _fields_ = [("parts", _p), ("nparts", _i64), ("bias", _p)]
 
+
+class Layer(ctypes.Structure):
+    _fields_ = ([(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [(name, _f32) for name in ("eps", "scale", "softcap")] + [("act", _i64)]
+                + [(name, _p) for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
+                                           "ff_norm", "post_ff_norm")]
+                + [(name, Linear) for name in ("qkv", "o", "gate_up", "down")])
+
+
+class StackLayer(ctypes.Structure):
+    _fields_ = [("layer", _p), ("k_cache", _p), ("v_cache", _p), ("view", _i64), ("rope", _i64)]
+
+
+class StepView(ctypes.Structure):
+    _fields_ = [("slots", _p), ("gather", _p), ("lengths", _p), ("Lk", _i64)]
+
+
+class StepRope(ctypes.Structure):
+    _fields_ = [("cos", _p), ("sin", _p), ("lc", _i64)]
+
+
+# ops.c's PQ_ACT_* by activation form (the forms of ``models.config.ACTIVATION_KINDS``)
+ACT_IDS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}

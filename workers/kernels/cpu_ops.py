@@ -18,13 +18,13 @@ from typing import Optional
 
 import torch
 
-from ..layers.activation import ACTIVATION_KINDS
 from ..layers.attention import AttentionGroup, KVView, TorchAttention
+from ..models.config import ACTIVATION_KINDS
 from . import cpu_quant
+from .cpu_lib import ACT_IDS
 
 # HF activation name -> ops.c's PQ_ACT_* (the forms ``layers/activation.py`` computes)
-ACTIVATIONS = {name: {"silu": 0, "gelu_tanh": 1, "gelu": 2}[kind]
-               for name, kind in ACTIVATION_KINDS.items()}
+ACTIVATIONS = {name: ACT_IDS[kind] for name, kind in ACTIVATION_KINDS.items()}
 
 
 def available() -> bool:

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-from ..layers.activation import ACTIVATION_KINDS
+from ..models.config import ACTIVATION_KINDS
 
 # HF ``hidden_act`` name -> the kernel's activation (every name the torch path knows).
 KERNEL_ACTIVATIONS = ACTIVATION_KINDS

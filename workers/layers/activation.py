@@ -11,15 +11,13 @@ import torch.nn.functional as F
 
 from pocketllm.errors import UnsupportedFeatureError
 
+from ..models.config import ACTIVATION_KINDS
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-# HF ``hidden_act`` name -> the function it names: the one table of activation names (the
-# Triton and CPU kernels key their own forms on these kinds).
-ACTIVATION_KINDS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 _TORCH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu_tanh": _gelu_tanh, "gelu": F.gelu}
 

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
+# HF ``hidden_act`` name -> the function it names: the one table of activation names (the
+# torch, Triton and CPU kernels key their own forms on these kinds).
+ACTIVATION_KINDS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
 
 @dataclass
 class ArchConfig:

@@ -1,0 +1,100 @@
+"""The torch-free forward (workers/lite/model.py) against the torch worker on the same GGUF
+files: the same greedy tokens and log probabilities within float32 rounding (the prompt's
+rows take different float paths: SDPA and torch's ops there, the C layer here), on tiny
+all-block files of each family it serves and on the embedded model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pocketllm import EngineArgs  # noqa: E402
+from pocketllm.model_info import load_model_info  # noqa: E402
+from pocketllm.proto.messages import SamplingSpec  # noqa: E402
+from pocketllm.workers.kernels import cpu_lib  # noqa: E402
+from pocketllm.workers.lite.model import LiteModel, StepViews, refusal  # noqa: E402
+from pocketllm.workers.runner import ModelRunner  # noqa: E402
+from test_cpu_layer import FAMILIES, _all_block_gguf  # noqa: E402
+from tiny_checkpoints import PlanDriver  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_lib.available(),
+                                reason=f"CPU kernels: {cpu_lib.unavailable_reason()}")
+
+
+def _torch_greedy(path: str, prompt: list[int], steps: int):
+    args = EngineArgs(model=path, device="cpu", num_kv_blocks=64, block_size=16)
+    driver = PlanDriver(ModelRunner(load_model_info(args), args))
+    driver.add("r", prompt, SamplingSpec(temperature=0.0, logprobs=0), steps)
+    tokens = driver.run()["r"]
+    return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
+
+
+def _views(model: LiteModel, positions: np.ndarray) -> dict:
+    """One sequence whose position p sits in slot p: each row attends to its own
+    positions, cut to each window."""
+    views = {}
+    for window in set(model.cfg.layer_windows):
+        lo = np.maximum(0, positions + 1 - window) if window else np.zeros_like(positions)
+        lengths = positions + 1 - lo
+        gather = lo[:, None] + np.arange(int(lengths.max()))[None, :]
+        gather = np.where(gather <= positions[:, None], gather, 0)
+        views[window] = StepViews(positions.copy(), gather, lengths)
+    return views
+
+
+def _lite_greedy(path: str, prompt: list[int], steps: int):
+    model = LiteModel(load_model_info(EngineArgs(model=path, device="cpu")))
+    cfg = model.cfg
+    slots = len(prompt) + steps
+    caches = [tuple(np.zeros((slots, cfg.num_kv_heads, cfg.head_dim), np.float32)
+                    for _ in range(2)) for _ in range(cfg.num_layers)]
+    model.bind(caches, cfg.layer_windows)
+    tokens, logprobs, ids = [], [], list(prompt)
+    start = 0
+    for _ in range(steps):
+        positions = np.arange(start, len(ids))
+        logits = model.forward(np.array(ids[start:]), positions, _views(model, positions),
+                               [len(positions) - 1])[0].astype(np.float64)
+        token = int(logits.argmax())
+        logprobs.append(float(logits[token] - logits.max()
+                              - np.log(np.exp(logits - logits.max()).sum())))
+        tokens.append(token)
+        start = len(ids)
+        ids.append(token)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lite_forward_matches_the_torch_worker(family, tmp_path):
+    path = _all_block_gguf(tmp_path, family)
+    prompt = [5, 6, 7, 8, 9, 40, 41, 3] * 3
+    want_tokens, want_lp = _torch_greedy(path, prompt, 70)  # past gemma3's 64-token window
+    tokens, lp = _lite_greedy(path, prompt, 70)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(lp, want_lp, atol=2e-3)
+
+
+def test_lite_forward_on_the_embedded_model(default_model_path):
+    prompt = [2, 651, 6037, 529, 7001, 563]
+    want_tokens, want_lp = _torch_greedy(default_model_path, prompt, 16)
+    tokens, lp = _lite_greedy(default_model_path, prompt, 16)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(lp, want_lp, atol=2e-3)
+
+
+def test_lite_model_needs_no_torch(default_model_path):
+    code = ("import sys; from pocketllm import EngineArgs; "
+            "from pocketllm.model_info import load_model_info; "
+            "from pocketllm.workers.lite.model import LiteModel; "
+            f"LiteModel(load_model_info(EngineArgs(model={default_model_path!r}, device='cpu'))); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_what_the_lite_forward_refuses(tiny_llama):
+    assert refusal(load_model_info(EngineArgs(model=tiny_llama))) == "not a GGUF checkpoint"

@@ -1,0 +1,1 @@
+"""The torch-free CPU worker for GGUF checkpoints (docs/cpu_kernels.md)."""

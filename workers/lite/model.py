@@ -1,0 +1,259 @@
+"""A dense decoder over a GGUF file's blocks, computed by the C library: no torch.
+
+Every row of a step, prefill or decode, goes through ``pq_decoder_stack``: a row attends
+to the cache slots of its own gather row (its sequence's positions up to its own, cut to
+its layer's window), so a prompt's rows see each other once the layer has written their
+keys. The products are the integer block kernels for any number of rows (the torch
+worker switches to a float sgemm from 64 rows; a float path here is still to come,
+docs/cpu_kernels.md "Toward a worker without torch").
+
+The weights are the file's own bytes, mapped (q/k rows of a llama.cpp-permuted file are
+unpermuted into a copy; ``loader/gguf.py``); the norm weights are float32 copies. A
+model this cannot run is refused with ``UnsupportedFeatureError`` before anything is
+read: the torch worker serves it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pocketllm.errors import CheckpointError, UnsupportedFeatureError
+from pocketllm.model_info import ModelInfo
+
+from ..kernels import cpu_lib
+from ..kernels.cpu_lib import Layer, Linear, Part, StackLayer, StepRope, StepView
+from ..loader.block_tensor import BlockTensor
+from ..loader.gguf import load_gguf_weights
+from ..loader.gguf_quants import GGML_TYPES, type_name
+from ..models.config import ACTIVATION_KINDS, ArchConfig, arch_config
+
+# The norms each family applies around its MLP (post-attention, pre-MLP, post-MLP), by
+# HF name under ``model.layers.N.``: what ``DecoderLayer.mlp_norms`` says on the torch side.
+MLP_NORMS = {
+    "llama": (None, "post_attention_layernorm", None),
+    "qwen2": (None, "post_attention_layernorm", None),
+    "qwen3": (None, "post_attention_layernorm", None),
+    "gemma3": ("post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm"),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def refusal(info: ModelInfo) -> Optional[str]:
+    """Why this model cannot run here (None: it can), from the config alone."""
+    if info.format != "gguf":
+        return "not a GGUF checkpoint"
+    if info.family not in MLP_NORMS:
+        return f"the {info.family} family has no torch-free forward"
+    if not cpu_lib.available():
+        return cpu_lib.unavailable_reason()
+    cfg = arch_config(info)
+    if cfg.hidden_act not in ACTIVATION_KINDS:
+        return f"activation {cfg.hidden_act!r}"
+    kinds = {p.get("rope_type", "default") for p in cfg.rope.values()}
+    if not kinds <= set(ROPE_TYPES) or any(
+            float(p.get("partial_rotary_factor", 1.0)) != 1.0 for p in cfg.rope.values()):
+        return f"rope {sorted(kinds)}"
+    if cfg.attn_sinks:
+        return "attention sinks"
+    return None
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> np.ndarray:
+    """float32 inverse frequencies of one rope kind, as ``layers/rotary.rope_inv_freq``
+    computes them for the default, linear and llama3 kinds (``refusal`` keeps out the rest)."""
+    base = float(params["rope_theta"])
+    inv = (1.0 / (base ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))
+           ).astype(np.float32)
+    kind = params.get("rope_type", "default")
+    if kind == "linear":
+        return (inv / float(params["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor",
+                                                         "high_freq_factor"))
+        original = int(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        middle = (wavelen >= original / high) & (wavelen <= original / low)
+        inv = np.where(middle, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv.astype(np.float32)
+
+
+@dataclass
+class StepViews:
+    """One (KV cache group, window) view of a step, as ``pq_decoder_stack`` reads it:
+    ``slots`` [M] the slot each row's new key goes to; ``gather`` [M, Lk] the slots each
+    row attends to, the first ``lengths[m]`` of its row valid (int64, contiguous)."""
+
+    slots: np.ndarray
+    gather: np.ndarray
+    lengths: np.ndarray
+
+
+class _Bound:
+    """A projection's parts bound for the library (kept alive with their arrays)."""
+
+    def __init__(self, k: int, tensors: Sequence[BlockTensor], bias: Optional[np.ndarray],
+                 name: str):
+        self.arrays = []
+        self.parts = (Part * len(tensors))()
+        col = 0
+        for j, t in enumerate(tensors):
+            if not isinstance(t, BlockTensor) or t.ggml_type not in cpu_lib.QUANT_KERNEL_TYPES:
+                kind = t.type_name if isinstance(t, BlockTensor) else "a float type"
+                raise UnsupportedFeatureError(f"{name}: {kind} has no CPU block kernel")
+            _, elems, nbytes = GGML_TYPES[t.ggml_type]
+            blocks = np.ascontiguousarray(t.blocks)
+            if t.shape[-1] != k or blocks.shape[1] != k // elems * nbytes:
+                raise CheckpointError(f"{name}: part {j} of shape {t.shape} for {k} inputs")
+            self.arrays.append(blocks)
+            self.parts[j] = Part(t.ggml_type, blocks.shape[0], blocks.shape[1], col,
+                                 blocks.ctypes.data)
+            col += blocks.shape[0]
+        self.width = col
+        self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        self.linear = Linear(ctypes.addressof(self.parts), len(tensors),
+                             None if self.bias is None else self.bias.ctypes.data)
+
+
+def _ptr(a: Optional[np.ndarray]) -> Optional[int]:
+    return None if a is None else a.ctypes.data
+
+
+class LiteModel:
+    """The checkpoint's decoder, embedding and LM head, bound for the library."""
+
+    def __init__(self, info: ModelInfo):
+        why = refusal(info)
+        if why is not None:
+            raise UnsupportedFeatureError(f"the torch-free CPU worker cannot run this model: {why}")
+        self.cfg = cfg = arch_config(info)
+        self.lib = cpu_lib.lib()
+        w = dict(load_gguf_weights(info.path, info))
+
+        def norm(name: str) -> np.ndarray:
+            return (np.asarray(w[name], dtype=np.float32) + np.float32(cfg.norm_weight_offset))
+
+        def linear(names: Sequence[str], k: int) -> _Bound:
+            biases = [w.get(n + ".bias") for n in names]
+            bias = None if all(b is None for b in biases) else np.concatenate(
+                [np.asarray(b, dtype=np.float32) for b in biases])
+            return _Bound(k, [w[n + ".weight"] for n in names], bias, names[0])
+
+        E, D = cfg.hidden_size, cfg.head_dim
+        self.norms, self.bound, self.descs = [], [], []
+        post_attn, ff, post_ff = MLP_NORMS[info.family]
+        act = cpu_lib.ACT_IDS[ACTIVATION_KINDS[cfg.hidden_act]]
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            n = {key: norm(p + key + ".weight") if key else None
+                 for key in ("input_layernorm", post_attn, ff, post_ff)}
+            qn = norm(a + "q_norm.weight") if cfg.qk_norm else None
+            kn = norm(a + "k_norm.weight") if cfg.qk_norm else None
+            qkv = linear([a + "q_proj", a + "k_proj", a + "v_proj"], E)
+            o = linear([a + "o_proj"], cfg.num_heads * D)
+            gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"], E)
+            down = linear([p + "mlp.down_proj"], cfg.intermediate_size)
+            self.norms.append((n, qn, kn))
+            self.bound.append((qkv, o, gate_up, down))
+            self.descs.append(Layer(
+                E, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size, cfg.rms_norm_eps,
+                cfg.attn_scale, cfg.attn_softcap or 0.0, act, _ptr(n["input_layernorm"]),
+                _ptr(qn), _ptr(kn), _ptr(n[post_attn] if post_attn else None), _ptr(n[ff]),
+                _ptr(n[post_ff] if post_ff else None), qkv.linear, o.linear, gate_up.linear,
+                down.linear))
+        embed = w["model.embed_tokens.weight"]
+        if not isinstance(embed, BlockTensor) or embed.ggml_type not in cpu_lib.QUANT_KERNEL_TYPES:
+            raise UnsupportedFeatureError("the embedding table is not a block type with a kernel")
+        self.embed = embed
+        self.embed_blocks = np.ascontiguousarray(embed.blocks)
+        # The scale is rounded to float32 first, as the torch embedding rounds it.
+        self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
+        self.final_norm = norm("model.norm.weight")
+        head = w.get("lm_head.weight", embed) if not cfg.tie_word_embeddings else embed
+        self.head = _Bound(E, [head], None, "lm_head")
+        self.inv_freq = {kind: rope_inv_freq(D, params) for kind, params in cfg.rope.items()}
+        self.rope_keys = sorted(self.inv_freq)
+        self.view_keys: list = []
+        self.stack = (StackLayer * cfg.num_layers)()
+        self._caches = None
+
+    def bind(self, caches: Sequence[tuple[np.ndarray, np.ndarray]],
+             layer_views: Sequence) -> None:
+        """Each layer's K/V cache (float32 [slots, kv_heads, head_dim], contiguous) and the
+        key of the step view it reads (``forward``'s ``views``: one per KV cache group and
+        window)."""
+        self.view_keys = sorted(set(layer_views), key=repr)
+        for i, ((k, v), view) in enumerate(zip(caches, layer_views)):
+            for c in (k, v):
+                if c.dtype != np.float32 or not c.flags.c_contiguous or c.shape[1:] != (
+                        self.cfg.num_kv_heads, self.cfg.head_dim):
+                    raise ValueError("a KV cache must be contiguous float32 [slots, kv_heads, head_dim]")
+            self.stack[i] = StackLayer(ctypes.addressof(self.descs[i]), k.ctypes.data,
+                                       v.ctypes.data, self.view_keys.index(view),
+                                       self.rope_keys.index(self.cfg.layer_rope[i]))
+        self._caches = list(caches)  # the pointers above stay valid
+
+    def forward(self, ids: np.ndarray, positions: np.ndarray, views: dict,
+                sample_rows: Sequence[int], threads: int = 0) -> np.ndarray:
+        """Rows ``ids``/``positions`` (int64 [M]) through every layer, writing their keys;
+        float32 logits [len(sample_rows), vocab] of the rows that sample."""
+        if self._caches is None:
+            raise RuntimeError("bind the KV caches first")
+        m, E = len(ids), self.cfg.hidden_size
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        x = np.empty((m, E), dtype=np.float32)
+        self._rows(self.embed, self.embed_blocks, ids, x, threads)
+        if self.embed_scale is not None:
+            x *= self.embed_scale
+        step_views = (StepView * len(self.view_keys))()
+        keep = []  # the arrays the step views point into
+        for j, key in enumerate(self.view_keys):
+            v = views[key]
+            arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (v.slots, v.gather, v.lengths)]
+            keep.append(arrays)
+            step_views[j] = StepView(*(a.ctypes.data for a in arrays), arrays[1].shape[1])
+        ropes = (StepRope * len(self.rope_keys))()
+        pos = np.asarray(positions, dtype=np.float32)
+        for j, kind in enumerate(self.rope_keys):
+            freqs = np.outer(pos, self.inv_freq[kind])
+            cos, sin = np.cos(freqs), np.sin(freqs)
+            keep.append((cos, sin))
+            ropes[j] = StepRope(cos.ctypes.data, sin.ctypes.data, self.cfg.head_dim // 2)
+        hidden = np.empty((m, E), dtype=np.float32)
+        rc = self.lib.pq_decoder_stack(self.stack, self.cfg.num_layers, step_views, ropes,
+                                       x.ctypes.data, m, hidden.ctypes.data, threads)
+        cpu_lib.raise_for(rc, None, "pq_decoder_stack")
+        rows = np.ascontiguousarray(hidden[list(sample_rows)])
+        normed = np.empty_like(rows)
+        rc = self.lib.pq_rms_norm(rows.ctypes.data, len(rows), 1, E, E, 0, None, 0, 0,
+                                  self.final_norm.ctypes.data, self.cfg.rms_norm_eps,
+                                  normed.ctypes.data, None)
+        cpu_lib.raise_for(rc, None, "final norm")
+        logits = np.empty((len(rows), self.head.width), dtype=np.float32)
+        if len(rows):
+            rc = self.lib.pq_linear(ctypes.addressof(self.head.parts), 1, E, normed.ctypes.data,
+                                    len(rows), E, logits.ctypes.data, self.head.width, threads)
+            cpu_lib.raise_for(rc, None, "LM head")
+        if self.head.width < self.cfg.vocab_size:  # the padding rows' logits are zeros
+            logits = np.pad(logits, ((0, 0), (0, self.cfg.vocab_size - self.head.width)))
+        if self.cfg.final_softcap is not None:
+            cap = np.float32(self.cfg.final_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def _rows(self, t: BlockTensor, blocks: np.ndarray, ids: np.ndarray, out: np.ndarray,
+              threads: int) -> None:
+        if len(ids) and (ids.min() < 0 or ids.max() >= blocks.shape[0]):
+            raise ValueError(f"token ids must lie in [0, {blocks.shape[0]})")
+        rc = self.lib.pq_dequantize_rows(t.ggml_type, blocks.ctypes.data, t.shape[-1],
+                                         blocks.shape[1], ids.ctypes.data, len(ids),
+                                         out.ctypes.data, out.shape[1], threads)
+        cpu_lib.raise_for(rc, t.ggml_type, f"embedding ({type_name(t.ggml_type)})")
