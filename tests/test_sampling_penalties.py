@@ -292,4 +292,4 @@ def test_requests_without_penalties_cost_nothing(runner, monkeypatch):
     monkeypatch.setattr(sampler_mod, "apply_penalties", fail)
     monkeypatch.setattr(sampler_mod.TokenHistory, "__init__", fail)
     drive(runner, SamplingSpec(temperature=0.7, top_k=5, seed=1), preempt_at=3)
-    assert all(state.history is None for state in runner.requests.values())
+    assert all(state.history is None for state in runner.book.requests.values())

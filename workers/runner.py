@@ -7,7 +7,6 @@ The runner never appends the tokens it samples: the next plan's
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import time
@@ -18,33 +17,22 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
-from pocketllm.sampling import MAX_LOGPROBS, uses_penalties
-from pocketllm.proto.messages import (NULL_BLOCK, PENDING, SamplingSpec, StepPlan, StepResult,
-                                      WorkerCapabilities)
+from pocketllm.sampling import MAX_LOGPROBS
+from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
                      kv_bytes_per_block, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
-from .layers.attention import ScheduledSeq, build_metadata
-from .layers.sampler import (HostCopy, Sampler, TokenHistory, structured_token_mask,
-                             uses_output_counts)
+from .layers.attention import build_metadata
+from .layers.sampler import HostCopy, Sampler, TokenHistory, structured_token_mask
 from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
+from .step_rows import RequestBook, RequestState, ScheduledSeq
 
 logger = logging.getLogger("pocketllm.worker")
-
-
-@dataclass
-class _RequestState:
-    token_ids: list[int]
-    block_ids: list[list[int]]  # a table per KV cache group
-    sampling: SamplingSpec
-    history: Optional[TokenHistory] = None  # only for requests with penalties or logit_bias
-    # per sliding group: leading table entries pointed at the pad block (behind the window)
-    padded: Optional[list[int]] = None
 
 
 @dataclass
@@ -59,10 +47,6 @@ class LaunchedStep:
     path: str = ""  # StepResult.path
     launch_s: float = 0.0  # host time to queue the step
     span: Optional[tuple] = None  # CUDA events queued before and after the step's work
-
-
-class StepError(RuntimeError):
-    """A plan this runner cannot execute (unknown request, out-of-range blocks...)."""
 
 
 class ModelRunner:
@@ -119,16 +103,13 @@ class ModelRunner:
         self.group_slide = [layout.window(g) for g in range(len(counts))]
         self._warm_up_attention()
         self.sampler = Sampler(args.seed, batch_invariant=self.policy.batch_invariant)
-        self.requests: dict[str, _RequestState] = {}
+        self.book = RequestBook(self.kv.num_blocks, self.kv.pad_blocks, self.group_slide,
+                                self.block_size, args.max_num_seqs, self._history)
         # The last launched step's sampled tokens, still on the device: a PENDING input of
         # the next plan is read from here (overlapped scheduling).
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
         self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
-        # Prompt lengths of dropped requests whose output counts matter: a preempted one
-        # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
-        # the scheduler readmits a preempted request before any newer one, so it stays found.
-        self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.graphs, self.mixed_graphs = self._capture_graphs()
         self._warm_up_sampler()
         self.load_seconds = time.perf_counter() - started
@@ -280,7 +261,7 @@ class ModelRunner:
         if out is None:
             return StepResult(step_id=step.step_id, **timing)
         for (rid, position), token in zip(step.slots, out.token_ids):
-            state = self.requests.get(rid)
+            state = self.book.requests.get(rid)
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
         return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
@@ -303,107 +284,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _update_states(self, plan: StepPlan) -> list[tuple[str, _RequestState, int]]:
-        for rid in plan.finished_request_ids:
-            self._drop(rid)
-        entries = []
-        for new in plan.new_requests:  # new, or back after preemption: replaces any old state
-            self._check_blocks(new.request_id, new.block_ids)
-            state = _RequestState(list(new.token_ids), self._tables(new.block_ids), new.sampling,
-                                  padded=[0] * len(new.block_ids))
-            if uses_penalties(new.sampling):
-                prompt_len = self._dropped_prompt_lens.pop(new.request_id, len(new.token_ids))
-                state.history = TokenHistory(new.sampling, new.token_ids[:prompt_len],
-                                             new.token_ids[prompt_len:],
-                                             self.model.cfg.vocab_size)
-            self.requests[new.request_id] = state
-            entries.append((new.request_id, state, new.num_computed_tokens))
-        for cached in plan.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
-                raise StepError(f"request {cached.request_id!r} is not known to this worker")
-            self._check_blocks(cached.request_id, cached.new_block_ids)
-            if PENDING in cached.new_token_ids and (
-                    state.history is not None or cached.new_token_ids[-1] != PENDING
-                    or cached.request_id not in self._last_rows):
-                raise StepError(f"request {cached.request_id!r}: a PENDING token this worker "
-                                "cannot resolve")
-            state.token_ids.extend(cached.new_token_ids)
-            for table, more in zip(state.block_ids, self._tables(cached.new_block_ids)):
-                table.extend(more)
-            if state.history is not None:
-                state.history.add_output(cached.new_token_ids)
-            entries.append((cached.request_id, state, cached.num_computed_tokens))
-        if len(plan.num_scheduled_tokens) != len(entries):
-            raise StepError(f"num_scheduled_tokens has {len(plan.num_scheduled_tokens)} entries "
-                            f"for {len(entries)} requests")
-        return entries
-
-    def _drop(self, rid: str) -> None:
-        state = self.requests.pop(rid, None)
-        if state is not None and state.history is not None and uses_output_counts(state.sampling):
-            self._dropped_prompt_lens[rid] = state.history.prompt_len
-            while len(self._dropped_prompt_lens) > 4 * self.args.max_num_seqs + 64:
-                self._dropped_prompt_lens.popitem(last=False)
-
-    def _check_blocks(self, rid: str, tables: list[list[int]]) -> None:
-        if len(tables) != len(self.kv.num_blocks):
-            raise StepError(f"request {rid!r}: {len(tables)} block tables for "
-                            f"{len(self.kv.num_blocks)} KV cache groups")
-        for g, (table, n) in enumerate(zip(tables, self.kv.num_blocks)):
-            real = [b for b in table if b != NULL_BLOCK]
-            if real and not (0 <= min(real) and max(real) < n):
-                raise StepError(f"request {rid!r}: block ids of group {g} outside [0, {n})")
-
-    def _tables(self, tables: list[list[int]]) -> list[list[int]]:
-        """Block tables as the kernels read them: a NULL entry (no block) is the pad block."""
-        return [[pad if b == NULL_BLOCK else b for b in table]
-                for table, pad in zip(tables, self.kv.pad_blocks)]
-
-    def _behind_window(self, state: _RequestState, start: int) -> None:
-        """Point each sliding table's entries wholly behind the window of a chunk computed
-        from ``start`` at the pad block: the scheduler may have freed their blocks to
-        another request, and a kernel's key tile may start a little before the window."""
-        for g, window in enumerate(self.group_slide):
-            if window is None:
-                continue
-            end = max(0, start - window + 1) // self.block_size
-            table, pad = state.block_ids[g], self.kv.pad_blocks[g]
-            for i in range(state.padded[g], end):
-                table[i] = pad
-            state.padded[g] = max(state.padded[g], end)
+    def _history(self, spec: SamplingSpec, prompt_ids: list[int], output_ids: list[int]
+                 ) -> TokenHistory:
+        return TokenHistory(spec, prompt_ids, output_ids, self.model.cfg.vocab_size)
 
     def _launch(self, plan: StepPlan) -> "LaunchedStep":
-        entries = self._update_states(plan)
-        seqs: list[list[ScheduledSeq]] = [[] for _ in self.kv.num_blocks]  # per cache group
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[tuple[str, _RequestState]] = []
-        pending_rows: list[tuple[int, str]] = []  # (input row, request) of PENDING inputs
-        for (rid, state, start), n in zip(entries, plan.num_scheduled_tokens):
-            if n == 0:
-                continue
-            end = start + n
-            if start < 0 or n < 0 or end > len(state.token_ids):
-                raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
-                                f"{len(state.token_ids)} known")
-            if any(end > len(table) * self.block_size for table in state.block_ids):
-                raise StepError(f"request {rid!r}: {end} tokens need more than its "
-                                f"{min(map(len, state.block_ids))} blocks")
-            self._behind_window(state, start)
-            for group, table in zip(seqs, state.block_ids):
-                group.append(ScheduledSeq(table, start, n, len(input_ids)))
-            input_ids.extend(state.token_ids[start:end])
-            if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
-                pending_rows.append((len(input_ids) - 1, rid))
-            positions.extend(range(start, end))
-            if end == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                samplers.append((rid, state))
+        entries = self.book.update(plan, lambda rid: rid in self._last_rows)
+        rows = self.book.rows(plan, entries)
+        seqs, input_ids, positions = rows.seqs, rows.input_ids, rows.positions
+        sample_rows, samplers = rows.sample_rows, rows.samplers
         if not seqs[0]:
             return LaunchedStep(plan.step_id)
-        pending = self._pending_inputs(pending_rows)
+        pending = self._pending_inputs(rows.pending_rows)
         rung = self._graph_rung(seqs[0], len(samplers))
         if rung:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
@@ -446,7 +338,7 @@ class ModelRunner:
             ids[pending[0]] = pending[1]
         return ids
 
-    def _keep_last(self, samplers: list[tuple[str, _RequestState]], tokens: torch.Tensor) -> None:
+    def _keep_last(self, samplers: list[tuple[str, RequestState]], tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens on the device: the next plan, made before the
         scheduler saw them, names them PENDING."""
         self._last_tokens = tokens
@@ -470,7 +362,7 @@ class ModelRunner:
         src = to_device([self._last_rows[rid] for _row, rid in pending_rows], self.device)
         return rows, self._last_tokens.index_select(0, src)
 
-    def _sample(self, plan: StepPlan, samplers: list[tuple[str, _RequestState]],
+    def _sample(self, plan: StepPlan, samplers: list[tuple[str, RequestState]],
                 logits: Optional[torch.Tensor], path: str) -> "LaunchedStep":
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
             if plan.next_follows:  # ...but every rank feeds them to the next plan

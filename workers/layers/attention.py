@@ -23,17 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..step_rows import ScheduledSeq
 from ..device import to_device
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step, as the runner knows it on the host."""
-
-    block_ids: Sequence[int]
-    start: int  # first position computed this step (tokens before it are in the cache)
-    num_tokens: int  # positions start .. start + num_tokens - 1
-    row: int  # index of its first token in the flattened batch
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""What a step plan means on the host, for both runners (``runner.py`` and ``lite/runner.py``):
+the requests a worker knows (tokens, block tables, sampling), kept up to date plan by plan,
+and a plan's rows (which tokens at which positions, which rows sample). No torch here.
+
+The runner never appends the tokens it samples: the next plan's ``new_token_ids`` carries
+them, so every rank holds the same state.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from pocketllm.proto.messages import NULL_BLOCK, PENDING, SamplingSpec, StepPlan
+from pocketllm.sampling import uses_penalties
+
+
+class StepError(RuntimeError):
+    """A plan this runner cannot execute (unknown request, out-of-range blocks...)."""
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, as the runner knows it on the host."""
+
+    block_ids: Sequence[int]
+    start: int  # first position computed this step (tokens before it are in the cache)
+    num_tokens: int  # positions start .. start + num_tokens - 1
+    row: int  # index of its first token in the flattened batch
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    block_ids: list[list[int]]  # a table per KV cache group
+    sampling: SamplingSpec
+    history: Any = None  # only for requests with penalties or logit_bias (the sampler's)
+    # per sliding group: leading table entries pointed at the pad block (behind the window)
+    padded: Optional[list[int]] = None
+
+
+@dataclass
+class StepRows:
+    """A plan's rows: ``seqs`` per KV cache group (the same sequences, each group's table)."""
+
+    seqs: list[list[ScheduledSeq]]
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    samplers: list[tuple[str, RequestState]] = field(default_factory=list)
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request)
+
+
+class RequestBook:
+    """The requests a worker knows. ``make_history(spec, prompt_ids, output_ids)`` builds
+    a penalised request's history (the sampler's own ``TokenHistory``)."""
+
+    def __init__(self, num_blocks: Sequence[int], pad_blocks: Sequence[int],
+                 slide_windows: Sequence[Optional[int]], block_size: int, max_num_seqs: int,
+                 make_history: Callable[[SamplingSpec, list[int], list[int]], Any]):
+        self.num_blocks, self.pad_blocks = list(num_blocks), list(pad_blocks)
+        self.slide_windows = list(slide_windows)  # per group: its window, None if full
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.make_history = make_history
+        self.requests: dict[str, RequestState] = {}
+        # Prompt lengths of dropped requests whose output counts matter: a preempted one
+        # comes back as a NewRequestData holding prompt + output with no boundary. FIFO-capped;
+        # the scheduler readmits a preempted request before any newer one, so it stays found.
+        self._dropped_prompt_lens: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def update(self, plan: StepPlan, pending_ok: Callable[[str], bool]
+               ) -> list[tuple[str, RequestState, int]]:
+        """Apply a plan's new, cached and finished requests: (id, state, first position
+        computed) per scheduled request. ``pending_ok(rid)``: a PENDING token of that
+        request can be resolved (its last step's token is still held)."""
+        for rid in plan.finished_request_ids:
+            self.drop(rid)
+        entries = []
+        for new in plan.new_requests:  # new, or back after preemption: replaces any old state
+            self.check_blocks(new.request_id, new.block_ids)
+            state = RequestState(list(new.token_ids), self.tables(new.block_ids), new.sampling,
+                                 padded=[0] * len(new.block_ids))
+            if uses_penalties(new.sampling):
+                prompt_len = self._dropped_prompt_lens.pop(new.request_id, len(new.token_ids))
+                state.history = self.make_history(new.sampling, new.token_ids[:prompt_len],
+                                                  new.token_ids[prompt_len:])
+            self.requests[new.request_id] = state
+            entries.append((new.request_id, state, new.num_computed_tokens))
+        for cached in plan.cached_requests:
+            state = self.requests.get(cached.request_id)
+            if state is None:
+                raise StepError(f"request {cached.request_id!r} is not known to this worker")
+            self.check_blocks(cached.request_id, cached.new_block_ids)
+            if PENDING in cached.new_token_ids and (
+                    state.history is not None or cached.new_token_ids[-1] != PENDING
+                    or not pending_ok(cached.request_id)):
+                raise StepError(f"request {cached.request_id!r}: a PENDING token this worker "
+                                "cannot resolve")
+            state.token_ids.extend(cached.new_token_ids)
+            for table, more in zip(state.block_ids, self.tables(cached.new_block_ids)):
+                table.extend(more)
+            if state.history is not None:
+                state.history.add_output(cached.new_token_ids)
+            entries.append((cached.request_id, state, cached.num_computed_tokens))
+        if len(plan.num_scheduled_tokens) != len(entries):
+            raise StepError(f"num_scheduled_tokens has {len(plan.num_scheduled_tokens)} entries "
+                            f"for {len(entries)} requests")
+        return entries
+
+    def drop(self, rid: str) -> None:
+        state = self.requests.pop(rid, None)
+        if state is not None and state.history is not None and (
+                state.sampling.frequency_penalty != 0.0 or state.sampling.presence_penalty != 0.0):
+            self._dropped_prompt_lens[rid] = state.history.prompt_len
+            while len(self._dropped_prompt_lens) > 4 * self.max_num_seqs + 64:
+                self._dropped_prompt_lens.popitem(last=False)
+
+    def check_blocks(self, rid: str, tables: list[list[int]]) -> None:
+        if len(tables) != len(self.num_blocks):
+            raise StepError(f"request {rid!r}: {len(tables)} block tables for "
+                            f"{len(self.num_blocks)} KV cache groups")
+        for g, (table, n) in enumerate(zip(tables, self.num_blocks)):
+            real = [b for b in table if b != NULL_BLOCK]
+            if real and not (0 <= min(real) and max(real) < n):
+                raise StepError(f"request {rid!r}: block ids of group {g} outside [0, {n})")
+
+    def tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """Block tables as the kernels read them: a NULL entry (no block) is the pad block."""
+        return [[pad if b == NULL_BLOCK else b for b in table]
+                for table, pad in zip(tables, self.pad_blocks)]
+
+    def behind_window(self, state: RequestState, start: int) -> None:
+        """Point each sliding table's entries wholly behind the window of a chunk computed
+        from ``start`` at the pad block: the scheduler may have freed their blocks to
+        another request, and a kernel's key tile may start a little before the window."""
+        for g, window in enumerate(self.slide_windows):
+            if window is None:
+                continue
+            end = max(0, start - window + 1) // self.block_size
+            table, pad = state.block_ids[g], self.pad_blocks[g]
+            for i in range(state.padded[g], end):
+                table[i] = pad
+            state.padded[g] = max(state.padded[g], end)
+
+    def rows(self, plan: StepPlan, entries: list[tuple[str, RequestState, int]]) -> StepRows:
+        """The plan's rows, in its order; checked against what each request holds."""
+        out = StepRows([[] for _ in self.num_blocks])
+        for (rid, state, start), n in zip(entries, plan.num_scheduled_tokens):
+            if n == 0:
+                continue
+            end = start + n
+            if start < 0 or n < 0 or end > len(state.token_ids):
+                raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
+                                f"{len(state.token_ids)} known")
+            if any(end > len(table) * self.block_size for table in state.block_ids):
+                raise StepError(f"request {rid!r}: {end} tokens need more than its "
+                                f"{min(map(len, state.block_ids))} blocks")
+            self.behind_window(state, start)
+            for group, table in zip(out.seqs, state.block_ids):
+                group.append(ScheduledSeq(table, start, n, len(out.input_ids)))
+            out.input_ids.extend(state.token_ids[start:end])
+            if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
+                out.pending_rows.append((len(out.input_ids) - 1, rid))
+            out.positions.extend(range(start, end))
+            if end == len(state.token_ids):
+                out.sample_rows.append(len(out.input_ids) - 1)
+                out.samplers.append((rid, state))
+        return out
