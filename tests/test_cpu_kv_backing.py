@@ -1,5 +1,6 @@
 """The CPU KV cache's pages are backed after start-up by a background thread
-(``workers.device.populated_cpu_zeros``), one bounded chunk a call, so a first request
+(``workers.kv_plan.populated_zeros``, under ``device.populated_cpu_zeros``), one bounded
+chunk a call, so a first request
 never waits for the whole pool (docs/benchmarks.md, "Start-up")."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import threading
 
 import torch
 
-from pocketllm.workers import device
+from pocketllm.workers import device, kv_plan
 
 
 def test_pools_are_zero_writable_and_backed_by_one_thread():
@@ -25,18 +26,18 @@ def test_pools_are_zero_writable_and_backed_by_one_thread():
 
 
 def test_backing_goes_chunk_by_chunk_and_stops_where_the_kernel_refuses():
-    chunk, advice = device.BACKING_CHUNK, device._MADV_POPULATE_WRITE
+    chunk, advice = kv_plan.BACKING_CHUNK, kv_plan._MADV_POPULATE_WRITE
     calls = []
 
     def ok(addr, nbytes, how):
         calls.append((addr, nbytes, how))
         return 0
 
-    device._back_pages([(1 << 30, 2 * chunk + 4096), (1 << 40, 8192)], ok)
+    kv_plan._back_pages([(1 << 30, 2 * chunk + 4096), (1 << 40, 8192)], ok)
     assert calls == [(1 << 30, chunk, advice), ((1 << 30) + chunk, chunk, advice),
                      ((1 << 30) + 2 * chunk, 4096, advice), (1 << 40, 8192, advice)]
 
     calls.clear()
-    device._back_pages([(0, 3 * chunk), (1 << 40, 4096)],
+    kv_plan._back_pages([(0, 3 * chunk), (1 << 40, 4096)],
                        lambda addr, nbytes, how: calls.append(addr) or -1)
     assert calls == [0]  # an old kernel: the pages are then backed as they are written

@@ -13,7 +13,7 @@ from pocketllm.errors import UnsupportedFeatureError  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
 from pocketllm.proto.messages import (CachedRequestData, NewRequestData, SamplingSpec,  # noqa: E402
                                       StepPlan)
-from pocketllm.workers import device as worker_device  # noqa: E402
+from pocketllm.workers import kv_plan  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
 from tiny_checkpoints import PlanDriver, make_tiny_checkpoint, run_step, tables  # noqa: E402
 
@@ -145,10 +145,9 @@ def test_capabilities(runner):
 
 def test_kv_budget_rules():
     per_block = 1000
-    cpu = torch.device("cpu")
 
-    def blocks(**kw):
-        return worker_device.num_kv_blocks(EngineArgs(**kw), 64, per_block, cpu)
+    def blocks(**kw):  # host memory's budget (no GPU's free bytes)
+        return kv_plan.num_kv_blocks(EngineArgs(**kw), 64, per_block)
 
     assert blocks(num_kv_blocks=7) == 7  # explicit: exact
     assert blocks(kv_cache_memory_gb=1e-5, max_num_seqs=64) == int(1e-5 * (1 << 30)) // per_block

@@ -27,80 +27,15 @@ window at it (their blocks may belong to another request by now).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from pocketllm.config import EngineArgs
-from pocketllm.proto.messages import CacheGroup, CacheSpec
+from pocketllm.proto.messages import CacheGroup
 
-from .device import check_available, num_kv_blocks, populated_cpu_zeros
-
-
-def layer_spec(window: Optional[int], max_model_len: int, latent: bool = False) -> CacheSpec:
-    """What a layer caches: a window at least as long as any sequence is full attention;
-    ``latent``: an MLA layer's compressed latent (always over the whole context)."""
-    if latent:
-        if window is not None:
-            raise ValueError("an MLA layer attends to the whole context: no sliding window")
-        return CacheSpec("mla")
-    if window is None or window >= max_model_len:
-        return CacheSpec()
-    return CacheSpec("sliding", window)
-
-
-@dataclass
-class CacheLayout:
-    specs: list[CacheSpec]  # per group, full attention first
-    layer_group: list[int]  # per layer: its group
-    # per group: its layers' windows (None: full), shortest first; the torch metadata
-    # builds a view for each
-    layer_windows: list[list[Optional[int]]]
-
-    def num_layers(self, group: int) -> int:
-        return self.layer_group.count(group)
-
-    def window(self, group: int) -> Optional[int]:
-        spec = self.specs[group]
-        return spec.window if spec.kind == "sliding" else None
-
-
-def cache_layout(layer_windows: list[Optional[int]], max_model_len: int,
-                 latent: bool = False) -> CacheLayout:
-    """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``
-    (``latent``: every layer caches an MLA latent)."""
-    per_layer = [layer_spec(w, max_model_len, latent) for w in layer_windows]
-    specs = sorted(set(per_layer), key=lambda s: (s.kind == "sliding", s.window))
-    groups = [specs.index(s) for s in per_layer]
-    windows = [sorted({w for w, g in zip(layer_windows, groups) if g == group},
-                      key=lambda w: -1 if w is None else w) for group in range(len(specs))]
-    return CacheLayout(specs, groups, windows)
-
-
-def sliding_cap(window: int, args: EngineArgs, max_model_len: int) -> int:
-    """The blocks a sliding group needs at most: each of ``max_num_seqs`` sequences' window
-    (+1: it rarely starts on a block boundary), and two steps' prefill chunks (the one
-    computed, and with prefix caching under overlap the one before, freed a step later)."""
-    bs = args.block_size
-    chunk = args.max_num_batched_tokens if args.enable_chunked_prefill else max_model_len
-    return args.max_num_seqs * (math.ceil(window / bs) + 1) + 2 * math.ceil(chunk / bs) + 2
-
-
-def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
-                bytes_per_layer_block: int, device: torch.device) -> list[int]:
-    """Each group's pool size (the module docstring says how the budget is split)."""
-    caps = [None if layout.window(g) is None else sliding_cap(layout.window(g), args, max_model_len)
-            for g in range(len(layout.specs))]
-    layers = [layout.num_layers(g) for g in range(len(layout.specs))]
-
-    def counts(n: int) -> list[int]:
-        return [n if cap is None else min(n, cap) for cap in caps]
-
-    def cost(n: int) -> int:
-        return sum(c * k * bytes_per_layer_block for c, k in zip(counts(n), layers))
-
-    return counts(num_kv_blocks(args, max_model_len, cost, device))
+from .device import populated_cpu_zeros
+from .kv_plan import (CacheLayout, cache_layout, check_available,  # noqa: F401  (the runner's)
+                      plan_blocks)
 
 
 class PagedKVCache:

@@ -21,7 +21,7 @@ from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
 
 from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_name,
-                     kv_bytes_per_block, to_device)
+                     gpu_free_bytes, kv_bytes_per_block, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
@@ -93,7 +93,7 @@ class ModelRunner:
             per_layer_block *= ranks_on_this_host(args)
         # Every rank must hold what rank 0 declares: the smallest count wins.
         counts = [self.tp.min_int(n, self.device) for n in plan_blocks(
-            layout, args, self.max_model_len, per_layer_block, self.device)]
+            layout, args, self.max_model_len, per_layer_block, gpu_free_bytes(self.device))]
         self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
                                self.dtype, self.device, latent)
         self.kv_caches = self.kv.layer_caches
