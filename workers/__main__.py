@@ -27,27 +27,12 @@ def main(ctx: StageContext) -> None:
         link = SchedulerLink(ctx.zmq, plan_endpoint(args.master_addr, args.master_port),
                              read_secret(args.tensor_parallel_secret_file), rank)
         recv, send = link.recv, link.send
-    # torch is imported here, in the worker only, with the collector paused: the import
-    # makes ~250k objects that live as long as the process, and collections among them
-    # cost ~0.2 s of CPU before ready. Frozen, no later collection walks them either; the
-    # import's own reference cycles (~7k objects, under 1 MB) are never freed.
-    gc.disable()
+    runner = lite_runner(ctx.info, args, world)  # a CPU GGUF model: no torch at all
+    fatal: tuple = ()  # what stops this rank (a tensor-parallel step out of step)
+    if runner is None:
+        distributed, runner = torch_runner(ctx, rank, world)
+        fatal = (distributed.RankFailure,)
     try:
-        from . import distributed
-        from .models.base import check_tensor_parallel
-        from .models.registry import arch_config
-        from .runner import ModelRunner
-    finally:
-        gc.freeze()
-        gc.enable()
-
-    # Every rank refuses a model whose heads do not split before the rendezvous,
-    # so none is left waiting for the others.
-    check_tensor_parallel(arch_config(ctx.info), world)
-    distributed.init_from_env(ctx.args, rank, world)
-    try:
-        runner = ModelRunner(ctx.info, ctx.args, rank=rank, world_size=world,
-                             show_progress=rank == 0)
         send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
         ctx.ready(info={"rank": rank, "tensor_parallel_size": world})
         decoder = codec.decoder_for("worker")
@@ -68,11 +53,54 @@ def main(ctx: StageContext) -> None:
                     launched = step  # launch the next plan before reading these tokens
                 else:
                     send_result(rank, send, runner.finish(step))
-            except distributed.RankFailure:
+            except fatal:
                 logger.exception("tensor-parallel step %s failed; stopping this rank", plan.step_id)
                 os._exit(1)  # no process-group teardown: a peer is gone or out of step
     finally:
-        distributed.shutdown()
+        if fatal:
+            distributed.shutdown()
+
+
+def lite_runner(info, args, world: int):
+    """The torch-free runner where it can serve the model (workers/lite), else None."""
+    from .lite.model import worker_refusal
+
+    why = worker_refusal(info, args, world)
+    if why is None:
+        from pocketllm.errors import UnsupportedFeatureError
+
+        from .lite.runner import LiteRunner
+
+        try:
+            return LiteRunner(info, args)
+        except UnsupportedFeatureError as e:  # e.g. a tensor type with no kernel
+            why = str(e)
+    logger.info("the torch worker serves this model (the torch-free one does not: %s)", why)
+    return None
+
+
+def torch_runner(ctx: StageContext, rank: int, world: int):
+    """(the ``distributed`` module, a ``ModelRunner``), torch imported here."""
+    # torch is imported here, in the worker only, with the collector paused: the import
+    # makes ~250k objects that live as long as the process, and collections among them
+    # cost ~0.2 s of CPU before ready. Frozen, no later collection walks them either; the
+    # import's own reference cycles (~7k objects, under 1 MB) are never freed.
+    gc.disable()
+    try:
+        from . import distributed
+        from .models.base import check_tensor_parallel
+        from .models.registry import arch_config
+        from .runner import ModelRunner
+    finally:
+        gc.freeze()
+        gc.enable()
+
+    # Every rank refuses a model whose heads do not split before the rendezvous,
+    # so none is left waiting for the others.
+    check_tensor_parallel(arch_config(ctx.info), world)
+    distributed.init_from_env(ctx.args, rank, world)
+    return distributed, ModelRunner(ctx.info, ctx.args, rank=rank, world_size=world,
+                                    show_progress=rank == 0)
 
 
 def send_result(rank: int, send, result) -> None:

@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
 
-from pocketllm.proto.messages import SamplingSpec, TokenLogprobs
+from pocketllm.proto.messages import SamplingSpec
+# The torch-free rules, shared with the numpy sampler (workers/lite/sampler.py).
+from pocketllm.sampling import (NUCLEUS_PROBE, SampleOutput, is_greedy, logprob_lists,
+                                seeded_uniform, uses_output_counts)
 
 from ..device import to_device
 
-_MASK64 = (1 << 64) - 1
-
 logger = logging.getLogger("pocketllm.worker")
-
-
-def seeded_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) from (seed, position): two rounds of splitmix64."""
-    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
-    for _ in range(2):
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x = z ^ (z >> 31)
-    return (x >> 11) / float(1 << 53)
-
-
-def is_greedy(spec: SamplingSpec) -> bool:
-    return spec.temperature == 0 or spec.top_k == 1
-
-
-def uses_output_counts(spec: SamplingSpec) -> bool:
-    return spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
-
-
 
 
 class TokenHistory:
@@ -212,12 +190,6 @@ def apply_token_mask(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tenso
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[Optional[TokenLogprobs]]
-
-
 class Sampler:
     def __init__(self, seed: int, batch_invariant: bool = False):
         # Unseeded requests share one stream, itself seeded for reproducible runs.
@@ -270,7 +242,7 @@ class Sampler:
     def collect(copy: HostCopy, specs: Sequence[SamplingSpec]) -> SampleOutput:
         """The host part: waits for the copies and builds tokens and logprobs."""
         tokens, *tables = copy.lists()
-        return SampleOutput(tokens, _logprob_lists(tables, specs))
+        return SampleOutput(tokens, logprob_lists(tables, specs))
 
     def _uniforms(self, specs: Sequence[SamplingSpec], positions: Sequence[int]) -> torch.Tensor:
         unseeded = [i for i, s in enumerate(specs) if s.seed is None]
@@ -280,11 +252,6 @@ class Sampler:
         for i, u in zip(unseeded, shared):
             values[i] = u
         return torch.tensor(values, dtype=torch.float32)
-
-
-# Top-p over a 262k vocabulary: a full sort costs more than a decode step on CPU, while
-# the nucleus of a real distribution almost always lies within its best few hundred tokens.
-NUCLEUS_PROBE = 1024
 
 
 def _nucleus_lse(x: torch.Tensor, top_ps: list[float], probe: int) -> Optional[torch.Tensor]:
@@ -387,19 +354,6 @@ def _logprob_tensors(raw_rows: Optional[torch.Tensor], tokens: torch.Tensor,
     k = min(max(specs[i].logprobs for i in asked), logp.shape[-1])
     top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
     return [chosen, top_vals, top_ids]
-
-
-def _logprob_lists(tables: list[list], specs: Sequence[SamplingSpec]
-                   ) -> list[Optional[TokenLogprobs]]:
-    out: list[Optional[TokenLogprobs]] = [None] * len(specs)
-    if not tables:
-        return out
-    chosen, top_vals, top_ids = tables
-    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-    for j, i in enumerate(asked):
-        n = specs[i].logprobs
-        out[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_vals[j][:n])
-    return out
 
 
 class HostCopy:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -62,6 +63,28 @@ def refusal(info: ModelInfo) -> Optional[str]:
     if cfg.attn_sinks:
         return "attention sinks"
     return None
+
+
+def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
+    """Why the torch-free worker cannot serve this engine (None: it can): a CPU, float32,
+    one rank, the checkpoint's own weights, and a model ``refusal`` lets through.
+    ``POCKETLLM_TORCH_WORKER=1`` keeps the torch worker, to compare."""
+    if os.environ.get("POCKETLLM_TORCH_WORKER") == "1":
+        return "POCKETLLM_TORCH_WORKER=1"
+    if world != 1:
+        return "tensor parallelism"
+    if args.device == "cuda" or (args.device == "auto" and _has_nvidia_gpu()):
+        return "a GPU"  # whether torch can use it is torch's to say
+    if args.dtype not in ("auto", "float32"):
+        return f"dtype {args.dtype}"
+    if args.load_format == "dummy" or args.dequantize_weights or args.batch_invariant:
+        return "dummy weights, dequantize_weights or batch_invariant"
+    return refusal(info)
+
+
+def _has_nvidia_gpu() -> bool:
+    return any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)) or os.path.exists(
+        "/dev/nvidiactl")
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> np.ndarray:
@@ -184,6 +207,12 @@ class LiteModel:
         self.view_keys: list = []
         self.stack = (StackLayer * cfg.num_layers)()
         self._caches = None
+
+    def step_read_bytes(self) -> int:
+        """The weight bytes one decode step reads: every layer's parts and the LM head (of
+        the embedding, one row: it is the head only when tied)."""
+        layers = sum(a.nbytes for bound in self.bound for b in bound for a in b.arrays)
+        return layers + sum(a.nbytes for a in self.head.arrays)
 
     def bind(self, caches: Sequence[tuple[np.ndarray, np.ndarray]],
              layer_views: Sequence) -> None:

@@ -1,0 +1,169 @@
+"""LiteRunner: the torch-free worker's data plane, for a GGUF checkpoint on the CPU.
+
+The same contract as ``runner.ModelRunner`` (``launch``/``finish``, the capability
+declaration, the plan's bookkeeping through ``step_rows.RequestBook``), computed by
+``LiteModel`` on numpy buffers and sampled by the numpy ``Sampler``. Its KV pools are
+float32 host memory, one per cache group, sized and backed as the torch worker's are
+(``kv_plan.py``); each group's pad block stays zero.
+
+Each step computes at launch (the CPU has no queue to overlap with), so the worker sends
+its tokens at once; a plan made before the scheduler saw them (overlap scheduling) names
+them PENDING, and they are taken from the last step's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from pocketllm.config import EngineArgs, cpu_thread_count
+from pocketllm.model_info import ModelInfo
+from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepResult,
+                                      WorkerCapabilities)
+from pocketllm.sampling import MAX_LOGPROBS
+
+from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
+from ..step_rows import RequestBook, ScheduledSeq
+from .model import LiteModel, StepViews
+from .sampler import Sampler, TokenHistory, structured_token_mask
+
+logger = logging.getLogger("pocketllm.worker")
+
+
+@dataclass
+class LiteStep:
+    """A computed step, its result waiting for ``finish``."""
+
+    result: StepResult
+
+
+class LiteRunner:
+    computes_at_launch = True
+
+    def __init__(self, info: ModelInfo, args: EngineArgs):
+        started = time.perf_counter()
+        self.info, self.args = info, args
+        self.threads = cpu_thread_count()
+        self.model = LiteModel(info)
+        cfg = self.model.cfg
+        self.block_size, self.max_model_len = args.block_size, info.max_model_len
+        layout = cache_layout(cfg.layer_windows, self.max_model_len)
+        self.layout = layout
+        row = cfg.num_kv_heads * cfg.head_dim  # floats a slot holds, K or V
+        per_layer_block = 2 * self.block_size * row * 4
+        self.num_blocks = plan_blocks(layout, args, self.max_model_len, per_layer_block)
+        self.pad_blocks = list(self.num_blocks)  # the spare zero block past each pool's end
+        slots = [(n + 1) * self.block_size for n in self.num_blocks]
+        sizes = [slots[g] * row * 4 for g in layout.layer_group for _ in (0, 1)]
+        check_available(sum(sizes), "KV cache", "kv_cache_memory_gb")
+        buffers = populated_zeros(sizes)
+        shape = (cfg.num_kv_heads, cfg.head_dim)
+        arrays = [np.frombuffer(b, dtype=np.float32).reshape(-1, *shape) if len(b)
+                  else np.zeros((0, *shape), np.float32) for b in buffers]
+        self._buffers = buffers  # the arrays' memory
+        self.caches = list(zip(arrays[0::2], arrays[1::2]))
+        self.views = [(g, w) for g, w in zip(layout.layer_group, cfg.layer_windows)]
+        self.model.bind(self.caches, self.views)
+        self.book = RequestBook(self.num_blocks, self.pad_blocks,
+                                [layout.window(g) for g in range(len(layout.specs))],
+                                self.block_size, args.max_num_seqs, self._history)
+        self.sampler = Sampler(args.seed)
+        self._last_tokens: dict[str, int] = {}  # the last step's sampled token per request
+        self.load_seconds = time.perf_counter() - started
+        logger.info("worker ready (no torch): %s on cpu/float32, KV capacity %d tokens "
+                    "(%s; blocks of %d), load %.1fs", info.architecture,
+                    self.num_blocks[0] * self.block_size,
+                    ", ".join(f"{n} blocks x {layout.num_layers(g)} layers"
+                              for g, n in enumerate(self.num_blocks)),
+                    self.block_size, self.load_seconds)
+
+    def capabilities(self) -> WorkerCapabilities:
+        return WorkerCapabilities(
+            device="cpu", dtype="float32", architecture=self.info.architecture,
+            block_size=self.block_size, num_kv_blocks=self.num_blocks[0],
+            max_num_seqs=self.args.max_num_seqs, max_model_len=self.max_model_len,
+            vocab_size=self.model.cfg.vocab_size, tensor_parallel_size=1,
+            chunked_prefill=self.args.enable_chunked_prefill,
+            prefix_caching=self.args.enable_prefix_caching,
+            max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
+            attention_backend="LiteModel", weight_bytes=self.model.step_read_bytes(),
+            cache_groups=[CacheGroup(spec, n, self.layout.num_layers(g)) for g, (spec, n)
+                          in enumerate(zip(self.layout.specs, self.num_blocks))])
+
+    def launch(self, plan: StepPlan) -> LiteStep:
+        """Compute a step and sample it; a failure comes back as ``StepResult.error``."""
+        started = time.perf_counter()
+        try:
+            result = self._step(plan)
+        except Exception as e:  # the worker process must outlive a bad step
+            logger.exception("step %s failed", plan.step_id)
+            return LiteStep(StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}"))
+        if result.path:
+            result.launch_ms = (time.perf_counter() - started) * 1e3
+        return LiteStep(result)
+
+    def finish(self, step: LiteStep) -> StepResult:
+        return step.result
+
+    def _history(self, spec: SamplingSpec, prompt_ids: list[int], output_ids: list[int]
+                 ) -> TokenHistory:
+        return TokenHistory(spec, prompt_ids, output_ids, self.model.cfg.vocab_size)
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        entries = self.book.update(plan, lambda rid: rid in self._last_tokens)
+        rows = self.book.rows(plan, entries)
+        for row, rid in rows.pending_rows:
+            token = self._last_tokens[rid]
+            rows.input_ids[row] = self.book.requests[rid].token_ids[rows.positions[row]] = token
+        if not rows.seqs[0]:
+            return StepResult(step_id=plan.step_id)
+        positions = np.array(rows.positions, dtype=np.int64)
+        views = {key: self._view(rows.seqs[key[0]], key[1], key[0], len(positions))
+                 for key in set(self.views)}
+        logits = self.model.forward(np.array(rows.input_ids, dtype=np.int64), positions, views,
+                                    rows.sample_rows, self.threads)
+        if not rows.sample_rows:
+            return StepResult(step_id=plan.step_id, path="eager")
+        states = [state for _rid, state in rows.samplers]
+        histories = [state.history for state in states]
+        mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
+                                     [rid for rid, _state in rows.samplers])
+        out = self.sampler.sample(logits, [s.sampling for s in states],
+                                  [len(s.token_ids) for s in states],
+                                  histories if any(h is not None for h in histories) else None,
+                                  mask)
+        ids = [rid for rid, _ in rows.samplers]
+        self._last_tokens = dict(zip(ids, out.token_ids))
+        return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=out.token_ids,
+                          logprobs=out.logprobs, path="eager")
+
+    def _view(self, seqs: list[ScheduledSeq], window: Optional[int], group: int,
+              num_rows: int) -> StepViews:
+        """Each row's cache slot, and the slots it attends to (its sequence's positions up
+        to its own, cut to ``window``) in one group's pool."""
+        bs, pad = self.block_size, self.pad_blocks[group] * self.block_size
+        slots = np.empty(num_rows, dtype=np.int64)
+        lengths = np.empty(num_rows, dtype=np.int64)
+        parts = []
+        for s in seqs:
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            pos = s.start + np.arange(s.num_tokens)
+            lo = np.maximum(0, pos + 1 - window) if window else np.zeros_like(pos)
+            keys = lo[:, None] + np.arange(int((pos + 1 - lo).max()))[None, :]
+            valid = keys <= pos[:, None]
+            keys = np.where(valid, keys, 0)
+            gather = np.where(valid, table[keys // bs] * bs + keys % bs, pad)
+            rows = slice(s.row, s.row + s.num_tokens)
+            slots[rows] = table[pos // bs] * bs + pos % bs
+            lengths[rows] = pos + 1 - lo
+            parts.append((rows, gather))
+        width = max(g.shape[1] for _, g in parts)
+        gather = np.full((num_rows, width), pad, dtype=np.int64)
+        for rows, g in parts:
+            gather[rows, :g.shape[1]] = g
+        return StepViews(slots, gather, lengths)
+
