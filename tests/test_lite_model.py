@@ -17,7 +17,8 @@ from pocketllm import EngineArgs  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
 from pocketllm.proto.messages import SamplingSpec  # noqa: E402
 from pocketllm.workers.kernels import cpu_lib  # noqa: E402
-from pocketllm.workers.lite.model import LiteModel, StepViews, refusal  # noqa: E402
+from pocketllm.workers.lite.model import LiteModel, refusal, step_view  # noqa: E402
+from pocketllm.workers.step_rows import ScheduledSeq  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
 from test_cpu_layer import FAMILIES, _all_block_gguf  # noqa: E402
 from tiny_checkpoints import PlanDriver  # noqa: E402
@@ -34,32 +35,23 @@ def _torch_greedy(path: str, prompt: list[int], steps: int):
     return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
 
 
-def _views(model: LiteModel, positions: np.ndarray) -> dict:
-    """One sequence whose position p sits in slot p: each row attends to its own
-    positions, cut to each window."""
-    views = {}
-    for window in set(model.cfg.layer_windows):
-        lo = np.maximum(0, positions + 1 - window) if window else np.zeros_like(positions)
-        lengths = positions + 1 - lo
-        gather = lo[:, None] + np.arange(int(lengths.max()))[None, :]
-        gather = np.where(gather <= positions[:, None], gather, 0)
-        views[window] = StepViews(positions.copy(), gather, lengths)
-    return views
-
-
 def _lite_greedy(path: str, prompt: list[int], steps: int):
+    """One sequence in blocks 0, 1, 2... of one pool (every layer's), the pad block last."""
     model = LiteModel(load_model_info(EngineArgs(model=path, device="cpu")))
-    cfg = model.cfg
-    slots = len(prompt) + steps
-    caches = [tuple(np.zeros((slots, cfg.num_kv_heads, cfg.head_dim), np.float32)
+    cfg, bs = model.cfg, 16
+    table = list(range(-(-(len(prompt) + steps) // bs)))
+    pad = len(table) * bs
+    caches = [tuple(np.zeros((pad + bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
                     for _ in range(2)) for _ in range(cfg.num_layers)]
-    model.bind(caches, cfg.layer_windows)
+    model.bind(caches, [(0, w) for w in cfg.layer_windows])
     tokens, logprobs, ids = [], [], list(prompt)
     start = 0
     for _ in range(steps):
-        positions = np.arange(start, len(ids))
-        logits = model.forward(np.array(ids[start:]), positions, _views(model, positions),
-                               [len(positions) - 1])[0].astype(np.float64)
+        n = len(ids) - start
+        seq = ScheduledSeq(table, start, n, 0)
+        views = {(0, w): step_view([seq], w, bs, pad, n) for w in set(cfg.layer_windows)}
+        logits = model.forward(np.array(ids[start:]), np.arange(start, len(ids)), views,
+                               [n - 1])[0].astype(np.float64)
         token = int(logits.argmax())
         logprobs.append(float(logits[token] - logits.max()
                               - np.log(np.exp(logits - logits.max()).sum())))
@@ -70,11 +62,13 @@ def _lite_greedy(path: str, prompt: list[int], steps: int):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lite_forward_matches_the_torch_worker(family, tmp_path):
+@pytest.mark.parametrize("prompt_len", [24, 100])  # through the C stack; the float path
+def test_lite_forward_matches_the_torch_worker(family, prompt_len, tmp_path):
     path = _all_block_gguf(tmp_path, family)
-    prompt = [5, 6, 7, 8, 9, 40, 41, 3] * 3
-    want_tokens, want_lp = _torch_greedy(path, prompt, 70)  # past gemma3's 64-token window
-    tokens, lp = _lite_greedy(path, prompt, 70)
+    prompt = ([5, 6, 7, 8, 9, 40, 41, 3] * 13)[:prompt_len]
+    steps = 70 if prompt_len < 64 else 20  # past gemma3's 64-token window either way
+    want_tokens, want_lp = _torch_greedy(path, prompt, steps)
+    tokens, lp = _lite_greedy(path, prompt, steps)
     assert tokens == want_tokens
     np.testing.assert_allclose(lp, want_lp, atol=2e-3)
 

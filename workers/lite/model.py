@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -31,7 +31,8 @@ from ..kernels.cpu_lib import Layer, Linear, Part, StackLayer, StepRope, StepVie
 from ..loader.block_tensor import BlockTensor
 from ..loader.gguf import load_gguf_weights
 from ..loader.gguf_quants import GGML_TYPES, type_name
-from ..models.config import ACTIVATION_KINDS, ArchConfig, arch_config
+from ..models.config import ACTIVATION_KINDS, arch_config
+from .prefill import FloatLayers
 
 # The norms each family applies around its MLP (post-attention, pre-MLP, post-MLP), by
 # HF name under ``model.layers.N.``: what ``DecoderLayer.mlp_norms`` says on the torch side.
@@ -43,6 +44,7 @@ MLP_NORMS = {
                "post_feedforward_layernorm"),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+FLOAT_ROWS = 64  # from this many rows a step takes the float path (prefill.py)
 
 
 def refusal(info: ModelInfo) -> Optional[str]:
@@ -110,13 +112,48 @@ def rope_inv_freq(head_dim: int, params: dict) -> np.ndarray:
 
 @dataclass
 class StepViews:
-    """One (KV cache group, window) view of a step, as ``pq_decoder_stack`` reads it:
-    ``slots`` [M] the slot each row's new key goes to; ``gather`` [M, Lk] the slots each
-    row attends to, the first ``lengths[m]`` of its row valid (int64, contiguous)."""
+    """One (KV cache group, window) view of a step. For ``pq_decoder_stack``: ``slots`` [M]
+    the slot each row's new key goes to, ``gather`` [M, Lk] the slots each row attends to,
+    the first ``lengths[m]`` of its row valid (int64, contiguous). For the float path
+    (``prefill.py``): ``seqs``, per sequence (first row, end row, its key slots, their
+    positions), ``positions`` [M] and the ``window`` (None: full)."""
 
     slots: np.ndarray
     gather: np.ndarray
     lengths: np.ndarray
+    seqs: list = field(default_factory=list)
+    positions: Optional[np.ndarray] = None
+    window: Optional[int] = None
+
+
+def step_view(seqs, window: Optional[int], block_size: int, pad_slot: int, num_rows: int
+              ) -> StepViews:
+    """A view of a step's ``seqs`` (``step_rows.ScheduledSeq``: rows, first position, block
+    table) in one group's pool: each row attends to its sequence's positions up to its
+    own, the last ``window`` of them (None: all)."""
+    bs = block_size
+    slots = np.empty(num_rows, dtype=np.int64)
+    lengths = np.empty(num_rows, dtype=np.int64)
+    positions = np.empty(num_rows, dtype=np.int64)
+    per_seq, gathers = [], []
+    for s in seqs:
+        table = np.asarray(s.block_ids, dtype=np.int64)
+        pos = s.start + np.arange(s.num_tokens)
+        lo = np.maximum(0, pos + 1 - window) if window else np.zeros_like(pos)
+        rows = slice(s.row, s.row + s.num_tokens)
+        slots[rows] = table[pos // bs] * bs + pos % bs
+        lengths[rows] = pos + 1 - lo
+        positions[rows] = pos
+        keys = lo[:, None] + np.arange(int(lengths[rows].max()))[None, :]
+        valid = keys <= pos[:, None]
+        keys = np.where(valid, keys, 0)
+        gathers.append((rows, np.where(valid, table[keys // bs] * bs + keys % bs, pad_slot)))
+        key_pos = np.arange(int(lo[0]), int(pos[-1]) + 1)
+        per_seq.append((rows.start, rows.stop, table[key_pos // bs] * bs + key_pos % bs, key_pos))
+    gather = np.full((num_rows, max(g.shape[1] for _, g in gathers)), pad_slot, dtype=np.int64)
+    for rows, g in gathers:
+        gather[rows, :g.shape[1]] = g
+    return StepViews(slots, gather, lengths, per_seq, positions, window)
 
 
 class _Bound:
@@ -171,7 +208,7 @@ class LiteModel:
 
         E, D = cfg.hidden_size, cfg.head_dim
         self.norms, self.bound, self.descs = [], [], []
-        post_attn, ff, post_ff = MLP_NORMS[info.family]
+        self.mlp_norm_names = post_attn, ff, post_ff = MLP_NORMS[info.family]
         act = cpu_lib.ACT_IDS[ACTIVATION_KINDS[cfg.hidden_act]]
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -207,6 +244,8 @@ class LiteModel:
         self.view_keys: list = []
         self.stack = (StackLayer * cfg.num_layers)()
         self._caches = None
+        self.layer_views: list = []
+        self.float_layers = FloatLayers(self)
 
     def step_read_bytes(self) -> int:
         """The weight bytes one decode step reads: every layer's parts and the LM head (of
@@ -229,6 +268,7 @@ class LiteModel:
                                        v.ctypes.data, self.view_keys.index(view),
                                        self.rope_keys.index(self.cfg.layer_rope[i]))
         self._caches = list(caches)  # the pointers above stay valid
+        self.layer_views = list(layer_views)
 
     def forward(self, ids: np.ndarray, positions: np.ndarray, views: dict,
                 sample_rows: Sequence[int], threads: int = 0) -> np.ndarray:
@@ -242,24 +282,15 @@ class LiteModel:
         self._rows(self.embed, self.embed_blocks, ids, x, threads)
         if self.embed_scale is not None:
             x *= self.embed_scale
-        step_views = (StepView * len(self.view_keys))()
-        keep = []  # the arrays the step views point into
-        for j, key in enumerate(self.view_keys):
-            v = views[key]
-            arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (v.slots, v.gather, v.lengths)]
-            keep.append(arrays)
-            step_views[j] = StepView(*(a.ctypes.data for a in arrays), arrays[1].shape[1])
-        ropes = (StepRope * len(self.rope_keys))()
         pos = np.asarray(positions, dtype=np.float32)
-        for j, kind in enumerate(self.rope_keys):
+        ropes = {}
+        for kind in self.rope_keys:
             freqs = np.outer(pos, self.inv_freq[kind])
-            cos, sin = np.cos(freqs), np.sin(freqs)
-            keep.append((cos, sin))
-            ropes[j] = StepRope(cos.ctypes.data, sin.ctypes.data, self.cfg.head_dim // 2)
-        hidden = np.empty((m, E), dtype=np.float32)
-        rc = self.lib.pq_decoder_stack(self.stack, self.cfg.num_layers, step_views, ropes,
-                                       x.ctypes.data, m, hidden.ctypes.data, threads)
-        cpu_lib.raise_for(rc, None, "pq_decoder_stack")
+            ropes[kind] = (np.cos(freqs), np.sin(freqs))
+        if m >= FLOAT_ROWS:
+            hidden = self.float_layers.run(x, views, self.layer_views, ropes, threads)
+        else:
+            hidden = self._stack(x, views, ropes, threads)
         rows = np.ascontiguousarray(hidden[list(sample_rows)])
         normed = np.empty_like(rows)
         rc = self.lib.pq_rms_norm(rows.ctypes.data, len(rows), 1, E, E, 0, None, 0, 0,
@@ -277,6 +308,24 @@ class LiteModel:
             cap = np.float32(self.cfg.final_softcap)
             logits = np.tanh(logits / cap) * cap
         return logits
+
+    def _stack(self, x: np.ndarray, views: dict, ropes: dict, threads: int) -> np.ndarray:
+        """Every layer in one ``pq_decoder_stack`` call: the last layer's output plus its
+        residual."""
+        step_views = (StepView * len(self.view_keys))()
+        for j, key in enumerate(self.view_keys):
+            v = views[key]
+            step_views[j] = StepView(v.slots.ctypes.data, v.gather.ctypes.data,
+                                     v.lengths.ctypes.data, v.gather.shape[1])
+        step_ropes = (StepRope * len(self.rope_keys))()
+        for j, kind in enumerate(self.rope_keys):
+            cos, sin = ropes[kind]
+            step_ropes[j] = StepRope(cos.ctypes.data, sin.ctypes.data, self.cfg.head_dim // 2)
+        hidden = np.empty_like(x)
+        rc = self.lib.pq_decoder_stack(self.stack, self.cfg.num_layers, step_views, step_ropes,
+                                       x.ctypes.data, len(x), hidden.ctypes.data, threads)
+        cpu_lib.raise_for(rc, None, "pq_decoder_stack")
+        return hidden
 
     def _rows(self, t: BlockTensor, blocks: np.ndarray, ids: np.ndarray, out: np.ndarray,
               threads: int) -> None:

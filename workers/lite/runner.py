@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 
 from pocketllm.config import EngineArgs, cpu_thread_count
@@ -27,8 +25,8 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook, ScheduledSeq
-from .model import LiteModel, StepViews
+from ..step_rows import RequestBook
+from .model import LiteModel, step_view
 from .sampler import Sampler, TokenHistory, structured_token_mask
 
 logger = logging.getLogger("pocketllm.worker")
@@ -122,8 +120,9 @@ class LiteRunner:
         if not rows.seqs[0]:
             return StepResult(step_id=plan.step_id)
         positions = np.array(rows.positions, dtype=np.int64)
-        views = {key: self._view(rows.seqs[key[0]], key[1], key[0], len(positions))
-                 for key in set(self.views)}
+        views = {(g, w): step_view(rows.seqs[g], w, self.block_size,
+                                   self.pad_blocks[g] * self.block_size, len(positions))
+                 for g, w in set(self.views)}
         logits = self.model.forward(np.array(rows.input_ids, dtype=np.int64), positions, views,
                                     rows.sample_rows, self.threads)
         if not rows.sample_rows:
@@ -140,30 +139,3 @@ class LiteRunner:
         self._last_tokens = dict(zip(ids, out.token_ids))
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=out.token_ids,
                           logprobs=out.logprobs, path="eager")
-
-    def _view(self, seqs: list[ScheduledSeq], window: Optional[int], group: int,
-              num_rows: int) -> StepViews:
-        """Each row's cache slot, and the slots it attends to (its sequence's positions up
-        to its own, cut to ``window``) in one group's pool."""
-        bs, pad = self.block_size, self.pad_blocks[group] * self.block_size
-        slots = np.empty(num_rows, dtype=np.int64)
-        lengths = np.empty(num_rows, dtype=np.int64)
-        parts = []
-        for s in seqs:
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            pos = s.start + np.arange(s.num_tokens)
-            lo = np.maximum(0, pos + 1 - window) if window else np.zeros_like(pos)
-            keys = lo[:, None] + np.arange(int((pos + 1 - lo).max()))[None, :]
-            valid = keys <= pos[:, None]
-            keys = np.where(valid, keys, 0)
-            gather = np.where(valid, table[keys // bs] * bs + keys % bs, pad)
-            rows = slice(s.row, s.row + s.num_tokens)
-            slots[rows] = table[pos // bs] * bs + pos % bs
-            lengths[rows] = pos + 1 - lo
-            parts.append((rows, gather))
-        width = max(g.shape[1] for _, g in parts)
-        gather = np.full((num_rows, width), pad, dtype=np.int64)
-        for rows, g in parts:
-            gather[rows, :g.shape[1]] = g
-        return StepViews(slots, gather, lengths)
-

@@ -1,0 +1,154 @@
+"""A long step's layers (``FLOAT_ROWS`` rows or more) in float32: numpy's sgemm on each
+projection's dequantized weights and attention as matrix products per sequence, with the
+library's norms, rotary and activation between them.
+
+The integer block kernels win while a step has few rows (a product reads the weights
+once and the rows are cheap); from ~64 rows a product is compute-bound and a float sgemm
+on weights decoded a slice at a time is faster, as the torch worker found
+(``KernelPolicy.block_float_rows``, docs/cpu_kernels.md). The order of operations is
+``layer.c``'s, so both paths compute the same layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..kernels import cpu_lib
+
+# A slice of a weight decoded at a time: 8 MiB of float32, so it stays in cache between
+# its decoding and its product (``layers/block_weight.py`` does the same).
+SCRATCH_ELEMS = 1 << 21
+QUERY_BLOCK = 256  # query rows whose scores are held at once (memory: rows x keys x heads)
+
+
+def _p(a: Optional[np.ndarray]) -> Optional[int]:
+    return None if a is None else a.ctypes.data
+
+
+class FloatLayers:
+    """The float path over a ``LiteModel``'s bound layers (its descriptions and parts)."""
+
+    def __init__(self, model):
+        self.m = model
+        self.lib = model.lib
+        self.scratch = np.empty(SCRATCH_ELEMS, dtype=np.float32)
+
+    def run(self, x: np.ndarray, views: dict, layer_views: list, ropes: dict, threads: int
+            ) -> np.ndarray:
+        """Rows x [M, E] (embedded) through every layer; the last layer's output plus its
+        residual. ``views``: the step's ``StepViews`` by key; ``ropes``: (cos, sin) by kind."""
+        cfg, res = self.m.cfg, None
+        for i in range(cfg.num_layers):
+            cos, sin = ropes[cfg.layer_rope[i]]
+            x, res = self._layer(i, x, res, views[layer_views[i]], cos, sin, threads)
+        return x + res
+
+    def _norm(self, x: np.ndarray, w: np.ndarray, res: Optional[np.ndarray] = None
+              ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """norm(x + res) and x + res (rows of the model's width)."""
+        m, e = x.shape
+        out = np.empty_like(x)
+        res_out = None if res is None else np.empty_like(x)
+        rc = self.lib.pq_rms_norm(x.ctypes.data, m, 1, e, e, 0, _p(res), e, 0, w.ctypes.data,
+                                  self.m.cfg.rms_norm_eps, out.ctypes.data, _p(res_out))
+        cpu_lib.raise_for(rc, None, "rms_norm")
+        return out, res_out
+
+    def _linear(self, bound, x: np.ndarray, threads: int) -> np.ndarray:
+        """x @ W.T over every part, each decoded a slice of rows at a time."""
+        m, k = x.shape
+        out = np.empty((m, bound.width), dtype=np.float32)
+        step = max(1, SCRATCH_ELEMS // k)
+        for part, blocks in zip(bound.parts, bound.arrays):
+            for r0 in range(0, blocks.shape[0], step):
+                rows = min(step, blocks.shape[0] - r0)
+                w = self.scratch[:rows * k].reshape(rows, k)
+                ids = np.arange(r0, r0 + rows, dtype=np.int64)
+                rc = self.lib.pq_dequantize_rows(part.type, blocks.ctypes.data, k,
+                                                 blocks.shape[1], ids.ctypes.data, rows,
+                                                 w.ctypes.data, k, threads)
+                cpu_lib.raise_for(rc, part.type, "dequantize_rows")
+                np.matmul(x, w.T, out=out[:, part.col + r0:part.col + r0 + rows])
+        if bound.bias is not None:
+            out += bound.bias
+        return out
+
+    def _layer(self, i: int, x: np.ndarray, res: Optional[np.ndarray], view, cos, sin,
+               threads: int) -> tuple[np.ndarray, np.ndarray]:
+        cfg, d = self.m.cfg, self.m.descs[i]
+        (norms, qn, kn), (qkv_w, o_w, gu_w, down_w) = self.m.norms[i], self.m.bound[i]
+        post_attn, ff, post_ff = self.m.mlp_norm_names
+        m, H, Hkv, D = x.shape[0], d.heads, d.kv_heads, d.head_dim
+        if res is None:
+            h, _ = self._norm(x, norms["input_layernorm"])
+            res1 = x.copy()
+        else:
+            h, res1 = self._norm(x, norms["input_layernorm"], res)
+        qkv = self._linear(qkv_w, h, threads)
+        q, k = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D]
+        v = qkv[:, (H + Hkv) * D:].reshape(m, Hkv, D)
+        if qn is not None:  # per head, into contiguous rows
+            q, k = self._head_norm(q, H, qn), self._head_norm(k, Hkv, kn)
+        else:
+            q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
+        for t, heads in ((q, H), (k, Hkv)):
+            rc = self.lib.pq_rotary(t.ctypes.data, m, heads, D, heads * D, D, cos.ctypes.data,
+                                    sin.ctypes.data, cos.shape[1])
+            cpu_lib.raise_for(rc, None, "rotary")
+        k_cache, v_cache = self.m._caches[i]
+        k_cache[view.slots] = k.reshape(m, Hkv, D)
+        v_cache[view.slots] = v
+        attn = self._attend(q.reshape(m, H, D), k_cache, v_cache, view, d.scale,
+                            cfg.attn_softcap, H, Hkv)
+        o = self._linear(o_w, attn.reshape(m, H * D), threads)
+        if post_attn:
+            o, _ = self._norm(o, norms[post_attn])
+        h, res_out = self._norm(o, norms[ff], res1)
+        gu = self._linear(gu_w, h, threads)
+        inter = gu.shape[1] // 2
+        act = np.empty((m, inter), dtype=np.float32)
+        rc = self.lib.pq_act_and_mul(d.act, gu.ctypes.data, m, inter, 2 * inter, act.ctypes.data)
+        cpu_lib.raise_for(rc, None, "act_and_mul")
+        out = self._linear(down_w, act, threads)
+        if post_ff:
+            out, _ = self._norm(out, norms[post_ff])
+        return out, res_out
+
+    def _head_norm(self, t: np.ndarray, heads: int, w: np.ndarray) -> np.ndarray:
+        m, D = t.shape[0], self.m.cfg.head_dim
+        out = np.empty((m, heads * D), dtype=np.float32)
+        rc = self.lib.pq_rms_norm(t.ctypes.data, m, heads, D, t.strides[0] // 4, D, None, 0, 0,
+                                  w.ctypes.data, self.m.cfg.rms_norm_eps, out.ctypes.data, None)
+        cpu_lib.raise_for(rc, None, "rms_norm")
+        return out
+
+    @staticmethod
+    def _attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, view, scale: float,
+                softcap: Optional[float], H: int, Hkv: int) -> np.ndarray:
+        """Each sequence's rows over its keys: ``view.seqs`` gives (first row, end row, key
+        slots, key positions) per sequence, ``view.positions`` each row's position."""
+        out = np.empty_like(q)
+        G, D = H // Hkv, q.shape[2]
+        for r0, r1, slots, key_pos in view.seqs:
+            keys = k_cache[slots].transpose(1, 2, 0)  # [Hkv, D, L]
+            values = v_cache[slots].transpose(1, 0, 2)  # [Hkv, L, D]
+            for b0 in range(r0, r1, QUERY_BLOCK):
+                b1 = min(r1, b0 + QUERY_BLOCK)
+                n = b1 - b0
+                qh = q[b0:b1].reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
+                s = np.matmul(qh, keys) * np.float32(scale)  # [Hkv, G * n, L]
+                if softcap:
+                    s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
+                pos = view.positions[b0:b1]
+                ok = key_pos[None, :] <= pos[:, None]
+                if view.window:
+                    ok &= key_pos[None, :] > pos[:, None] - view.window
+                s = np.where(np.tile(ok, (G, 1))[None], s, np.float32(-np.inf))
+                s -= s.max(axis=-1, keepdims=True)
+                np.exp(s, out=s)
+                s /= s.sum(axis=-1, keepdims=True)
+                o = np.matmul(s, values)  # [Hkv, G * n, D]
+                out[b0:b1] = o.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3).reshape(n, H, D)
+        return out
