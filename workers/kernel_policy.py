@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .kernels.cpu_lib import float_rows
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -228,9 +229,6 @@ def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
                                        partition=partition)
 
 
-# The bfloat16 product overtakes the 8-row integer dots at ~24 rows (float32 sgemm: ~64).
-BF16_ROWS = 24
-
 
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
@@ -242,7 +240,7 @@ def policy_for(device: torch.device) -> KernelPolicy:
         bf16 = cpu_quant.has_bf16()
     return KernelPolicy(triton=kernels.kernels_usable(device),
                         batch_invariant=_building_batch_invariant,
-                        cpu_blocks=cpu_blocks, block_float_rows=BF16_ROWS if bf16 else 64,
+                        cpu_blocks=cpu_blocks, block_float_rows=float_rows(bf16),
                         block_prefill="bf16" if bf16 else "float32")
 
 

@@ -30,17 +30,13 @@ from ..loader.gguf_quants import GGML_TYPES, type_name
 # torch first: its libgomp.so.1 is then the one the library's NEEDED entry binds to
 # (one OpenMP pool, sized by torch.set_num_threads).
 from .cpu_lib import (KNOWN_TYPES, OK, QUANT_KERNEL_TYPES, Part,  # noqa: F401
-                      available, lib as _lib, raise_for as _raise_for, unavailable_reason)
+                      available, has_bf16, lib as _lib, raise_for as _raise_for,
+                      unavailable_reason)
 
 
 def isa() -> str:
     """The SIMD variant in use: 'avx512vnni', 'avxvnni', 'avx2' or 'scalar'."""
     return _lib().pq_isa().decode()
-
-
-def has_bf16() -> bool:
-    """The bfloat16 prefill product can run (AVX-512 BF16, with the avx512vnni variant)."""
-    return bool(_lib().pq_has_bf16())
 
 
 def supported_isas() -> list[str]:

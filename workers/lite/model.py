@@ -1,16 +1,15 @@
 """A dense decoder over a GGUF file's blocks, computed by the C library: no torch.
 
-Every row of a step, prefill or decode, goes through ``pq_decoder_stack``: a row attends
-to the cache slots of its own gather row (its sequence's positions up to its own, cut to
-its layer's window), so a prompt's rows see each other once the layer has written their
-keys. The products are the integer block kernels for any number of rows (the torch
-worker switches to a float sgemm from 64 rows; a float path here is still to come,
-docs/cpu_kernels.md "Toward a worker without torch").
+A step of fewer than ``float_rows`` rows, prefill or decode, goes through
+``pq_decoder_stack`` in one call: a row attends to the cache slots of its own gather row
+(its sequence's positions up to its own, cut to its layer's window), so a prompt's rows
+see each other once the layer has written their keys. A longer step takes the float path
+(``prefill.py``), as the torch worker does from the same row count.
 
 The weights are the file's own bytes, mapped (q/k rows of a llama.cpp-permuted file are
 unpermuted into a copy; ``loader/gguf.py``); the norm weights are float32 copies. A
-model this cannot run is refused with ``UnsupportedFeatureError`` before anything is
-read: the torch worker serves it.
+model this cannot run is refused with ``UnsupportedFeatureError`` before its weights are
+bound: the torch worker serves it (docs/cpu_kernels.md, "The torch-free worker").
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ MLP_NORMS = {
                "post_feedforward_layernorm"),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-FLOAT_ROWS = 64  # from this many rows a step takes the float path (prefill.py)
 
 
 def refusal(info: ModelInfo) -> Optional[str]:
@@ -195,6 +193,10 @@ class LiteModel:
             raise UnsupportedFeatureError(f"the torch-free CPU worker cannot run this model: {why}")
         self.cfg = cfg = arch_config(info)
         self.lib = cpu_lib.lib()
+        # long steps' products: the library's bfloat16 product where the CPU has it (from
+        # 24 rows), else numpy's float32 sgemm (from 64), as the torch worker chooses
+        self.bf16 = cpu_lib.has_bf16()
+        self.float_rows = cpu_lib.float_rows(self.bf16)
         w = dict(load_gguf_weights(info.path, info))
 
         def norm(name: str) -> np.ndarray:
@@ -287,7 +289,7 @@ class LiteModel:
         for kind in self.rope_keys:
             freqs = np.outer(pos, self.inv_freq[kind])
             ropes[kind] = (np.cos(freqs), np.sin(freqs))
-        if m >= FLOAT_ROWS:
+        if m >= self.float_rows:  # the float path (prefill.py)
             hidden = self.float_layers.run(x, views, self.layer_views, ropes, threads)
         else:
             hidden = self._stack(x, views, ropes, threads)

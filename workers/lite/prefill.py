@@ -1,5 +1,6 @@
-"""A long step's layers (``FLOAT_ROWS`` rows or more) in float32: numpy's sgemm on each
-projection's dequantized weights and attention as matrix products per sequence, with the
+"""A long step's layers (``LiteModel.float_rows`` rows or more) in float32: each projection
+as numpy's sgemm on its weights decoded a slice at a time (or, where the CPU has AVX-512
+BF16, the library's bfloat16 product), attention as matrix products per sequence, and the
 library's norms, rotary and activation between them.
 
 The integer block kernels win while a step has few rows (a product reads the weights
@@ -11,6 +12,7 @@ on weights decoded a slice at a time is faster, as the torch worker found
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import numpy as np
@@ -60,6 +62,12 @@ class FloatLayers:
         """x @ W.T over every part, each decoded a slice of rows at a time."""
         m, k = x.shape
         out = np.empty((m, bound.width), dtype=np.float32)
+        if self.m.bf16:  # every part in one library call
+            rc = self.lib.pq_linear_bf16(ctypes.addressof(bound.parts), len(bound.arrays), k,
+                                         x.ctypes.data, m, k, out.ctypes.data, bound.width,
+                                         threads)
+            cpu_lib.raise_for(rc, None, "bfloat16 product")
+            return out if bound.bias is None else out + bound.bias
         step = max(1, SCRATCH_ELEMS // k)
         for part, blocks in zip(bound.parts, bound.arrays):
             for r0 in range(0, blocks.shape[0], step):
