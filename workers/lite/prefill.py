@@ -74,9 +74,11 @@ class FloatLayers:
                 rows = min(step, blocks.shape[0] - r0)
                 w = self.scratch[:rows * k].reshape(rows, k)
                 ids = np.arange(r0, r0 + rows, dtype=np.int64)
+                # one thread: OpenMP's threads would spin on, stealing cores from the
+                # BLAS threads of the product that follows (it ran at 2/3 speed)
                 rc = self.lib.pq_dequantize_rows(part.type, blocks.ctypes.data, k,
                                                  blocks.shape[1], ids.ctypes.data, rows,
-                                                 w.ctypes.data, k, threads)
+                                                 w.ctypes.data, k, 1)
                 cpu_lib.raise_for(rc, part.type, "dequantize_rows")
                 np.matmul(x, w.T, out=out[:, part.col + r0:part.col + r0 + rows])
         if bound.bias is not None:
@@ -146,14 +148,17 @@ class FloatLayers:
                 b1 = min(r1, b0 + QUERY_BLOCK)
                 n = b1 - b0
                 qh = q[b0:b1].reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
-                s = np.matmul(qh, keys) * np.float32(scale)  # [Hkv, G * n, L]
+                s = np.matmul(qh, keys)  # [Hkv, G * n, L], in place from here
+                s *= np.float32(scale)
                 if softcap:
-                    s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
+                    np.tanh(s / np.float32(softcap), out=s)
+                    s *= np.float32(softcap)
                 pos = view.positions[b0:b1]
                 ok = key_pos[None, :] <= pos[:, None]
                 if view.window:
                     ok &= key_pos[None, :] > pos[:, None] - view.window
-                s = np.where(np.tile(ok, (G, 1))[None], s, np.float32(-np.inf))
+                bias = np.where(ok, np.float32(0.0), np.float32(-np.inf))  # [n, L]
+                s.reshape(Hkv, G, n, -1)[...] += bias
                 s -= s.max(axis=-1, keepdims=True)
                 np.exp(s, out=s)
                 s /= s.sum(axis=-1, keepdims=True)
