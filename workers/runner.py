@@ -26,12 +26,11 @@ from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import build_metadata
-from .layers.sampler import HostCopy, Sampler, structured_token_mask
+from .layers.sampler import HostCopy, Sampler, TokenHistory, structured_token_mask
 from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 from .step_rows import RequestBook, RequestState, ScheduledSeq
-from .token_history import TokenHistory
 
 logger = logging.getLogger("pocketllm.worker")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pocketllm.proto.messages import NULL_BLOCK, PENDING, SamplingSpec, StepPlan
-from pocketllm.sampling import uses_output_counts, uses_penalties
+from pocketllm.sampling import uses_penalties
 
 
 class StepError(RuntimeError):
@@ -110,7 +110,8 @@ class RequestBook:
 
     def drop(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
-        if state is not None and state.history is not None and uses_output_counts(state.sampling):
+        if state is not None and state.history is not None and (
+                state.sampling.frequency_penalty != 0.0 or state.sampling.presence_penalty != 0.0):
             self._dropped_prompt_lens[rid] = state.history.prompt_len
             while len(self._dropped_prompt_lens) > 4 * self.max_num_seqs + 64:
                 self._dropped_prompt_lens.popitem(last=False)

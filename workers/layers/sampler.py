@@ -17,18 +17,83 @@ extra work.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import collections
+import logging
+from typing import Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from pocketllm.proto.messages import SamplingSpec
 # The torch-free rules, shared with the numpy sampler (workers/lite/sampler.py).
 from pocketllm.sampling import (NUCLEUS_PROBE, SampleOutput, is_greedy, logprob_lists,
-                                seeded_uniform)
+                                seeded_uniform, uses_output_counts)
 
 from ..device import to_device
-from ..token_history import TokenHistory
+
+logger = logging.getLogger("pocketllm.worker")
+
+
+class TokenHistory:
+    """What one request's penalties need, kept up to date token by token (never recounted).
+
+    Small CPU tensors, whatever the device: ``apply_penalties`` flattens every row's
+    into one index and ships it once per step, instead of one transfer per row and kind.
+    ``count_ids``/``counts``: distinct generated tokens and how often each came
+    (frequency/presence only; never the prompt). ``seen_ids``: distinct tokens of
+    prompt + output (repetition only). ``bias_ids``/``bias_values``: logit_bias, once.
+    """
+
+    def __init__(self, spec: SamplingSpec, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 vocab_size: int):
+        self.prompt_len = len(prompt_ids)
+        self.count_ids = self.counts = None
+        self._slots: dict[int, int] = {}  # token -> its index in count_ids
+        if uses_output_counts(spec):
+            self.count_ids = torch.empty(0, dtype=torch.long)
+            self.counts = torch.empty(0, dtype=torch.float32)
+        self.seen_ids = None
+        self._seen: set[int] = set()
+        if spec.repetition_penalty != 1.0:
+            self._seen = set(prompt_ids)
+            self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self.bias_ids = self.bias_values = None
+        if spec.logit_bias:
+            # The control plane refuses out-of-vocabulary ids; never index past the logits.
+            bias = {t: b for t, b in spec.logit_bias.items() if 0 <= t < vocab_size}
+            if len(bias) != len(spec.logit_bias):
+                logger.warning("logit_bias ids outside the vocabulary (%d) dropped", vocab_size)
+            self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+            self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.add_output(output_ids)
+
+    def add_output(self, token_ids: Iterable[int]) -> None:
+        token_ids = list(token_ids)
+        if not token_ids:
+            return
+        if self.count_ids is not None:
+            new_ids, new_counts = [], []
+            for token, n in collections.Counter(token_ids).items():
+                slot = self._slots.get(token)
+                if slot is None:
+                    self._slots[token] = len(self._slots)
+                    new_ids.append(token)
+                    new_counts.append(float(n))
+                else:
+                    self.counts[slot] += n
+            if new_ids:
+                self.count_ids = torch.cat([self.count_ids, torch.tensor(new_ids)])
+                self.counts = torch.cat([self.counts, torch.tensor(new_counts)])
+        if self.seen_ids is not None:
+            new = [t for t in dict.fromkeys(token_ids) if t not in self._seen]
+            if new:
+                self._seen.update(new)
+                self.seen_ids = torch.cat([self.seen_ids, torch.tensor(new)])
+
+    def output_counts(self) -> dict[int, int]:
+        """token -> times generated (for tests and debugging; not on the hot path)."""
+        if self.count_ids is None:
+            return {}
+        return dict(zip(self.count_ids.tolist(), map(int, self.counts.tolist())))
 
 
 def apply_penalties(logits: torch.Tensor, specs: Sequence[SamplingSpec],
@@ -81,12 +146,10 @@ class _Rows:
         self.ids: list[torch.Tensor] = []
         self.columns: list[list] = []  # each: a per-entry tensor, or one number per row
 
-    def add(self, row: int, ids: np.ndarray, *values) -> None:
-        """``ids`` and any array value: a ``TokenHistory``'s (numpy, shared, not copied)."""
+    def add(self, row: int, ids: torch.Tensor, *values) -> None:
         self.rows.append(row)
-        self.ids.append(torch.from_numpy(ids))
-        self.columns.append([torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                             for v in values])
+        self.ids.append(ids)
+        self.columns.append(list(values))
 
     def flat(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lengths = torch.tensor([len(i) for i in self.ids])

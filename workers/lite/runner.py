@@ -27,8 +27,7 @@ from pocketllm.sampling import MAX_LOGPROBS
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
 from ..step_rows import RequestBook
 from .model import LiteModel, step_view
-from ..token_history import TokenHistory
-from .sampler import Sampler, structured_token_mask
+from .sampler import Sampler, TokenHistory, structured_token_mask
 
 logger = logging.getLogger("pocketllm.worker")
 

@@ -13,7 +13,7 @@ from pocketllm.model_info import ModelInfo
 from ..layers.attention import AttentionBackend
 from ..distributed import SINGLE, TPGroup
 from .base import CausalLM
-from .config import arch_config, resolve
+from .config import ArchConfig, arch_config, resolve
 
 
 def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
