@@ -27,6 +27,10 @@ from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E4
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint, run_step, tables  # noqa: E402
 from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
+from pocketllm.workers.kernels import cpu_quant  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(not cpu_quant.available(),
+                                   reason=f"CPU kernels: {cpu_quant.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +276,13 @@ def test_experts_that_do_not_split_are_refused():
 
 def write_qwen3moe_gguf(path: str, model, expert_type) -> None:
     """``model`` as llama.cpp's converter writes a qwen3moe file: each layer's experts
-    stacked in one [E, rows, cols] tensor per projection, the router as ffn_gate_inp."""
+    stacked in one [E, rows, cols] tensor per projection, the router as ffn_gate_inp.
+    ``expert_type``: the GGML type of every expert tensor, or a dict of one per projection
+    ("gate", "up", "down")."""
     import gguf
+
+    types = (expert_type if isinstance(expert_type, dict)
+             else dict.fromkeys(("gate", "up", "down"), expert_type))
 
     cfg = model.config
     w = gguf.GGUFWriter(path, "qwen3moe")
@@ -307,12 +316,13 @@ def write_qwen3moe_gguf(path: str, model, expert_type) -> None:
             _, _, layer, rest = name.split(".", 3)
             if rest == "mlp.experts.gate_up_proj":  # transformers keeps [E, 2I, H]
                 for part, rows in (("gate", value[:, :inter]), ("up", value[:, inter:])):
-                    data = gguf.quants.quantize(np.ascontiguousarray(rows), expert_type)
-                    w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data, raw_dtype=expert_type)
+                    data = gguf.quants.quantize(np.ascontiguousarray(rows), types[part])
+                    w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data,
+                                 raw_dtype=types[part])
                 continue
             if rest == "mlp.experts.down_proj":
-                data = gguf.quants.quantize(value, expert_type)
-                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data, raw_dtype=expert_type)
+                data = gguf.quants.quantize(value, types["down"])
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data, raw_dtype=types["down"])
                 continue
             part, kind = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{names[part]}.{kind}"
@@ -406,21 +416,154 @@ def test_dummy_weights_fill_the_stacked_experts(moe_path):
     assert len(out["r"]) == 4
 
 
-def test_gguf_quantized_experts_load_dequantized(hf_moe, tmp_path, caplog):
-    """Experts stored in a block type fill the float stacked tensors (with a warning)."""
+@pytest.fixture(scope="module")
+def blocks_gguf(hf_moe, tmp_path_factory) -> str:
+    """The all-sparse checkpoint with its experts in three block types: gate Q4_0, up Q5_1
+    (one expert's [gate | up] product mixes two), down Q8_0."""
     import gguf
 
+    q = gguf.GGMLQuantizationType
+    path = str(tmp_path_factory.mktemp("moe-blocks") / "mixed.gguf")
+    write_qwen3moe_gguf(path, hf_moe, {"gate": q.Q4_0, "up": q.Q5_1, "down": q.Q8_0})
+    return path
+
+
+def _gguf_runner(path: str, **kw):
     from pocketllm.workers.runner import ModelRunner
 
-    path = str(tmp_path / "q8-run.gguf")
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    write_qwen3moe_gguf(path, hf_moe, q8)
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
+                      num_kv_blocks=64, max_num_seqs=4, **kw)
+    return ModelRunner(load_model_info(args), args)
+
+
+def _sparse_moes(runner) -> list[FusedMoE]:
+    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def _top5(driver, rid: str):
+    return [(lp.top_token_ids, lp.top_logprobs) for lp in driver.reqs[rid].logprobs]
+
+
+def _assert_close(got, want, tol: float) -> None:
+    """Greedy tokens equal; at each step the same top-5 ids, log probabilities within tol."""
+    (tokens, top), (ref_tokens, ref_top) = got, want
+    assert tokens == ref_tokens
+    for (ids, lps), (ref_ids, ref_lps) in zip(top, ref_top):
+        assert ids == ref_ids
+        assert lps == pytest.approx(ref_lps, abs=tol)
+
+
+BLOCK_TOL = 2e-3  # the integer kernels round the activations to 16 bits per block of 32
+PROMPTS = {"a": PROMPT, "b": [2] + [random.Random(9).randrange(3, 512) for _ in range(30)]}
+
+
+@pytest.fixture(scope="module")
+def dequantized_reference(blocks_gguf):
+    """The same file with every weight expanded to float32 (gguf-py's dequantization is
+    checked in test_gguf_stacked_quantized_experts_split_per_expert)."""
+    runner = _gguf_runner(blocks_gguf, dequantize_weights=True)
+    assert all(m.blocks is None for m in _sparse_moes(runner))
+    out, driver = run(runner, PROMPTS)
+    return {rid: (out[rid], _top5(driver, rid)) for rid in PROMPTS}
+
+
+@needs_kernels
+@pytest.mark.parametrize("product", ["integer", "float"])
+def test_gguf_quantized_experts_stay_blocks(blocks_gguf, dequantized_reference, product):
+    """Experts stored in block types stay in them on the CPU: no float expert tensor, one
+    BlockWeight per expert, the file's bytes held as they are. Greedy tokens and top-5 log
+    probabilities equal the dequantized model's, with each expert's rows through the
+    integer kernels (decode) or the float product (from ``float_rows`` rows: prefill)."""
+    from pocketllm.workers.layers.block_experts import BlockExperts
+    from pocketllm.workers.loader.gguf import load_gguf_weights
+
+    runner = _gguf_runner(blocks_gguf)
+    moes = _sparse_moes(runner)
+    assert len(moes) == 3 and all(isinstance(m.blocks, BlockExperts) for m in moes)
+    assert all(m.w13 is None and m.w2 is None for m in moes)
+    tensors = dict(load_gguf_weights(blocks_gguf, load_model_info(EngineArgs(model=blocks_gguf))))
+    down = moes[1].blocks.down[5].part(0)
+    assert np.array_equal(down.numpy(), tensors["model.layers.1.mlp.experts.5.down_proj.weight"].blocks)
+    assert moes[1].blocks.gate_up[3].part_types == [2, 7]  # Q4_0, Q5_1
+    if product == "float":
+        for m in moes:
+            for w in [*m.blocks.gate_up, *m.blocks.down]:
+                w.float_rows = 1
+    out, driver = run(runner, PROMPTS)
+    for rid in PROMPTS:
+        _assert_close((out[rid], _top5(driver, rid)), dequantized_reference[rid], BLOCK_TOL)
+    assert len(set(out["b"])) > 2, "a degenerate model would prove little"
+
+
+@needs_kernels
+def test_block_experts_with_chunked_prefill_and_preemption(blocks_gguf):
+    runner = _gguf_runner(blocks_gguf)
+    out, _ = run(runner, {"b": PROMPTS["b"]})
+    chunked, _ = run(runner, {"b": PROMPTS["b"]}, chunk=5, preempt_after=9)
+    assert chunked["b"] == out["b"]
+
+
+@needs_kernels
+def test_block_experts_at_tp2_over_gloo_equal_one_rank(blocks_gguf):
+    """Each rank keeps its 32 of the 64 expert columns, whole blocks of Q4_0, Q5_1 (gate,
+    up: rows) and Q8_0 (down: block columns)."""
+    runner = _gguf_runner(blocks_gguf)
+    out, driver = run(runner, PROMPTS, new_tokens=12)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+    with LLM(EngineArgs(model=blocks_gguf, tensor_parallel_size=2, device="cpu",
+                        shutdown_timeout=3)) as llm:
+        outs = llm.generate(list(PROMPTS.values()), params)
+    for rid, o in zip(PROMPTS, outs):
+        assert o.token_ids == out[rid]
+        assert max(abs(e.logprob - lp.logprob)
+                   for e, lp in zip(o.logprobs, driver.reqs[rid].logprobs)) < BLOCK_TOL
+
+
+def test_experts_without_a_block_kernel_load_dequantized(hf_moe, blocks_gguf, monkeypatch,
+                                                         caplog):
+    """Where the policy keeps no blocks (a GPU; a CPU whose kernel library did not build),
+    the experts fill the float stacked tensors, with a warning."""
+    import gguf
+
+    from pocketllm.workers import kernel_policy
+    from pocketllm.workers.layers import moe
+
+    monkeypatch.setattr(kernel_policy.KernelPolicy, "keeps_blocks", lambda self, types: False)
+    monkeypatch.setattr(moe, "_warned_dequantized", False)
     with caplog.at_level("WARNING", logger="pocketllm.worker"):
-        runner = ModelRunner(load_model_info(args), args)
+        runner = _gguf_runner(blocks_gguf)
     assert "dequantized" in caplog.text
+    q8 = gguf.GGMLQuantizationType.Q8_0
     down = hf_moe.state_dict()["model.layers.2.mlp.experts.down_proj"][5].numpy()
     expected = gguf.quants.dequantize(gguf.quants.quantize(down, q8), q8)
     assert np.array_equal(runner.model.layers[2].mlp.w2[5].numpy(), expected)
+    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
+    assert len(out["r"]) == 4
+
+
+def test_dummy_quantization_of_an_moe_shape_follows_llama_cpp():
+    """``--quantization q4_k_m`` on Qwen3-30B-A3B's shape: the experts in Q4_K, their down
+    projections in Q6_K in the layers llama.cpp gives more bits (as its ffn_down), the
+    router left in float as llama.cpp leaves ffn_gate_inp."""
+    from pocketllm.workers.loader.dummy_blocks import dummy_block_types
+    from pocketllm.workers.models.registry import checkpoint_shapes
+
+    info = load_model_info(EngineArgs(model="qwen3-30b-a3b", load_format="dummy"))
+    types = dummy_block_types("q4_k_m", checkpoint_shapes(info), 48)
+    assert not any(n.endswith(".mlp.gate.weight") for n in types)
+    q4_k, q6_k = 12, 14
+    for layer, down in ((0, q6_k), (5, q6_k), (6, q4_k), (8, q6_k), (47, q6_k)):
+        p = f"model.layers.{layer}.mlp.experts.100."
+        assert types[p + "gate_proj.weight"] == types[p + "up_proj.weight"] == q4_k
+        assert types[p + "down_proj.weight"] == down, layer
+
+
+@needs_kernels
+def test_dummy_quantized_experts_serve(moe_path):
+    from pocketllm.workers.layers.block_experts import BlockExperts
+
+    runner = make_runner(moe_path, load_format="dummy", quantization="q8_0")
+    moes = _sparse_moes(runner)
+    assert moes and all(isinstance(m.blocks, BlockExperts) for m in moes)
     out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
     assert len(out["r"]) == 4

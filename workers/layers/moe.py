@@ -28,8 +28,9 @@ all-to-all) would narrow ``experts`` below and is not built.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,15 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..kernel_policy import policy_for
+from .block_experts import BlockExperts
 from .activation import ClampedSwiGLU, GatedAct, gated, get_activation
 from .linear import Shard, even_shard
 from ..models.config import MoeSpec
 
 if TYPE_CHECKING:
     from .norm import RMSNorm
+
+logger = logging.getLogger("pocketllm.worker")
 
 Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -167,6 +171,16 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         0, token_of, rows)
 
 
+_warned_dequantized = False
+
+
+def _warn_dequantized(dtype: torch.dtype) -> None:
+    global _warned_dequantized
+    _warned_dequantized = True
+    logger.warning("the experts stored in GGUF block types are dequantized to %s at load: "
+                   "this device has no block-type expert kernel (the CPU has)", dtype)
+
+
 def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int, scaling: float = 1.0):
     weights, ids = kernel(logits, k, renormalize)
     return (weights if scaling == 1.0 else weights * scaling), ids
@@ -178,10 +192,13 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden_size: int, spec: MoeSpec, routing: Routing,
                  device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
-                 router_dtype: Optional[torch.dtype] = None):
+                 router_dtype: Optional[torch.dtype] = None,
+                 stored: Sequence[Optional[int]] = ()):
         """``router_dtype``: the router's (DeepSeek keeps it in float32, as transformers
         does); the model dtype by default. A ``routing`` that is a module (DeepSeek-V3's,
-        holding its loaded bias) becomes a submodule."""
+        holding its loaded bias) becomes a submodule. ``stored``: the GGML block types of
+        the checkpoint's gate, up and down expert matrices (None: float), which the
+        experts keep where the kernel policy has kernels for them (``BlockExperts``)."""
         super().__init__()
         if spec.top_k > spec.num_experts or spec.top_k < 1:
             raise ValueError(f"num_experts_per_tok={spec.top_k} must be in "
@@ -201,15 +218,24 @@ class FusedMoE(nn.Module):
                                  requires_grad=False)  # the router, HF ``mlp.gate.weight``
         self.gate_bias = (nn.Parameter(torch.empty(e, device=device, dtype=self.gate.dtype),
                                        requires_grad=False) if spec.router_bias else None)
-        self.w13 = param(e, 2 * local, hidden_size)
-        self.w2 = param(e, hidden_size, local)
+        self.policy = policy_for(device)
+        # Kept as blocks (the CPU with kernels for every type), or float stacked tensors.
+        self.blocks: Optional[BlockExperts] = None
+        if any(t is not None for t in stored):
+            if self.policy.keeps_blocks(stored):
+                self.blocks = BlockExperts(e, hidden_size, local, stored,
+                                           self.policy.block_float_rows,
+                                           self.policy.block_prefill)
+            elif not _warned_dequantized:
+                _warn_dequantized(dtype)
+        self.w13 = None if self.blocks is not None else param(e, 2 * local, hidden_size)
+        self.w2 = None if self.blocks is not None else param(e, hidden_size, local)
         # Expert biases: b13 split with the columns; b2 is added once, by rank 0 (the other
         # ranks' partial sums leave it out), so the all-reduce counts it once.
         self.b13 = param(e, 2 * local) if spec.expert_bias else None
         self.b2 = param(e, hidden_size) if spec.expert_bias else None
         self.act: GatedAct = (ClampedSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
                               if spec.swiglu_limit is not None else spec.hidden_act)
-        self.policy = policy_for(device)
         self.compute = self.policy.moe_experts()
         self.norm_gemv = self.policy.kernel("gemv", "norm_gemv")  # the router's, at one row
         fused = self.policy.kernel("fused_moe", "softmax_topk")
@@ -244,18 +270,20 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  reduce: bool = True) -> torch.Tensor:
-        if self.b13 is None:
-            out = self.compute(x, self.w13, self.w2, weights, ids, self.act)
+        biases = () if self.b13 is None else (self.b13, self.b2 if self.tp.rank == 0 else None)
+        if self.blocks is not None:
+            out = self.blocks(x, weights, ids, self.act, *biases)
         else:
-            out = self.compute(x, self.w13, self.w2, weights, ids, self.act, self.b13,
-                               self.b2 if self.tp.rank == 0 else None)
+            out = self.compute(x, self.w13, self.w2, weights, ids, self.act, *biases)
         return self.tp.all_reduce(out) if reduce else out
 
     def unread_bytes(self) -> int:
         """Bytes of expert weights a one-token step does not read (the E - k experts it
         did not pick): what the decode roofline leaves out."""
-        per_expert = sum(p[0].numel() for p in (self.w13, self.w2, self.b13, self.b2)
-                         if p is not None) * self.w13.element_size()
+        per_expert = sum(p[0].numel() * p.element_size()
+                         for p in (self.w13, self.w2, self.b13, self.b2) if p is not None)
+        if self.blocks is not None:
+            per_expert += self.blocks.expert_bytes(0)
         return (self.spec.num_experts - self.spec.top_k) * per_expert
 
     def weight_targets(self, prefix: str) -> dict:
@@ -273,10 +301,19 @@ class FusedMoE(nn.Module):
             t[f"{prefix}gate.bias"] = WeightTarget(self.gate_bias)
         for e in range(self.spec.num_experts):
             p = f"{prefix}experts.{e}."
-            t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local), shard=part)
-            t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
-                                                   shard=part)
-            t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
+            if self.blocks is not None:  # parts of the expert's own block weights
+                t[f"{p}gate_proj.weight"] = WeightTarget(None, shard=part,
+                                                         blocks=self.blocks.gate_up[e])
+                t[f"{p}up_proj.weight"] = WeightTarget(None, shard=part,
+                                                       blocks=self.blocks.gate_up[e], part=1)
+                t[f"{p}down_proj.weight"] = WeightTarget(None, shard=down,
+                                                         blocks=self.blocks.down[e])
+            else:
+                t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local),
+                                                         shard=part)
+                t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
+                                                       shard=part)
+                t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
             if self.b13 is not None:
                 t[f"{p}gate_proj.bias"] = WeightTarget(self.b13[e], slice(0, local), shard=part)
                 t[f"{p}up_proj.bias"] = WeightTarget(self.b13[e], slice(local, 2 * local),

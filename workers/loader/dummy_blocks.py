@@ -55,13 +55,13 @@ def dummy_block_types(quantization: str, shapes: dict[str, tuple[int, ...]], num
     base, more = MIXES.get(quantization, (quantization, quantization))
     types = {}
     for name, shape in shapes.items():
-        if len(shape) != 2 or not name.endswith(".weight"):
-            continue
+        if len(shape) != 2 or not name.endswith(".weight") or name.endswith(".mlp.gate.weight"):
+            continue  # llama.cpp leaves an MoE router (ffn_gate_inp) in float
         chosen = base
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight"
                                         and "lm_head.weight" not in shapes):
             chosen = more if quantization in MIXES else base  # the output matrix
-        elif name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+        elif name.endswith(("self_attn.v_proj.weight", "down_proj.weight")):  # experts' too
             layer = int(name.split(".")[2])
             chosen = more if _uses_more_bits(layer, num_layers) else base
         if shape[1] % 32:

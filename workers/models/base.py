@@ -66,6 +66,14 @@ def stored(cfg: ArchConfig, prefix: str, *names: str) -> list[Optional[int]]:
     return [cfg.weight_types.get(f"{prefix}{name}.weight") for name in names]
 
 
+def expert_types(cfg: ArchConfig, index: int) -> list[Optional[int]]:
+    """The block types of layer ``index``'s gate, up and down experts (expert 0's: a GGUF
+    stacks a layer's experts in one tensor of one type, and a loaded part of another type
+    is refused)."""
+    return stored(cfg, f"model.layers.{index}.mlp.experts.0.", "gate_proj", "up_proj",
+                  "down_proj")
+
+
 def kv_head_range(cfg: ArchConfig, tp: TPGroup) -> tuple[int, int]:
     """The KV heads this rank holds: its share, or (fewer KV heads than ranks) the one
     KV head its query heads read, replicated on the ranks that share it."""

@@ -10,8 +10,6 @@ experts. ``use_sliding_window`` slides every layer's window, as transformers doe
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pocketllm.errors import CheckpointError
@@ -19,10 +17,8 @@ from pocketllm.errors import CheckpointError
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.moe import FusedMoE, softmax_topk
-from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, expert_types
 from .config import FULL, SLIDING, MoeArchConfig, MoeSpec, as_int, get, layer_kinds, rope_params
-
-logger = logging.getLogger("pocketllm.worker")
 
 
 def _sparse_layers(hf: dict, layers: int, num_experts: int) -> list[bool]:
@@ -75,16 +71,9 @@ def qwen3_moe_arch_config(hf: dict, architecture: str) -> MoeArchConfig:
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: MoeArchConfig, *args, **kwargs):
-        super().__init__(cfg, *args, **kwargs)
-        if any(".mlp.experts." in n or n.endswith(".mlp.gate.weight") for n in cfg.weight_types):
-            # FusedMoE holds float experts (no block-type expert kernel yet); say so once
-            logger.warning("%s: the experts and router stored in GGUF block types are "
-                           "dequantized to %s at load", cfg.architecture, self.dtype)
-
     def make_layer(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         mlp = (FusedMoE(cfg.hidden_size, cfg.moe, softmax_topk(cfg.moe.norm_topk_prob), device,
-                        dtype, tp)
+                        dtype, tp, stored=expert_types(cfg, index))
                if cfg.sparse_layers[index] else GatedMLP(cfg, index, device, dtype, tp))
         return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp, mlp)
