@@ -496,6 +496,26 @@ def test_gguf_quantized_experts_stay_blocks(blocks_gguf, dequantized_reference, 
 
 
 @needs_kernels
+def test_block_experts_pairs_and_groups_compute_the_same(blocks_gguf, monkeypatch):
+    """A few tokens take one library call per projection for all their (token, expert)
+    pairs, more tokens one product per expert: the same values (to float rounding: a lone
+    Q8_0 row sums its blocks in another order than several rows do)."""
+    from pocketllm.workers.layers import block_experts
+
+    experts = _sparse_moes(_gguf_runner(blocks_gguf))[0].blocks
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 3, 16):
+        x = torch.randn(tokens, 64, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        monkeypatch.setattr(block_experts, "PAIRS_MAX", 64)
+        pairs = experts(x, weights, ids, "silu")
+        monkeypatch.setattr(block_experts, "PAIRS_MAX", 0)
+        grouped = experts(x, weights, ids, "silu")
+        assert torch.allclose(grouped, pairs, rtol=1e-5, atol=1e-6 * float(pairs.abs().max()))
+
+
+@needs_kernels
 def test_block_experts_with_chunked_prefill_and_preemption(blocks_gguf):
     runner = _gguf_runner(blocks_gguf)
     out, _ = run(runner, {"b": PROMPTS["b"]})

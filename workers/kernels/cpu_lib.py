@@ -37,6 +37,7 @@ _SIGNATURES = {
     "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
     "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
     "pq_linear_bf16": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
+    "pq_linear_rows": (_int, [_p, _p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
     "pq_has_bf16": (_int, []),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),

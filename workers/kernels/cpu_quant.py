@@ -217,6 +217,39 @@ class BlockLinear:
         return out
 
 
+MAX_PARTS = 128  # PQ_MAX_PARTS: the most parts one product takes
+
+
+def linear_rows(parts: list[Part], rows: list[int], k: int, x: torch.Tensor, out: torch.Tensor,
+                threads: int = 0) -> torch.Tensor:
+    """out[rows[j], col_j:col_j + rows_j] = x[rows[j]] @ W_j^T for each part j, in one library
+    call: ``parts`` are ``BlockLinear.parts`` entries (already checked, bound to weights
+    their owners keep alive); x float32 [M, K], out float32 [M, >= every part's last
+    column], both contiguous. A few tokens' routed experts: a part per (token, expert)
+    pair and projection, each on its pair's row."""
+    n = len(parts)
+    if not 0 < n <= MAX_PARTS or len(rows) != n:
+        raise ValueError(f"linear_rows takes 1 to {MAX_PARTS} parts with one row each, got "
+                         f"{n} parts and {len(rows)} rows")
+    m = x.shape[0]
+    if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous()
+            or x.device.type != "cpu"):
+        raise ValueError(f"x must be contiguous float32 [M, {k}] on CPU, got {x.dtype} {tuple(x.shape)}")
+    width = max(p.col + p.rows for p in parts)
+    if (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != m or out.shape[1] < width
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous float32 [{m}, >= {width}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if min(rows) < 0 or max(rows) >= m:
+        raise ValueError(f"rows must lie in [0, {m}), got [{min(rows)}, {max(rows)}]")
+    bound = (Part * n)(*parts)
+    rc = _lib().pq_linear_rows(ctypes.addressof(bound), (ctypes.c_int64 * n)(*rows), n, k,
+                               x.data_ptr(), m, k, out.data_ptr(), out.shape[1],
+                               _check_threads(threads))
+    _raise_for(rc, None, "linear_rows")
+    return out
+
+
 def dequantize_rows(ggml_type: int, w: torch.Tensor, k: int, ids: torch.Tensor,
                     out: torch.Tensor, threads: int = 0) -> torch.Tensor:
     """out[i] = float32 values of row ids[i] of ``w`` (GGUF type ``ggml_type``, K elements

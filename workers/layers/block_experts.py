@@ -24,6 +24,11 @@ from torch import nn
 from .activation import GatedAct, gated
 from .block_weight import BlockWeight
 
+# Steps of at most this many (token, expert) pairs multiply each pair on its own row in
+# one library call per projection (``_pairs``); larger ones group rows by expert, so
+# that each expert's weights are read once for all its rows (``_grouped``).
+PAIRS_MAX = 32
+
 
 class BlockExperts(nn.Module):
     """``num_experts`` experts of ``hidden`` -> ``local`` (this rank's intermediate
@@ -39,6 +44,12 @@ class BlockExperts(nn.Module):
         self.down = nn.ModuleList(
             BlockWeight(local, [hidden], [down], float_rows, prefill) for _ in range(num_experts))
         self.hidden = hidden
+        # The pairs' one-call products need every part in a block type (a float part
+        # takes torch's product, outside the library's).
+        self.all_blocks = all(t is not None for t in stored)
+        from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
+
+        self.kernels = cpu_quant
 
     def expert_bytes(self, expert: int) -> int:
         return self.gate_up[expert].nbytes() + self.down[expert].nbytes()
@@ -49,25 +60,64 @@ class BlockExperts(nn.Module):
         """x [T, H]; weights [T, k] float32; ids [T, k] -> [T, H] in x's dtype; ``b13``,
         ``b2``: the experts' biases, if any (as ``torch_experts``)."""
         tokens, k = ids.shape
-        activate = gated(act)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # stable: a token's rows keep expert order
-        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
-        token_of = order // k
-        scale = weights.reshape(-1)[order].float().unsqueeze(-1)
-        xf = x.float()
-        out = torch.zeros(tokens, self.hidden, dtype=torch.float32)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            part = slice(start, start + count)
-            start += count
-            h = self.gate_up[expert](xf[token_of[part]])
-            if b13 is not None:
-                h += b13[expert].float()
-            y = self.down[expert](activate(h))
-            if b2 is not None:
-                y += b2[expert].float()
-            out.index_add_(0, token_of[part], y.mul_(scale[part]))
+        if tokens * k <= PAIRS_MAX and self.all_blocks:
+            rows = self._pairs(x, ids)
+        else:
+            rows = self._grouped(x, ids)
+        h = rows[0]
+        if b13 is not None:
+            h += b13[ids.reshape(-1)].float()
+        y = rows[1](gated(act)(h))
+        if b2 is not None:
+            y += b2[ids.reshape(-1)].float()
+        # each token's k rows scaled and summed in a fixed order
+        out = y.view(tokens, k, self.hidden).mul_(weights.float().unsqueeze(-1)).sum(1)
         return out.to(x.dtype)
+
+    def _pairs(self, x: torch.Tensor, ids: torch.Tensor):
+        """A few tokens: one library call for every (token, expert) pair's [gate | up], one
+        for their down products; each pair is a row, its parts bound to its expert. ->
+        ([gate | up] rows [T*k, 2I], the down product of [T*k, I] rows)."""
+        tokens, k = ids.shape
+        experts = ids.reshape(-1).tolist()
+        pairs = x.float().repeat_interleave(k, dim=0)  # row p: token p // k
+        gate_up = torch.empty(len(experts), self.gate_up[0].out_features)
+        parts = [part for e in experts for part in self.gate_up[e].bound().parts]
+        self.kernels.linear_rows(parts, [p for p in range(len(experts)) for _ in (0, 1)],
+                                 self.gate_up[0].in_features, pairs, gate_up)
+
+        def down(h: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(len(experts), self.hidden)
+            self.kernels.linear_rows([self.down[e].bound().parts[0] for e in experts],
+                                     list(range(len(experts))), h.shape[1], h.contiguous(), out)
+            return out
+
+        return gate_up, down
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor):
+        """Many tokens: rows sorted by expert, one [gate | up] and one down product per
+        expert hit (the float product from ``float_rows`` rows). -> ([gate | up] rows,
+        down) in (token, choice) order."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
+        bounds = [0]
+        for count in counts:
+            bounds.append(bounds[-1] + count)
+        picked = x.float()[order // ids.shape[1]]  # the rows in expert order, gathered once
+        gate_up = torch.empty(len(order), self.gate_up[0].out_features)
+        for expert, count in enumerate(counts):
+            if count:
+                part = slice(bounds[expert], bounds[expert + 1])
+                gate_up[order[part]] = self.gate_up[expert](picked[part])
+
+        def down(h: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(len(order), self.hidden)
+            h = h[order]
+            for expert, count in enumerate(counts):
+                if count:
+                    part = slice(bounds[expert], bounds[expert + 1])
+                    out[order[part]] = self.down[expert](h[part])
+            return out
+
+        return gate_up, down

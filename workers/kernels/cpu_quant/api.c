@@ -210,9 +210,9 @@ static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, i
  * line of y; ~8 per thread) that the threads take in turn: on a machine whose cores also
  * run the engine's other processes, a thread that loses its core for a while no longer
  * holds every other thread at the region's end. */
-static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t *q,
-                     const float *d, const int32_t *gsum, int64_t M, float *y, int64_t ldy,
-                     int64_t total, int nthreads) {
+static int run_parts(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+                     const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
+                     int64_t ldy, int64_t total, int nthreads) {
     const pq_isa_impl *isa = ISAS[g_isa];
     int nt = threads(nthreads);
     if (nt > total) nt = (int)total;
@@ -245,8 +245,11 @@ static int run_parts(const pq_part *parts, int nparts, int64_t K, const int16_t 
             while (c >= first[j + 1]) j++;
             const pq_part *p = &parts[j];
             int64_t n0 = (c - first[j]) * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
-            pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q, qp, d, gsum, M,
-                            y + p->col, ldy, p->w + p->rows * p->row_bytes};
+            /* rows_of: the part multiplies one row of the activations, into that row of y */
+            const int64_t r = rows_of != NULL ? rows_of[j] : 0, m = rows_of != NULL ? 1 : M;
+            pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q + r * K,
+                            qp != NULL ? qp + r * K : NULL, d + r * (K / 32), gsum + r * (K / 16),
+                            m, y + r * ldy + p->col, ldy, p->w + p->rows * p->row_bytes};
             isa->mul_rows(&a, n0, n1, s);
         }
     }
@@ -263,7 +266,7 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     int64_t total;
     int rc = check_parts(&part, 1, K, M, ldy, &total);
     if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    return run_parts(&part, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
+    return run_parts(&part, NULL, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
 }
 
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
@@ -277,7 +280,24 @@ PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x
     if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
-    return run_parts(parts, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
+    return run_parts(parts, NULL, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
+}
+
+PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+                          const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                          int nthreads) {
+    init_once();
+    if (g_isa < 0) return PQ_ERR_ISA;
+    if (M > 1 && ldx < K) return PQ_ERR_ARG;
+    int64_t total;
+    int rc = check_parts(parts, nparts, K, M, ldy, &total);
+    if (rc != PQ_OK || M == 0 || total == 0) return rc;
+    for (int j = 0; j < nparts; j++)
+        if (rows_of[j] < 0 || rows_of[j] >= M) return PQ_ERR_ARG;
+    if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
+    return run_parts(parts, rows_of, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
 }
 
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,

@@ -48,7 +48,7 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
                       int64_t ldy, int nthreads);
 
 /* The most parts one linear layer may stack (q/k/v is three). */
-#define PQ_MAX_PARTS 16
+#define PQ_MAX_PARTS 128
 
 /* One stacked part of a linear layer's weight: `rows` rows of GGUF blocks of `type`,
  * row n at w + n * row_bytes, filling output columns [col, col + rows). */
@@ -62,6 +62,13 @@ typedef struct {
  * all parts' rows shared out among the threads in one parallel region. */
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
                      int64_t ldx, float *y, int64_t ldy, int nthreads);
+
+/* pq_linear where each part multiplies one row of x: part j computes
+ * y[rows_of[j]*ldy + parts[j].col + n] = x[rows_of[j]] . W_j[n] (0 <= rows_of[j] < M). A
+ * few tokens' routed experts in one call: a part per (token, expert) pair and projection. */
+PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+                          const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                          int nthreads);
 
 /* pq_linear's product for a long prompt, in bfloat16: x and each weight row are rounded
  * to bfloat16 (round to nearest even), the sums run in float32 and y is float32. Only

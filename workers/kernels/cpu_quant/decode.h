@@ -120,6 +120,23 @@ static inline void pq_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t 
     }
 }
 
+/* All 8 (scale, min) pairs of pq_k_scale_min at once, four bytes to a 32-bit word: bytes
+ * 0-3 hold the low 6 bits of scales 0-3, bytes 4-7 of mins 0-3, and bytes 8-11 the low 4
+ * bits of scale j+4 | min j+4 << 4, whose top 2 bits are the top bits of bytes j and j+4.
+ * A fraction of the per-byte form's instructions: the fused Q4_K dot runs this for every
+ * super-block of a row. Little-endian words: the x86 kernels' only. */
+static inline void pq_k_scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
+    const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & top2) << 4),
+                               b & low6, ((c >> 4) & low4) | (((b >> 6) & top2) << 4)};
+    memcpy(sc, words, 8);
+    memcpy(m, words + 2, 8);
+}
+
 /* The factors of the 8 sub-blocks of 32 of a Q4_K/Q5_K super-block (12 packed scale bytes):
  * scale d*sc and offset -(dmin*m), each written for both of the sub-block's groups of 16. */
 static inline void pq_k_factors(const uint8_t *s, float d, float dmin, float *scale, float *offset) {

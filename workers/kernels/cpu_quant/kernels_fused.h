@@ -103,13 +103,13 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
                                                             const int R, float *out) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const int64_t n256 = x.K / 256;
-    __m256 acc[R], off[R];
+    __m256 acc[R], acc_hi[R], off[R]; /* two chains of dependent adds, not one */
     float f[R][8];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = acc_hi[r] = off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 144 * sb;
         uint8_t sc[8], m[8];
-        for (int j = 0; j < 8; j++) pq_k_scale_min(blk + 4, j, &sc[j], &m[j]);
+        pq_k_scales_mins(blk + 4, sc, m);
         const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)),
                      dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
         for (int r = 0; r < R; r++) {
@@ -131,12 +131,12 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
                 const int16_t *q = x.q + r * x.K + 256 * sb + 64 * i;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(l0, q), l1, q + 16)),
                                          _mm256_set1_ps(f[r][2 * i]), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(h0, q + 32), h1, q + 48)),
-                                         _mm256_set1_ps(f[r][2 * i + 1]), acc[r]);
+                acc_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(h0, q + 32), h1, q + 48)),
+                                            _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - hsum(off[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[r], acc_hi[r])) - hsum(off[r]);
 }
 
 /* The sums of one 32-element block's two groups of 16, four int32 lanes each: group one in
