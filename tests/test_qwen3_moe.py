@@ -432,8 +432,8 @@ def blocks_gguf(hf_moe, tmp_path_factory) -> str:
 def _gguf_runner(path: str, **kw):
     from pocketllm.workers.runner import ModelRunner
 
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
-                      num_kv_blocks=64, max_num_seqs=4, **kw)
+    kw = {"num_kv_blocks": 64, "max_num_seqs": 4, **kw}
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, **kw)
     return ModelRunner(load_model_info(args), args)
 
 
@@ -668,3 +668,28 @@ def test_block_experts_match_llama_cpp_on_a_q4_k_m_file(synthetic_gguf, monkeypa
     assert cosine.min() > 0.999, cosine
     assert (ours.argmax(1) == theirs.argmax(1)).all()
     assert theirs.std() > 0.1  # logits that vary: a degenerate file would prove little
+
+
+@needs_kernels
+def test_decode_stack_in_one_call_equals_the_module_path(synthetic_gguf):
+    """A decode step of an MoE file kept in blocks is one library call for every layer
+    (``kernels/cpu_layer``: attention, the router, its softmax top-k and the experts' pairs
+    in C): the module path's tokens, log probabilities within 1e-4. (``blocks_gguf``'s
+    attention is float, so it keeps the module path.)"""
+    path = synthetic_gguf
+    rng = random.Random(3)
+    # 40 sequences: a decode step's 80 (token, expert) pairs take two calls of 64 at most
+    prompts = {"a": SYNTH_PROMPT, **{f"r{i}": [1] + [rng.randrange(3, 49152) for _ in range(4)]
+                                     for i in range(39)}}
+    results = []
+    for fused in (True, False):
+        runner = _gguf_runner(path, max_num_seqs=40, num_kv_blocks=256)
+        if not fused:
+            runner.model._fused = False  # the per-module path
+        out, driver = run(runner, prompts, new_tokens=12)
+        assert bool(runner.model._fused) == fused
+        results.append((out, {r: [lp.logprob for lp in driver.reqs[r].logprobs] for r in prompts}))
+    (out, lps), (ref, ref_lps) = results
+    assert out == ref
+    for r in prompts:
+        assert max(abs(a - b) for a, b in zip(lps[r], ref_lps[r])) < 1e-4

@@ -6,7 +6,10 @@ the interpreter's code and data: a third of the embedded model's decode step. He
 layer is bound once to a C description (its block parts, norm weights, shape) and a
 decode step calls ``pq_decoder_layer`` per layer; the C side runs the same operations
 in the same order, so the tokens and logits are those of the module path, bit for bit
-(``tests/test_cpu_layer.py``).
+(``tests/test_cpu_layer.py``). Routed experts (Qwen3-MoE kept in blocks) run in the same
+call: the router, its softmax top-k and each (token, expert) pair's products
+(``pq_linear_rows``), equal to the module path's to float rounding
+(``tests/test_qwen3_moe.py``).
 
 A model takes this path where every layer binds: CPU, float32, one rank, every
 projection kept as GGUF blocks (no float part), and a family that declares its MLP's
@@ -22,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import cpu_ops, cpu_quant
-from .cpu_lib import Layer, Linear, StackLayer, StepRope, StepView
+from .cpu_lib import Experts, Layer, Linear, Part, StackLayer, StepRope, StepView
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     if t is None:
@@ -41,34 +44,64 @@ def _linear(module) -> Optional[Linear]:
     return Linear(ctypes.addressof(bound.parts), len(bound.parts), _ptr(module.bias))
 
 
+def _experts(moe) -> Optional[tuple[Experts, tuple]]:
+    """Routed experts kept in blocks, bound for the library (with the part arrays its
+    description points into), or None where the library's experts cannot compute them:
+    softmax top-k routing only, no biases, one rank, every part a block type."""
+    from ..layers.moe import SoftmaxTopK
+
+    blocks = moe.blocks
+    if (blocks is None or not blocks.all_blocks or not isinstance(moe.routing, SoftmaxTopK)
+            or moe.b13 is not None or moe.gate_bias is not None or moe.tp.world != 1
+            or not isinstance(moe.act, str) or moe.gate.dtype != torch.float32):
+        return None
+    count = moe.spec.num_experts
+    gate_up = (Part * (2 * count))(*[p for w in blocks.gate_up for p in w.bound().parts])
+    down = (Part * count)(*[w.bound().parts[0] for w in blocks.down])
+    desc = Experts(count, moe.spec.top_k, int(moe.routing.renormalize), _ptr(moe.gate),
+                   ctypes.addressof(gate_up), ctypes.addressof(down))
+    return desc, (gate_up, down)
+
+
 class CpuDecoderLayer:
     """One decoder layer bound for ``pq_decoder_layer``; ``bind`` says None where it cannot."""
 
-    def __init__(self, desc: Layer):
-        # desc points into the layer's own tensors and bound parts, which outlive it (the
-        # model binds again after loading new weights)
-        self.desc = desc
+    def __init__(self, desc: Layer, keep: tuple = ()):
+        # desc points into the layer's own tensors and bound parts (and ``keep``'s arrays),
+        # which outlive it (the model binds again after loading new weights)
+        self.desc, self.keep = desc, keep
 
     @classmethod
     def bind(cls, layer) -> Optional["CpuDecoderLayer"]:
         attn, mlp = layer.self_attn, layer.mlp
         norms = layer.mlp_norms()
-        if norms is None:  # a family with no fused form (an MoE layer has no gate_up_proj)
-            return None
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if (norms is None or None in linears or mlp.hidden_act not in cpu_ops.ACTIVATIONS
-                or attn.o_proj.tp.world != 1):
+        if norms is None or attn.o_proj.tp.world != 1 or attn.sinks is not None:
+            return None  # a family with no fused form (DeepSeek's, gpt-oss's attention)
+        experts, keep = Experts(), ()
+        from ..layers.moe import FusedMoE
+
+        if isinstance(mlp, FusedMoE):  # routed experts: no dense gate/up and down
+            bound = _experts(mlp)
+            if bound is None:
+                return None
+            experts, keep = bound
+            act, inter, mlp_linears = mlp.act, mlp.inter.size, [Linear(), Linear()]
+        else:
+            act, inter = mlp.hidden_act, mlp.down_proj.in_shard.size
+            mlp_linears = [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
+        linears = [_linear(attn.qkv_proj), _linear(attn.o_proj), *mlp_linears]
+        if None in linears or act not in cpu_ops.ACTIVATIONS:
             return None
         post_attn, ff, post_ff = norms
         qn, kn = attn.q_norm, attn.k_norm
         desc = Layer(
             attn.qkv_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            mlp.down_proj.in_shard.size, layer.input_layernorm.eps, attn.scale,
-            attn.softcap or 0.0, cpu_ops.ACTIVATIONS[mlp.hidden_act],
+            inter, layer.input_layernorm.eps, attn.scale,
+            attn.softcap or 0.0, cpu_ops.ACTIVATIONS[act],
             _ptr(layer.input_layernorm.weight), _ptr(qn.weight if qn else None),
             _ptr(kn.weight if kn else None), _ptr(post_attn.weight if post_attn else None),
-            _ptr(ff.weight), _ptr(post_ff.weight if post_ff else None), *linears)
-        return cls(desc)
+            _ptr(ff.weight), _ptr(post_ff.weight if post_ff else None), *linears, experts)
+        return cls(desc, keep)
 
 
 class CpuDecoderStack:

@@ -132,12 +132,19 @@ class Linear(ctypes.Structure):
     _fields_ = [("parts", _p), ("nparts", _i64), ("bias", _p)]
 
 
+class Experts(ctypes.Structure):
+    """``pq_layer_experts``: routed experts in place of the MLP (count 0: none)."""
+    _fields_ = [("count", _i64), ("top_k", _i64), ("renormalize", _i64), ("router", _p),
+                ("gate_up", _p), ("down", _p)]
+
+
 class Layer(ctypes.Structure):
     _fields_ = ([(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [(name, _f32) for name in ("eps", "scale", "softcap")] + [("act", _i64)]
                 + [(name, _p) for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
                                            "ff_norm", "post_ff_norm")]
-                + [(name, Linear) for name in ("qkv", "o", "gate_up", "down")])
+                + [(name, Linear) for name in ("qkv", "o", "gate_up", "down")]
+                + [("experts", Experts)])
 
 
 class StackLayer(ctypes.Structure):

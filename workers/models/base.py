@@ -23,6 +23,7 @@ from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.block_weight import BlockWeight
+from ..layers.moe import FusedMoE
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
@@ -260,8 +261,10 @@ class PreNormDecoderLayer(DecoderLayer):
                                residual)
 
     def mlp_norms(self):
-        # the fused CPU decode layer computes Attention and a dense gated MLP, nothing else
-        fused = isinstance(self.self_attn, Attention) and isinstance(self.mlp, GatedMLP)
+        # the fused CPU decode layer computes Attention and a dense gated MLP or routed
+        # experts (kernels/cpu_layer.py refuses the experts it cannot compute)
+        fused = (isinstance(self.self_attn, Attention)
+                 and isinstance(self.mlp, (GatedMLP, FusedMoE)))
         return (None, self.post_attention_layernorm, None) if fused else None
 
 

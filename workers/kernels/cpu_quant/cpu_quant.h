@@ -123,6 +123,18 @@ typedef struct {
     const float *bias;
 } pq_layer_linear;
 
+/* Routed experts (Qwen3-MoE's): router float32 [count, hidden]; each token's routing is a
+ * softmax over the count logits in float32, the top_k largest kept (ties: the lower
+ * expert), divided by their sum when renormalize; expert e's [gate | up] is the two parts
+ * gate_up[2e], gate_up[2e + 1] (columns 0 and inter) and its down the part down[e]; each
+ * token's output is the sum over its k experts, in the order chosen, of weight * down(
+ * act(gate) * up). inter is the layer's (pq_layer.inter). */
+typedef struct {
+    int64_t count, top_k, renormalize;
+    const float *router;
+    const pq_part *gate_up, *down;
+} pq_layer_experts;
+
 /* A pre-norm decoder layer. Norm weights are float32 [hidden] (q/k norms [head_dim]);
  * NULL where the family has none. The MLP's input norm is ff_norm (Llama's
  * post_attention_layernorm, Gemma's pre_feedforward_layernorm); Gemma's sandwich norms
@@ -133,6 +145,7 @@ typedef struct {
     int64_t act;               /* PQ_ACT_* */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ff_norm, *post_ff_norm;
     pq_layer_linear qkv, o, gate_up, down;
+    pq_layer_experts experts; /* experts.count > 0: routed experts in place of the MLP */
 } pq_layer;
 
 /* M one-token decode rows through layer L: x [M, hidden] and res_in (NULL for the first
@@ -140,7 +153,8 @@ typedef struct {
  * after it), both [M, hidden] contiguous. cos/sin [M, head_dim/2] (row stride lc) rotate
  * q and k; row m's k/v are written to cache slot slots[m] of k_cache/v_cache ([slots,
  * kv_heads, head_dim]), then attend as pq_decode_attention does over gather/Lk/lengths.
- * Computes what the module path computes with the operations above, bit for bit. */
+ * Computes what the module path computes with the operations above, bit for bit; with
+ * routed experts, to float rounding (the router's dots and softmax are the library's own). */
 PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
                             const float *cos, const float *sin, int64_t lc, float *k_cache,
                             float *v_cache, const int64_t *slots, const int64_t *gather,

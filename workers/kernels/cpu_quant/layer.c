@@ -6,6 +6,7 @@
  * It composes the library's own exported operations (pq_linear, pq_rms_norm, pq_rotary,
  * pq_act_and_mul, pq_decode_attention) in the order the Python layers call them, so a
  * row computes bit for bit what the module path computes. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,6 +29,7 @@ static float *grow(grown *b, int64_t elems) {
 
 static grown g_work;   /* a layer's intermediate rows */
 static grown g_stream; /* the stack's residual stream: two (x, residual) pairs, in turn */
+static grown g_experts; /* a routed-experts MLP's logits, weights and pair rows */
 
 static int linear(const pq_layer_linear *l, int64_t K, const float *x, int64_t M, float *y,
                   int64_t N, int nthreads) {
@@ -41,6 +43,87 @@ static int linear(const pq_layer_linear *l, int64_t K, const float *x, int64_t M
 static void add_norm(const float *x, const float *res, int64_t M, int64_t D, const float *w,
                      float eps, float *out, float *res_out) {
     pq_rms_norm(x, M, 1, D, D, 0, res, D, 0, w, eps, out, res_out);
+}
+
+/* Softmax top-k of one row of router logits (pq_layer_experts' rule). */
+static void route(const float *logits, int64_t n, int64_t k, int renormalize, float *w,
+                  int64_t *ids) {
+    float mx = logits[0], sum = 0.0f;
+    for (int64_t e = 1; e < n; e++) mx = logits[e] > mx ? logits[e] : mx;
+    for (int64_t e = 0; e < n; e++) sum += expf(logits[e] - mx);
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[j] = best;
+        w[j] = expf(logits[best] - mx) / sum;
+        total += w[j];
+    }
+    if (renormalize)
+        for (int64_t j = 0; j < k; j++) w[j] /= total;
+}
+
+/* h [M, E] (the normed rows) through the routed experts into out [M, E]. Each (token,
+ * choice) pair is a row of the scratch rows: one pq_linear_rows call for every pair's
+ * [gate | up] and one for their down products, at most PQ_MAX_PARTS parts a call. */
+static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out, int nthreads) {
+    const pq_layer_experts *X = &L->experts;
+    const int64_t E = L->hidden, I = L->inter, k = X->top_k, P = M * k;
+    float *buf = grow(&g_experts, M * X->count + P * (E + 3 * I + E) + P);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)P);
+    if (buf == NULL || ids == NULL) {
+        free(ids);
+        return PQ_ERR_NOMEM;
+    }
+    float *logits = buf, *w = logits + M * X->count, *xp = w + P, *gu = xp + P * E,
+          *act = gu + P * 2 * I, *y = act + P * I;
+    for (int64_t m = 0; m < M; m++) { /* the router: float32 dots in 16 lanes (E % 32 == 0) */
+        for (int64_t e = 0; e < X->count; e++) {
+            const float *r = X->router + e * E, *x = h + m * E;
+            float acc[16] = {0};
+            for (int64_t c = 0; c < E; c += 16)
+                for (int l = 0; l < 16; l++) acc[l] += r[c + l] * x[c + l];
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            logits[m * X->count + e] = sum;
+        }
+        route(logits + m * X->count, X->count, k, (int)X->renormalize, w + m * k, ids + m * k);
+        for (int64_t j = 0; j < k; j++)
+            memcpy(xp + (m * k + j) * E, h + m * E, sizeof(float) * (size_t)E);
+    }
+    pq_part parts[PQ_MAX_PARTS];
+    int64_t rows[PQ_MAX_PARTS];
+    int rc = PQ_OK;
+    for (int64_t p0 = 0; p0 < P && rc == PQ_OK; p0 += PQ_MAX_PARTS / 2) {
+        const int64_t n = P - p0 < PQ_MAX_PARTS / 2 ? P - p0 : PQ_MAX_PARTS / 2;
+        for (int64_t p = 0; p < n; p++) {
+            parts[2 * p] = X->gate_up[2 * ids[p0 + p]];
+            parts[2 * p + 1] = X->gate_up[2 * ids[p0 + p] + 1];
+            rows[2 * p] = rows[2 * p + 1] = p;
+        }
+        rc = pq_linear_rows(parts, rows, (int)(2 * n), E, xp + p0 * E, n, E, gu + p0 * 2 * I,
+                            2 * I, nthreads);
+        if (rc == PQ_OK) rc = pq_act_and_mul(L->act, gu + p0 * 2 * I, n, I, 2 * I, act + p0 * I);
+        for (int64_t p = 0; p < n; p++) parts[p] = X->down[ids[p0 + p]], rows[p] = p;
+        if (rc == PQ_OK)
+            rc = pq_linear_rows(parts, rows, (int)n, I, act + p0 * I, n, I, y + p0 * E, E,
+                                nthreads);
+    }
+    free(ids);
+    if (rc != PQ_OK) return rc;
+    for (int64_t m = 0; m < M; m++) { /* each token's k rows, scaled, summed in order */
+        float *o = out + m * E;
+        for (int64_t c = 0; c < E; c++) o[c] = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            const float *r = y + (m * k + j) * E, wj = w[m * k + j];
+            for (int64_t c = 0; c < E; c++) o[c] += r[c] * wj;
+        }
+    }
+    return PQ_OK;
 }
 
 PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
@@ -90,6 +173,7 @@ PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_
 
     /* MLP: norm(o + residual) -> gate/up -> act(gate) * up -> down (-> its norm) */
     add_norm(o, res1, M, E, L->ff_norm, L->eps, h, res_out);
+    if (L->experts.count > 0) return experts_mlp(L, h, M, x_out, nthreads);
     if ((rc = linear(&L->gate_up, E, h, M, gu, 2 * I, nthreads)) != PQ_OK) return rc;
     if ((rc = pq_act_and_mul(L->act, gu, M, I, 2 * I, act)) != PQ_OK) return rc;
     float *down = L->post_ff_norm != NULL ? o : x_out;
