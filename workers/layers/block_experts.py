@@ -7,11 +7,14 @@ the mapped file, multiplied by the same integer kernels as a dense layer's
 (``kernels/cpu_quant``): a one-token step reads only the k experts it was routed to,
 in their block type.
 
-The computation is ``torch_experts``' (``layers/moe.py``): rows sorted by expert, one
-[gate | up] product, the activation and one down product per expert hit, each row
-scaled by its routing weight and summed per token, in float32 (the CPU path's dtype).
-A group of at least ``float_rows`` rows (prefill) takes the float product, as a dense
-layer's does.
+The computation is ``torch_experts``' (``layers/moe.py``), in float32 (the CPU path's
+dtype): each (token, expert) pair's [gate | up] product, the activation and the down
+product, scaled by its routing weight and summed per token in a fixed order. A few pairs
+(decode) take one library call per projection, each pair a row bound to its expert's
+parts (``_pairs``); more are sorted by expert, one product per expert hit, an expert of
+at least ``float_rows`` rows taking the float product as a dense layer's does
+(``_grouped``). A decode step whose layers all bind runs this in C instead
+(``kernels/cpu_layer.py``).
 """
 
 from __future__ import annotations

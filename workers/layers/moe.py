@@ -9,7 +9,8 @@ The seam every MoE family shares (Qwen3-MoE, DeepSeek-V2/V3 and gpt-oss):
   bias: a module, so its parameter loads with the layer) and
   ``SoftmaxGroupLimitedTopK`` DeepSeek-V2's;
 * ``FusedMoE`` holds every expert's gate/up and down matrices stacked
-  (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]) and computes
+  (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]; on the CPU, experts a GGUF stores
+  in block types stay in them instead, ``layers/block_experts.BlockExperts``) and computes
   ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts
   (with ``MoeSpec.expert_bias``, each product adds its expert's bias; with
   ``swiglu_limit``, gpt-oss's clamped SwiGLU replaces ``act(gate) * up``).
@@ -178,7 +179,7 @@ def _warn_dequantized(dtype: torch.dtype) -> None:
     global _warned_dequantized
     _warned_dequantized = True
     logger.warning("the experts stored in GGUF block types are dequantized to %s at load: "
-                   "this device has no block-type expert kernel (the CPU has)", dtype)
+                   "the block kernels run on the CPU only, with the C library built", dtype)
 
 
 def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int, scaling: float = 1.0):

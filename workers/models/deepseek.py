@@ -37,7 +37,7 @@ from ..layers.attention import AttentionBackend
 from ..layers.mla import MlaBackend, MLAttention, deinterleave_rope
 from ..layers.moe import FusedMoE, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK
 from ..layers.norm import RMSNorm
-from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, expert_types
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
 from .weight_targets import WeightTarget, row_parallel_targets
 from .config import MlaSpec, MoeArchConfig, MoeSpec, as_int, get, rope_params
 
@@ -236,7 +236,7 @@ class DeepseekMoE(nn.Module):
         else:
             routing = SoftmaxGroupLimitedTopK(r.group_limited, r.n_group, r.topk_group, r.scaling)
         self.experts = FusedMoE(cfg.hidden_size, moe, routing, device, dtype, tp,
-                                router_dtype=torch.float32, stored=expert_types(cfg, index))
+                                router_dtype=torch.float32)
         self.tp = tp
         self.shared_experts: Optional[GatedMLP] = None
         if cfg.n_shared_experts:

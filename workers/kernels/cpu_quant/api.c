@@ -269,35 +269,35 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     return run_parts(&part, NULL, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
 }
 
-PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
-                     int64_t ldx, float *y, int64_t ldy, int nthreads) {
+/* pq_linear, and with rows_of (not NULL) pq_linear_rows: quantize x's M rows once, then
+ * every part's rows against all of them or against its own one. */
+static int linear_parts(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+                        const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                        int nthreads) {
     init_once();
     if (g_isa < 0) return PQ_ERR_ISA;
     if (M > 1 && ldx < K) return PQ_ERR_ARG;
     int64_t total;
     int rc = check_parts(parts, nparts, K, M, ldy, &total);
     if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
-    return run_parts(parts, NULL, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
-}
-
-PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
-                          const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
-                          int nthreads) {
-    init_once();
-    if (g_isa < 0) return PQ_ERR_ISA;
-    if (M > 1 && ldx < K) return PQ_ERR_ARG;
-    int64_t total;
-    int rc = check_parts(parts, nparts, K, M, ldy, &total);
-    if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    for (int j = 0; j < nparts; j++)
+    for (int j = 0; rows_of != NULL && j < nparts; j++)
         if (rows_of[j] < 0 || rows_of[j] >= M) return PQ_ERR_ARG;
     if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
     return run_parts(parts, rows_of, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
+}
+
+PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
+                     int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    return linear_parts(parts, NULL, nparts, K, x, M, ldx, y, ldy, nthreads);
+}
+
+PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+                          const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                          int nthreads) {
+    if (rows_of == NULL) return PQ_ERR_ARG;
+    return linear_parts(parts, rows_of, nparts, K, x, M, ldx, y, ldy, nthreads);
 }
 
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,
