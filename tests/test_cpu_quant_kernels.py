@@ -179,32 +179,36 @@ def test_row_strided_weights_and_thread_counts():
                               rtol=0, atol=0)
 
 
-def test_linear_rows_multiplies_each_part_with_its_own_row():
-    """Each part on one row of x, into that row of out at the part's column: the same values
-    as the whole-matrix product of that row (a row's arithmetic does not depend on which
-    other rows share the call), on every variant; bad rows and part counts refused."""
+def test_linear_rows_multiplies_each_part_with_its_own_rows():
+    """Each part on its own run of x's rows, into those rows of out at the part's column:
+    the same values as the whole-matrix product of those rows alone (a row's arithmetic
+    does not depend on the rows beside it, but for a lone Q8_0 row's block order), on
+    every variant; bad runs and part counts refused."""
     k = 512
     types = (12, 14, 8, 2)  # Q4_K, Q6_K, Q8_0, Q4_0: the fused and the decode-buffer paths
     weights = [random_blocks(t, 24, k, seed=t) for t in types]
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
-    assignments = [(0, 2, 0), (1, 2, 24), (2, 0, 0), (3, 4, 0), (0, 4, 24), (1, 1, 0)]
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(1))
+    # (weight, first row, rows, column)
+    runs = [(0, 2, 1, 0), (1, 2, 1, 24), (2, 0, 2, 0), (3, 4, 3, 0), (0, 4, 3, 24), (1, 7, 1, 0)]
     for isa in cq.supported_isas():
         with cq.forcing_isa(isa):
             bound = [cq.BlockLinear(k, [(types[j], weights[j], col)]).parts[0]
-                     for j, _, col in assignments]
-            out = torch.full((5, 48), float("nan"))
-            cq.linear_rows(bound, [row for _, row, _ in assignments], k, x, out)
-            for j, row, col in assignments:
-                alone = cq.mul_mat(types[j], weights[j], k, cq.quantize_activations(x[row:row + 1]),
-                                   torch.empty(1, 24))
-                assert torch.equal(out[row, col:col + 24], alone[0]), (isa, j, row)
-            assert out[3, 24:].isnan().all()  # row 3 got one part, at column 0
-    with pytest.raises(ValueError, match="rows must lie"):
-        cq.linear_rows(bound[:1], [5], k, x, out)
+                     for j, _, _, col in runs]
+            out = torch.full((8, 48), float("nan"))
+            cq.linear_rows(bound, [(first, n) for _, first, n, _ in runs], k, x, out)
+            for j, first, n, col in runs:
+                alone = cq.mul_mat(types[j], weights[j], k,
+                                   cq.quantize_activations(x[first:first + n]), torch.empty(n, 24))
+                assert torch.equal(out[first:first + n, col:col + 24], alone), (isa, j, first)
+            assert out[0:2, 24:].isnan().all() and out[3].isnan().all() and out[7, 24:].isnan().all()
+    with pytest.raises(ValueError, match="row range"):
+        cq.linear_rows(bound[:1], [(7, 2)], k, x, out)
+    with pytest.raises(ValueError, match="row range"):
+        cq.linear_rows(bound[:1], [(0, 0)], k, x, out)
     with pytest.raises(ValueError, match="1 to 128 parts"):
-        cq.linear_rows(bound[:1] * 129, [0] * 129, k, x, out)
+        cq.linear_rows(bound[:1] * 129, [(0, 1)] * 129, k, x, out)
     with pytest.raises(ValueError, match="out must be"):
-        cq.linear_rows(bound[:2], [0, 1], k, x, torch.empty(5, 40))
+        cq.linear_rows(bound[:2], [(0, 1), (1, 1)], k, x, torch.empty(8, 40))
 
 
 def test_quantize_activations_scheme():

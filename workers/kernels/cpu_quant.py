@@ -220,17 +220,18 @@ class BlockLinear:
 MAX_PARTS = 128  # PQ_MAX_PARTS: the most parts one product takes
 
 
-def linear_rows(parts: list[Part], rows: list[int], k: int, x: torch.Tensor, out: torch.Tensor,
-                threads: int = 0) -> torch.Tensor:
-    """out[rows[j], col_j:col_j + rows_j] = x[rows[j]] @ W_j^T for each part j, in one library
-    call: ``parts`` are ``BlockLinear.parts`` entries (already checked, bound to weights
-    their owners keep alive); x float32 [M, K], out float32 [M, >= every part's last
-    column], both contiguous. A few tokens' routed experts: a part per (token, expert)
-    pair and projection, each on its pair's row."""
+def linear_rows(parts: list[Part], ranges: list[tuple[int, int]], k: int, x: torch.Tensor,
+                out: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    """out[r, col_j:col_j + rows_j] = x[r] @ W_j^T for each part j and each row r of its run
+    ``ranges[j]`` = (first row, row count), in one library call: ``parts`` are
+    ``BlockLinear.parts`` entries (already checked, bound to weights their owners keep
+    alive); x float32 [M, K], out float32 [M, >= every part's last column], both
+    contiguous. Routed experts: a part per expert and projection over its rows (sorted
+    by expert), or per (token, expert) pair over the pair's row."""
     n = len(parts)
-    if not 0 < n <= MAX_PARTS or len(rows) != n:
-        raise ValueError(f"linear_rows takes 1 to {MAX_PARTS} parts with one row each, got "
-                         f"{n} parts and {len(rows)} rows")
+    if not 0 < n <= MAX_PARTS or len(ranges) != n:
+        raise ValueError(f"linear_rows takes 1 to {MAX_PARTS} parts with one row range each, "
+                         f"got {n} parts and {len(ranges)} ranges")
     m = x.shape[0]
     if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous()
             or x.device.type != "cpu"):
@@ -240,10 +241,11 @@ def linear_rows(parts: list[Part], rows: list[int], k: int, x: torch.Tensor, out
             or not out.is_contiguous()):
         raise ValueError(f"out must be contiguous float32 [{m}, >= {width}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if min(rows) < 0 or max(rows) >= m:
-        raise ValueError(f"rows must lie in [0, {m}), got [{min(rows)}, {max(rows)}]")
+    flat = [v for first, count in ranges for v in (first, count)]
+    if any(first < 0 or count < 1 or first + count > m for first, count in ranges):
+        raise ValueError(f"each row range must be a run of at least one row inside [0, {m})")
     bound = (Part * n)(*parts)
-    rc = _lib().pq_linear_rows(ctypes.addressof(bound), (ctypes.c_int64 * n)(*rows), n, k,
+    rc = _lib().pq_linear_rows(ctypes.addressof(bound), (ctypes.c_int64 * (2 * n))(*flat), n, k,
                                x.data_ptr(), m, k, out.data_ptr(), out.shape[1],
                                _check_threads(threads))
     _raise_for(rc, None, "linear_rows")

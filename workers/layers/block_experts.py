@@ -9,12 +9,12 @@ in their block type.
 
 The computation is ``torch_experts``' (``layers/moe.py``), in float32 (the CPU path's
 dtype): each (token, expert) pair's [gate | up] product, the activation and the down
-product, scaled by its routing weight and summed per token in a fixed order. A few pairs
-(decode) take one library call per projection, each pair a row bound to its expert's
-parts (``_pairs``); more are sorted by expert, one product per expert hit, an expert of
-at least ``float_rows`` rows taking the float product as a dense layer's does
-(``_grouped``). A decode step whose layers all bind runs this in C instead
-(``kernels/cpu_layer.py``).
+product, scaled by its routing weight and summed per token in a fixed order. The rows go
+to the library in runs, each bound to its expert's parts, as many runs a call as it
+takes (``cpu_quant.linear_rows``): a few pairs (decode) a run each, more sorted by
+expert into a run per expert hit; a run of at least ``float_rows`` rows takes the float
+product as a dense layer's does. A decode step whose layers all bind runs this in C
+instead (``kernels/cpu_layer.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch import nn
 from .activation import GatedAct, gated
 from .block_weight import BlockWeight
 
-# Steps of at most this many (token, expert) pairs multiply each pair on its own row in
-# one library call per projection (``_pairs``); larger ones group rows by expert, so
-# that each expert's weights are read once for all its rows (``_grouped``).
+# Steps of at most this many (token, expert) pairs multiply each pair as a run of its own
+# (decode: no sort); larger ones sort the pairs by expert, so that each expert's weights
+# are read once for all its rows.
 PAIRS_MAX = 32
 
 
@@ -47,7 +47,7 @@ class BlockExperts(nn.Module):
         self.down = nn.ModuleList(
             BlockWeight(local, [hidden], [down], float_rows, prefill) for _ in range(num_experts))
         self.hidden = hidden
-        # The pairs' one-call products need every part in a block type (a float part
+        # Runs batched into library calls need every part in a block type (a float part
         # takes torch's product, outside the library's).
         self.all_blocks = all(t is not None for t in stored)
         from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
@@ -63,64 +63,53 @@ class BlockExperts(nn.Module):
         """x [T, H]; weights [T, k] float32; ids [T, k] -> [T, H] in x's dtype; ``b13``,
         ``b2``: the experts' biases, if any (as ``torch_experts``)."""
         tokens, k = ids.shape
-        if tokens * k <= PAIRS_MAX and self.all_blocks:
-            rows = self._pairs(x, ids)
-        else:
-            rows = self._grouped(x, ids)
-        h = rows[0]
+        flat = ids.reshape(-1)
+        if tokens * k <= PAIRS_MAX:  # each (token, expert) pair its own run, token order
+            order = None
+            runs = [(e, p, 1) for p, e in enumerate(flat.tolist())]
+        else:  # the pairs sorted by expert, a run per expert hit
+            order = torch.argsort(flat, stable=True)
+            runs, first = [], 0
+            for e, count in enumerate(torch.bincount(flat, minlength=len(self.down)).tolist()):
+                if count:
+                    runs.append((e, first, count))
+                    first += count
+        rows = x.float()[order // k] if order is not None else x.float().repeat_interleave(k, 0)
+        h = self._product(self.gate_up, runs, rows)
+        chosen = flat if order is None else flat[order]
         if b13 is not None:
-            h += b13[ids.reshape(-1)].float()
-        y = rows[1](gated(act)(h))
+            h += b13[chosen].float()
+        y = self._product(self.down, runs, gated(act)(h))
         if b2 is not None:
-            y += b2[ids.reshape(-1)].float()
+            y += b2[chosen].float()
+        if order is not None:  # back to (token, choice) order
+            y[order] = y.clone()
         # each token's k rows scaled and summed in a fixed order
         out = y.view(tokens, k, self.hidden).mul_(weights.float().unsqueeze(-1)).sum(1)
         return out.to(x.dtype)
 
-    def _pairs(self, x: torch.Tensor, ids: torch.Tensor):
-        """A few tokens: one library call for every (token, expert) pair's [gate | up], one
-        for their down products; each pair is a row, its parts bound to its expert. ->
-        ([gate | up] rows [T*k, 2I], the down product of [T*k, I] rows)."""
-        tokens, k = ids.shape
-        experts = ids.reshape(-1).tolist()
-        pairs = x.float().repeat_interleave(k, dim=0)  # row p: token p // k
-        gate_up = torch.empty(len(experts), self.gate_up[0].out_features)
-        parts = [part for e in experts for part in self.gate_up[e].bound().parts]
-        self.kernels.linear_rows(parts, [p for p in range(len(experts)) for _ in (0, 1)],
-                                 self.gate_up[0].in_features, pairs, gate_up)
-
-        def down(h: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(len(experts), self.hidden)
-            self.kernels.linear_rows([self.down[e].bound().parts[0] for e in experts],
-                                     list(range(len(experts))), h.shape[1], h.contiguous(), out)
-            return out
-
-        return gate_up, down
-
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor):
-        """Many tokens: rows sorted by expert, one [gate | up] and one down product per
-        expert hit (the float product from ``float_rows`` rows). -> ([gate | up] rows,
-        down) in (token, choice) order."""
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
-        bounds = [0]
-        for count in counts:
-            bounds.append(bounds[-1] + count)
-        picked = x.float()[order // ids.shape[1]]  # the rows in expert order, gathered once
-        gate_up = torch.empty(len(order), self.gate_up[0].out_features)
-        for expert, count in enumerate(counts):
-            if count:
-                part = slice(bounds[expert], bounds[expert + 1])
-                gate_up[order[part]] = self.gate_up[expert](picked[part])
-
-        def down(h: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(len(order), self.hidden)
-            h = h[order]
-            for expert, count in enumerate(counts):
-                if count:
-                    part = slice(bounds[expert], bounds[expert + 1])
-                    out[order[part]] = self.down[expert](h[part])
-            return out
-
-        return gate_up, down
+    def _product(self, weights: nn.ModuleList, runs: list[tuple[int, int, int]],
+                 rows: torch.Tensor) -> torch.Tensor:
+        """Each run (expert, first row, rows) of ``rows`` times its expert's ``weights``.
+        Runs of fewer than ``float_rows`` rows go to the library together, a part per run
+        and projection, up to ``MAX_PARTS`` parts a call; a longer run (a long prompt's)
+        takes its ``BlockWeight``'s float product, as does every run where a part is
+        float."""
+        out = torch.empty(rows.shape[0], weights[0].out_features)
+        rows = rows.contiguous()
+        batched = []
+        for run in runs:
+            e, first, count = run
+            if self.all_blocks and count < weights[e].float_rows:
+                batched.append(run)
+            else:
+                out[first:first + count] = weights[e](rows[first:first + count])
+        per_run = len(weights[0].part_rows)
+        step = self.kernels.MAX_PARTS // per_run
+        for i in range(0, len(batched), step):
+            chunk = batched[i:i + step]
+            self.kernels.linear_rows(
+                [part for e, _, _ in chunk for part in weights[e].bound().parts],
+                [(first, count) for _, first, count in chunk for _ in range(per_run)],
+                rows.shape[1], rows, out)
+        return out

@@ -210,7 +210,7 @@ static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, i
  * line of y; ~8 per thread) that the threads take in turn: on a machine whose cores also
  * run the engine's other processes, a thread that loses its core for a while no longer
  * holds every other thread at the region's end. */
-static int run_parts(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+static int run_parts(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                      const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
                      int64_t ldy, int64_t total, int nthreads) {
     const pq_isa_impl *isa = ISAS[g_isa];
@@ -245,8 +245,9 @@ static int run_parts(const pq_part *parts, const int64_t *rows_of, int nparts, i
             while (c >= first[j + 1]) j++;
             const pq_part *p = &parts[j];
             int64_t n0 = (c - first[j]) * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
-            /* rows_of: the part multiplies one row of the activations, into that row of y */
-            const int64_t r = rows_of != NULL ? rows_of[j] : 0, m = rows_of != NULL ? 1 : M;
+            /* ranges: the part multiplies its own run of activation rows, into those of y */
+            const int64_t r = ranges != NULL ? ranges[2 * j] : 0,
+                          m = ranges != NULL ? ranges[2 * j + 1] : M;
             pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q + r * K,
                             qp != NULL ? qp + r * K : NULL, d + r * (K / 32), gsum + r * (K / 16),
                             m, y + r * ldy + p->col, ldy, p->w + p->rows * p->row_bytes};
@@ -269,9 +270,9 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     return run_parts(&part, NULL, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
 }
 
-/* pq_linear, and with rows_of (not NULL) pq_linear_rows: quantize x's M rows once, then
- * every part's rows against all of them or against its own one. */
-static int linear_parts(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+/* pq_linear, and with ranges (not NULL) pq_linear_rows: quantize x's M rows once, then
+ * every part's rows against all of them or against its own run of them. */
+static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                         const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                         int nthreads) {
     init_once();
@@ -280,12 +281,13 @@ static int linear_parts(const pq_part *parts, const int64_t *rows_of, int nparts
     int64_t total;
     int rc = check_parts(parts, nparts, K, M, ldy, &total);
     if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    for (int j = 0; rows_of != NULL && j < nparts; j++)
-        if (rows_of[j] < 0 || rows_of[j] >= M) return PQ_ERR_ARG;
+    for (int j = 0; ranges != NULL && j < nparts; j++)
+        if (ranges[2 * j] < 0 || ranges[2 * j + 1] < 1 || ranges[2 * j] + ranges[2 * j + 1] > M)
+            return PQ_ERR_ARG;
     if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
-    return run_parts(parts, rows_of, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
+    return run_parts(parts, ranges, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
 }
 
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
@@ -293,11 +295,11 @@ PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x
     return linear_parts(parts, NULL, nparts, K, x, M, ldx, y, ldy, nthreads);
 }
 
-PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                           const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                           int nthreads) {
-    if (rows_of == NULL) return PQ_ERR_ARG;
-    return linear_parts(parts, rows_of, nparts, K, x, M, ldx, y, ldy, nthreads);
+    if (ranges == NULL) return PQ_ERR_ARG;
+    return linear_parts(parts, ranges, nparts, K, x, M, ldx, y, ldy, nthreads);
 }
 
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,

@@ -63,10 +63,12 @@ typedef struct {
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
                      int64_t ldx, float *y, int64_t ldy, int nthreads);
 
-/* pq_linear where each part multiplies one row of x: part j computes
- * y[rows_of[j]*ldy + parts[j].col + n] = x[rows_of[j]] . W_j[n] (0 <= rows_of[j] < M). A
- * few tokens' routed experts in one call: a part per (token, expert) pair and projection. */
-PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *rows_of, int nparts, int64_t K,
+/* pq_linear where each part multiplies its own run of x's rows: part j computes
+ * y[m*ldy + parts[j].col + n] = x[m] . W_j[n] for ranges[2j] <= m < ranges[2j] + ranges[2j+1]
+ * (a run of at least one row inside [0, M)). Routed experts in one call: a part per
+ * expert and projection over that expert's rows (rows sorted by expert), or per (token,
+ * expert) pair over the pair's row. */
+PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                           const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                           int nthreads);
 

@@ -96,19 +96,21 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
             memcpy(xp + (m * k + j) * E, h + m * E, sizeof(float) * (size_t)E);
     }
     pq_part parts[PQ_MAX_PARTS];
-    int64_t rows[PQ_MAX_PARTS];
+    int64_t rows[2 * PQ_MAX_PARTS]; /* each part's run of rows: (first, 1) */
     int rc = PQ_OK;
     for (int64_t p0 = 0; p0 < P && rc == PQ_OK; p0 += PQ_MAX_PARTS / 2) {
         const int64_t n = P - p0 < PQ_MAX_PARTS / 2 ? P - p0 : PQ_MAX_PARTS / 2;
         for (int64_t p = 0; p < n; p++) {
             parts[2 * p] = X->gate_up[2 * ids[p0 + p]];
             parts[2 * p + 1] = X->gate_up[2 * ids[p0 + p] + 1];
-            rows[2 * p] = rows[2 * p + 1] = p;
+            rows[4 * p] = rows[4 * p + 2] = p;
+            rows[4 * p + 1] = rows[4 * p + 3] = 1;
         }
         rc = pq_linear_rows(parts, rows, (int)(2 * n), E, xp + p0 * E, n, E, gu + p0 * 2 * I,
                             2 * I, nthreads);
         if (rc == PQ_OK) rc = pq_act_and_mul(L->act, gu + p0 * 2 * I, n, I, 2 * I, act + p0 * I);
-        for (int64_t p = 0; p < n; p++) parts[p] = X->down[ids[p0 + p]], rows[p] = p;
+        for (int64_t p = 0; p < n; p++)
+            parts[p] = X->down[ids[p0 + p]], rows[2 * p] = p, rows[2 * p + 1] = 1;
         if (rc == PQ_OK)
             rc = pq_linear_rows(parts, rows, (int)n, I, act + p0 * I, n, I, y + p0 * E, E,
                                 nthreads);
