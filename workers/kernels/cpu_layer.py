@@ -9,7 +9,7 @@ in the same order, so the tokens and logits are those of the module path, bit fo
 (``tests/test_cpu_layer.py``). Routed experts (Qwen3-MoE kept in blocks) run in the same
 call: the router, its softmax top-k and each (token, expert) pair's products
 (``pq_linear_rows``), equal to the module path's to float rounding
-(``tests/test_qwen3_moe.py``).
+(``tests/test_qwen3_moe_gguf.py``).
 
 A model takes this path where every layer binds: CPU, float32, one rank, every
 projection kept as GGUF blocks (no float part), and a family that declares its MLP's
