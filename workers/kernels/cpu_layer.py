@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..layers.moe import FusedMoE, SoftmaxTopK
 from . import cpu_ops, cpu_quant
 from .cpu_lib import Experts, Layer, Linear, Part, StackLayer, StepRope, StepView
 
@@ -48,8 +49,6 @@ def _experts(moe) -> Optional[tuple[Experts, tuple]]:
     """Routed experts kept in blocks, bound for the library (with the part arrays its
     description points into), or None where the library's experts cannot compute them:
     softmax top-k routing only, no biases, one rank, every part a block type."""
-    from ..layers.moe import SoftmaxTopK
-
     blocks = moe.blocks
     if (blocks is None or not blocks.all_blocks or not isinstance(moe.routing, SoftmaxTopK)
             or moe.b13 is not None or moe.gate_bias is not None or moe.tp.world != 1
@@ -78,8 +77,6 @@ class CpuDecoderLayer:
         if norms is None or attn.o_proj.tp.world != 1 or attn.sinks is not None:
             return None  # a family with no fused form (DeepSeek's, gpt-oss's attention)
         experts, keep = Experts(), ()
-        from ..layers.moe import FusedMoE
-
         if isinstance(mlp, FusedMoE):  # routed experts: no dense gate/up and down
             bound = _experts(mlp)
             if bound is None:

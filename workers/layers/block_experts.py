@@ -83,7 +83,7 @@ class BlockExperts(nn.Module):
         if b2 is not None:
             y += b2[chosen].float()
         if order is not None:  # back to (token, choice) order
-            y[order] = y.clone()
+            y = torch.empty_like(y).index_copy_(0, order, y)
         # each token's k rows scaled and summed in a fixed order
         out = y.view(tokens, k, self.hidden).mul_(weights.float().unsqueeze(-1)).sum(1)
         return out.to(x.dtype)
