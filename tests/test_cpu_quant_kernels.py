@@ -130,42 +130,37 @@ def test_mul_mat_matches_reference_on_every_variant(ggml_type, k):
             assert ((out.double() - base).abs() <= 2 * tight).all(), isa
 
 
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.float().bfloat16().double()
-
-
-@pytest.mark.skipif(not cq.has_bf16(), reason="the CPU lacks AVX-512 BF16 (or a variant is forced)")
 @pytest.mark.parametrize("ggml_type,k", CASES)
-def test_bf16_product_matches_rounded_reference(ggml_type, k):
-    """The prefill product: x and each decoded weight rounded to bfloat16 (to nearest even),
-    summed in float32. Two parts at column offsets inside a wider, NaN-fenced output; row
-    counts around the 32-row panels and part sizes off the 8-row tiles; thread counts."""
+def test_many_row_product_matches_reference_on_every_variant(ggml_type, k):
+    """The prompt's product (gemm_i16.c: activations packed by 16-row panels, weight rows
+    decoded to int16 a tile of 4 at a time): the same exact integer sums per block as the
+    row dots, so within float32 rounding of float64 ``xq @ W^T`` and of the row dots, on
+    every variant. Two parts at column offsets inside a NaN-fenced output; row counts
+    around the panels (a half panel up to 8 rows), part sizes off the tiles; thread
+    counts. Forced at every row count here; pq_linear takes it from ``gemm_rows()``."""
     rows = (37, 21)
     ws = [random_blocks(ggml_type, n, k, seed=ggml_type * 7 + n) for n in rows]
-    ref_w = torch.cat([_bf16(reference(ggml_type, w, k)) for w in ws])
-    linear = cq.BlockLinear(k, [(ggml_type, ws[0], 2), (ggml_type, ws[1], 2 + rows[0])])
+    wf = torch.cat([reference(ggml_type, w, k).double() for w in ws])
     g = torch.Generator().manual_seed(k)
-    for m, threads in ((1, 0), (31, 1), (33, 2), (70, 3)):
+    for m, threads in ((1, 0), (5, 2), (16, 1), (17, 2), (24, 0), (70, 3)):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-        exact = _bf16(x) @ ref_w.T
-        tight = 1e-5 * (_bf16(x).abs() @ ref_w.abs().T) + 1e-30
-        wide = torch.full((m, sum(rows) + 5), float("nan"))
-        linear(x, wide, threads=threads, bf16=True)
-        out = wide[:, 2:2 + sum(rows)]
-        assert wide[:, :2].isnan().all() and wide[:, 2 + sum(rows):].isnan().all()
-        err = (out.double() - exact).abs()
-        assert (err <= tight).all(), (m, float((err / tight).max()))
-
-
-def test_bf16_product_is_refused_where_it_cannot_run():
-    """With a variant other than avx512vnni forced (or a CPU without BF16), the product
-    is refused, never computed another way behind the caller's back."""
-    w = random_blocks(8, 16, 64, seed=1)
-    linear = cq.BlockLinear(64, [(8, w, 0)])
-    with cq.forcing_isa("scalar"):
-        assert not cq.has_bf16()
-        with pytest.raises(UnsupportedFeatureError):
-            linear(torch.randn(40, 64), torch.empty(40, 16), bf16=True)
+        act = cq.quantize_activations(x)
+        xq = act.q.double() * act.d.double().repeat_interleave(32, dim=1)
+        exact = xq @ wf.T
+        tight = 1e-5 * (xq.abs() @ wf.abs().T) + 1e-30
+        for isa in cq.supported_isas():
+            with cq.forcing_isa(isa):
+                linear = cq.BlockLinear(k, [(ggml_type, ws[0], 2), (ggml_type, ws[1], 2 + rows[0])])
+                wide = torch.full((m, sum(rows) + 5), float("nan"))
+                with cq.forcing_gemm_rows(1):
+                    linear(x, wide, threads=threads)
+                with cq.forcing_gemm_rows(1 << 40):  # the row dots, for comparison
+                    dots = linear(x, torch.empty(m, sum(rows) + 5), threads=threads)
+            out = wide[:, 2:2 + sum(rows)]
+            assert wide[:, :2].isnan().all() and wide[:, 2 + sum(rows):].isnan().all(), isa
+            err = (out.double() - exact).abs()
+            assert (err <= tight).all(), (isa, m, float((err / tight).max()))
+            assert ((out.double() - dots[:, 2:2 + sum(rows)].double()).abs() <= 2 * tight).all(), (isa, m)
 
 
 def test_row_strided_weights_and_thread_counts():

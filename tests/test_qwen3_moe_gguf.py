@@ -203,12 +203,13 @@ def dequantized_reference(blocks_gguf):
 
 
 @needs_kernels
-@pytest.mark.parametrize("product", ["integer", "float"])
+@pytest.mark.parametrize("product", ["row dots", "many-row"])
 def test_gguf_quantized_experts_stay_blocks(blocks_gguf, dequantized_reference, product):
     """Experts stored in block types stay in them on the CPU: no float expert tensor, one
     BlockWeight per expert, the file's bytes held as they are. Greedy tokens and top-5 log
     probabilities equal the dequantized model's, with each expert's rows through the
-    integer kernels (decode) or the float product (from ``float_rows`` rows: prefill)."""
+    row dots (a few pairs a run) or, forced at every run here, the many-row product (a long
+    prompt's runs)."""
     from pocketllm.workers.layers.block_experts import BlockExperts
     from pocketllm.workers.loader.gguf import load_gguf_weights
 
@@ -220,11 +221,13 @@ def test_gguf_quantized_experts_stay_blocks(blocks_gguf, dequantized_reference, 
     down = moes[1].blocks.down[5].part(0)
     assert np.array_equal(down.numpy(), tensors["model.layers.1.mlp.experts.5.down_proj.weight"].blocks)
     assert moes[1].blocks.gate_up[3].part_types == [2, 7]  # Q4_0, Q5_1
-    if product == "float":
+    if product == "many-row":
         for m in moes:
-            for w in [*m.blocks.gate_up, *m.blocks.down]:
-                w.float_rows = 1
-    out, driver = run(runner, PROMPTS)
+            m.blocks.run_rows = 1
+        with cpu_quant.forcing_gemm_rows(1):
+            out, driver = run(runner, PROMPTS)
+    else:
+        out, driver = run(runner, PROMPTS)
     for rid in PROMPTS:
         _assert_close((out[rid], _top5(driver, rid)), dequantized_reference[rid], BLOCK_TOL)
     assert len(set(out["b"])) > 2, "a degenerate model would prove little"

@@ -19,13 +19,9 @@ Default mode, tuned for speed:
 - on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
   kernel for every block type of the layer (``keeps_blocks``); otherwise it is
   dequantized at load (a type with no kernel is named in a one-line warning) and takes
-  torch's product. A product of fewer than ``block_float_rows`` rows of a block weight
-  (decode, short prompts) runs the integer kernels, which unpack each weight block once
-  for up to 8 rows; from that many rows (prompts, large batches) the work is
-  compute-bound and the weight is decoded a few rows at a time into a float form:
-  bfloat16 rows multiplied by the library's AVX-512 BF16 product where the CPU has it
-  (``block_prefill == "bf16"``, from 24 rows), else float32 slices multiplied by torch's
-  sgemm (from 64 rows; the crossovers measured in docs/cpu_kernels.md).
+  torch's product. A block weight's product is the library's at every row count: the
+  row dots for a few rows, its many-row product (each weight row decoded once) for a
+  prompt, the switch made inside the library (docs/cpu_kernels.md).
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -57,7 +53,6 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .kernels.cpu_lib import float_rows
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -70,10 +65,6 @@ class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
     batch_invariant: bool = False
     cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
-    # From this many rows a block weight's product takes the float form ``block_prefill``
-    # ("bf16" or "float32"); the crossovers are measured in docs/cpu_kernels.md.
-    block_float_rows: int = 64
-    block_prefill: str = "float32"
     decode_min_partition: int = 64  # fewest keys per decode split (each sequence's own)
     decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
     sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
@@ -101,12 +92,10 @@ class KernelPolicy:
 
     def fused_decode(self, meta, dtype: torch.dtype) -> bool:
         """Whether a CPU step runs each decoder layer as one library call
-        (``kernels/cpu_layer.py``): float32, only one-token decodes, in row order, fewer
-        than ``block_float_rows`` of them (the rows the integer kernels take)."""
+        (``kernels/cpu_layer.py``): float32, only one-token decodes, in row order."""
         if not self.cpu_blocks or dtype != torch.float32 or len(meta.groups) != 1:
             return False
-        return (meta.groups[0].q_len == 1 and meta.covers_all_rows
-                and meta.num_tokens < self.block_float_rows)
+        return meta.groups[0].q_len == 1 and meta.covers_all_rows
 
     def decode_partition(self, num_seqs: int, kv_heads: int, span: int, sms: int,
                          block_n: int) -> int:
@@ -233,15 +222,8 @@ def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
     cpu_blocks = device.type == "cpu" and _cpu_blocks_available()
-    bf16 = False
-    if cpu_blocks:
-        from .kernels import cpu_quant
-
-        bf16 = cpu_quant.has_bf16()
     return KernelPolicy(triton=kernels.kernels_usable(device),
-                        batch_invariant=_building_batch_invariant,
-                        cpu_blocks=cpu_blocks, block_float_rows=float_rows(bf16),
-                        block_prefill="bf16" if bf16 else "float32")
+                        batch_invariant=_building_batch_invariant, cpu_blocks=cpu_blocks)
 
 
 def _cpu_blocks_available() -> bool:

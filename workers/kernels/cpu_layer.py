@@ -14,7 +14,7 @@ call: the router, its softmax top-k and each (token, expert) pair's products
 A model takes this path where every layer binds: CPU, float32, one rank, every
 projection kept as GGUF blocks (no float part), and a family that declares its MLP's
 norms (``DecoderLayer.mlp_norms``). A step takes it when it holds only one-token
-decodes, fewer than the policy's ``block_float_rows`` (``KernelPolicy.fused_decode``).
+decodes (``KernelPolicy.fused_decode``).
 """
 
 from __future__ import annotations

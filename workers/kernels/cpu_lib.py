@@ -36,9 +36,8 @@ _SIGNATURES = {
     "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
     "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
     "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
-    "pq_linear_bf16": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
     "pq_linear_rows": (_int, [_p, _p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
-    "pq_has_bf16": (_int, []),
+    "pq_gemm_rows": (_i64, [_i64]),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),
     # ops.c, bound in cpu_ops.py
@@ -162,18 +161,3 @@ class StepRope(ctypes.Structure):
 # ops.c's PQ_ACT_* by activation form (the forms of ``models.config.ACTIVATION_KINDS``)
 ACT_IDS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
-
-def has_bf16() -> bool:
-    """The bfloat16 prefill product can run (AVX-512 BF16, with the avx512vnni variant)."""
-    return bool(lib().pq_has_bf16())
-
-
-# The bfloat16 product overtakes the 8-row integer dots at ~24 rows, float32 sgemm at ~64
-# (docs/cpu_kernels.md): from that many rows a product takes the float form.
-BF16_ROWS, SGEMM_ROWS = 24, 64
-
-
-def float_rows(bf16: bool) -> int:
-    """From how many rows a block product takes its float form (``bf16``: the library's
-    bfloat16 product, else float32 sgemm)."""
-    return BF16_ROWS if bf16 else SGEMM_ROWS

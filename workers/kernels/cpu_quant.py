@@ -30,8 +30,13 @@ from ..loader.gguf_quants import GGML_TYPES, type_name
 # torch first: its libgomp.so.1 is then the one the library's NEEDED entry binds to
 # (one OpenMP pool, sized by torch.set_num_threads).
 from .cpu_lib import (KNOWN_TYPES, OK, QUANT_KERNEL_TYPES, Part,  # noqa: F401
-                      available, has_bf16, lib as _lib, raise_for as _raise_for,
+                      available, lib as _lib, raise_for as _raise_for,
                       unavailable_reason)
+
+
+def gemm_rows() -> int:
+    """From how many rows ``BlockLinear`` takes the many-row product (gemm_i16.c)."""
+    return int(_lib().pq_gemm_rows(0))
 
 
 def isa() -> str:
@@ -67,6 +72,17 @@ def forcing_isa(name: str) -> Iterator[None]:
         yield
     finally:
         set_isa(before)
+
+
+@contextlib.contextmanager
+def forcing_gemm_rows(rows: int) -> Iterator[None]:
+    """Run a block with the many-row product taken from ``rows`` rows (tests: 1 for every
+    product, a huge count for none); the previous threshold is restored after."""
+    before = int(_lib().pq_gemm_rows(rows))
+    try:
+        yield
+    finally:
+        _lib().pq_gemm_rows(before)
 
 
 @dataclass(frozen=True)
@@ -191,12 +207,11 @@ class BlockLinear:
             self.parts[j] = Part(ggml_type, rows, row_bytes, col, w.data_ptr())
         self._lib = _lib()
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0,
-                 bf16: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
         """out[:, col:col + rows] = x @ W_j^T for each part j; x float32 [M, K] with unit
         column stride, out float32 [M, >= every part's last column]. Returns ``out``.
-        ``bf16``: x and W rounded to bfloat16, float32 sums (a long prompt's product,
-        where ``has_bf16()``); else x quantized to int16 per block, integer sums."""
+        x is quantized to int16 per block of 32 and the sums are integers per block (the
+        row dots, or from ``gemm_rows()`` rows the many-row product)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"x must be float32 [M, {self.k}] on CPU, got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
@@ -210,9 +225,8 @@ class BlockLinear:
             return out
         ldx = x.stride(0) if m > 1 else self.k
         ldy = out.stride(0) if m > 1 else out.shape[1]
-        product = self._lib.pq_linear_bf16 if bf16 else self._lib.pq_linear
-        rc = product(ctypes.addressof(self.parts), len(self.parts), self.k,
-                     x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
+        rc = self._lib.pq_linear(ctypes.addressof(self.parts), len(self.parts), self.k,
+                                 x.data_ptr(), m, ldx, out.data_ptr(), ldy, _check_threads(threads))
         _raise_for(rc, None, "BlockLinear")
         return out
 

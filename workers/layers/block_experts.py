@@ -12,8 +12,8 @@ dtype): each (token, expert) pair's [gate | up] product, the activation and the 
 product, scaled by its routing weight and summed per token in a fixed order. The rows go
 to the library in runs, each bound to its expert's parts, as many runs a call as it
 takes (``cpu_quant.linear_rows``): a few pairs (decode) a run each, more sorted by
-expert into a run per expert hit; a run of at least ``float_rows`` rows takes the float
-product as a dense layer's does. A decode step whose layers all bind runs this in C
+expert into a run per expert hit; a run of at least ``gemm_rows()`` rows (a long
+prompt's) takes its own call, whose many-row product decodes the expert's weights once. A decode step whose layers all bind runs this in C
 instead (``kernels/cpu_layer.py``).
 """
 
@@ -38,14 +38,14 @@ class BlockExperts(nn.Module):
     columns) -> ``hidden``; ``stored``: the block types of gate, up and down."""
 
     def __init__(self, num_experts: int, hidden: int, local: int,
-                 stored: Sequence[Optional[int]], float_rows: int, prefill: str):
+                 stored: Sequence[Optional[int]]):
         super().__init__()
         gate, up, down = stored
         self.gate_up = nn.ModuleList(
-            BlockWeight(hidden, [local, local], [gate, up], float_rows, prefill)
+            BlockWeight(hidden, [local, local], [gate, up])
             for _ in range(num_experts))
         self.down = nn.ModuleList(
-            BlockWeight(local, [hidden], [down], float_rows, prefill) for _ in range(num_experts))
+            BlockWeight(local, [hidden], [down]) for _ in range(num_experts))
         self.hidden = hidden
         # Runs batched into library calls need every part in a block type (a float part
         # takes torch's product, outside the library's).
@@ -53,6 +53,7 @@ class BlockExperts(nn.Module):
         from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
 
         self.kernels = cpu_quant
+        self.run_rows = cpu_quant.gemm_rows()  # a run this long takes a call of its own
 
     def expert_bytes(self, expert: int) -> int:
         return self.gate_up[expert].nbytes() + self.down[expert].nbytes()
@@ -91,16 +92,16 @@ class BlockExperts(nn.Module):
     def _product(self, weights: nn.ModuleList, runs: list[tuple[int, int, int]],
                  rows: torch.Tensor) -> torch.Tensor:
         """Each run (expert, first row, rows) of ``rows`` times its expert's ``weights``.
-        Runs of fewer than ``float_rows`` rows go to the library together, a part per run
-        and projection, up to ``MAX_PARTS`` parts a call; a longer run (a long prompt's)
-        takes its ``BlockWeight``'s float product, as does every run where a part is
-        float."""
+        Runs of fewer than ``run_rows`` rows go to the library together, a part per run
+        and projection, up to ``MAX_PARTS`` parts a call (the row dots); a longer run (a
+        long prompt's) takes its ``BlockWeight``'s own call (the many-row product), as
+        does every run where a part is float."""
         out = torch.empty(rows.shape[0], weights[0].out_features)
         rows = rows.contiguous()
         batched = []
         for run in runs:
             e, first, count = run
-            if self.all_blocks and count < weights[e].float_rows:
+            if self.all_blocks and count < self.run_rows:
                 batched.append(run)
             else:
                 out[first:first + count] = weights[e](rows[first:first + count])

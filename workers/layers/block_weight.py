@@ -7,14 +7,11 @@ So each stacked part keeps its own type and bytes, and a product is one kernel c
 part, each writing its columns of one output. A float part (an F16 matrix) stays a
 float32 matrix and takes torch's product.
 
-A product of few rows (decode) quantizes the input rows to 16 bits once (per block of 32)
-and every part's integer kernel reads them. One of ``float_rows`` rows or more (prefill)
-is compute-bound: with ``prefill="bf16"`` the library rounds the rows and the decoded
-weights to bfloat16 and sums in float32, every part in one call; with "float32" each
-part is dequantized a slice at a time into one reused buffer and multiplied with
-torch's sgemm. Which layers store blocks, from how many rows the float product runs
-and in which form, is the kernel policy's call (``KernelPolicy``); this is the storage
-and the product.
+A product quantizes the input rows to 16 bits once (per block of 32) and every block
+part's integer kernel reads them, in one library call: a few rows (decode) through the
+row dots, many (a prompt) through the library's many-row product, which decodes each
+weight row once for all of them (docs/cpu_kernels.md). Which layers store blocks is the
+kernel policy's call (``KernelPolicy``); this is the storage and the product.
 """
 
 from __future__ import annotations
@@ -30,25 +27,12 @@ from pocketllm.errors import CheckpointError
 from ..loader.gguf_quants import GGML_TYPES, type_name
 
 
-# One float buffer for every layer's dequantized slice (the worker runs one product at a
-# time): 8 MiB, so a slice stays in cache between its dequantization and its sgemm.
-_FLOAT_SCRATCH_ELEMS = 1 << 21
-_scratch: Optional[torch.Tensor] = None
-
-
-def _float_scratch(elems: int) -> torch.Tensor:
-    global _scratch
-    if _scratch is None or _scratch.numel() < elems:
-        _scratch = torch.empty(max(elems, _FLOAT_SCRATCH_ELEMS), dtype=torch.float32)
-    return _scratch
-
-
 class BlockWeight(nn.Module):
     """Parts of ``part_rows`` rows each, stacked along the output; ``part_types[j]`` is the
     GGML type part j is stored in (None: a float part)."""
 
     def __init__(self, in_features: int, part_rows: Sequence[int],
-                 part_types: Sequence[Optional[int]], float_rows: int, prefill: str = "float32"):
+                 part_types: Sequence[Optional[int]]):
         super().__init__()
         from ..kernels import cpu_quant  # built only where a compiler was (the policy checked)
 
@@ -57,10 +41,6 @@ class BlockWeight(nn.Module):
         self.part_rows = list(part_rows)
         self.part_types = list(part_types)
         self.out_features = sum(self.part_rows)
-        self.float_rows = float_rows
-        if prefill not in ("bf16", "float32"):
-            raise ValueError(f"prefill must be 'bf16' or 'float32', got {prefill!r}")
-        self.prefill = prefill
         bounds = [0]
         for rows in self.part_rows:
             bounds.append(bounds[-1] + rows)
@@ -107,15 +87,11 @@ class BlockWeight(nn.Module):
         """x [M, K] @ W.T -> [M, out_features] float32 (the CPU path's dtype)."""
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        sgemm = x.shape[0] >= self.float_rows and self.prefill == "float32"
-        if not sgemm:  # every block part in one library call
-            self.bound()(x, out, bf16=x.shape[0] >= self.float_rows)
+        if any(kind is not None for kind in self.part_types):  # every block part, one call
+            self.bound()(x, out)
         for j, cols in enumerate(self.columns):
-            kind, w = self.part_types[j], self.part(j)
-            if kind is None:
-                out[:, cols] = x @ w.t()
-            elif sgemm:
-                self._float_product(kind, w, x, out[:, cols])
+            if self.part_types[j] is None:
+                out[:, cols] = x @ self.part(j).t()
         return out
 
     def bound(self):
@@ -125,17 +101,6 @@ class BlockWeight(nn.Module):
                 (kind, self.part(j), self.columns[j].start)
                 for j, kind in enumerate(self.part_types) if kind is not None])
         return self._bound
-
-    def _float_product(self, kind: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out = x @ dequantized(w).T, a slice of rows at a time through ``_float_scratch``."""
-        k = self.in_features
-        step = max(1, _FLOAT_SCRATCH_ELEMS // k)
-        scratch = _float_scratch(min(step, w.shape[0]) * k)
-        for r0 in range(0, w.shape[0], step):
-            rows = w[r0:r0 + step]
-            wf = scratch[:rows.shape[0] * k].view(rows.shape[0], k)
-            self.kernels.dequantize_rows(kind, rows, k, torch.arange(rows.shape[0]), wf)
-            out[:, r0:r0 + rows.shape[0]] = x @ wf.t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a one-part weight as float32 [n, K]: the embedding's lookup."""

@@ -96,7 +96,7 @@ def _blocks(policy: KernelPolicy, in_features: int, rows: Sequence[int], stored:
     """The block storage of a weight whose parts are ``stored`` so, where the policy keeps it."""
     if not stored or not policy.keeps_blocks(stored):
         return None
-    return BlockWeight(in_features, rows, stored, policy.block_float_rows, policy.block_prefill)
+    return BlockWeight(in_features, rows, stored)
 
 
 class ColumnParallelLinear(nn.Module):

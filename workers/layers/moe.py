@@ -224,9 +224,7 @@ class FusedMoE(nn.Module):
         self.blocks: Optional[BlockExperts] = None
         if any(t is not None for t in stored):
             if self.policy.keeps_blocks(stored):
-                self.blocks = BlockExperts(e, hidden_size, local, stored,
-                                           self.policy.block_float_rows,
-                                           self.policy.block_prefill)
+                self.blocks = BlockExperts(e, hidden_size, local, stored)
             elif not _warned_dequantized:
                 _warn_dequantized(dtype)
         self.w13 = None if self.blocks is not None else param(e, 2 * local, hidden_size)

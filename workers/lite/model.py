@@ -1,10 +1,10 @@
 """A dense decoder over a GGUF file's blocks, computed by the C library: no torch.
 
-A step of fewer than ``float_rows`` rows, prefill or decode, goes through
+A step of fewer than ``stack_rows`` rows, prefill or decode, goes through
 ``pq_decoder_stack`` in one call: a row attends to the cache slots of its own gather row
 (its sequence's positions up to its own, cut to its layer's window), so a prompt's rows
-see each other once the layer has written their keys. A longer step takes the float path
-(``prefill.py``), as the torch worker does from the same row count.
+see each other once the layer has written their keys. A longer step takes the same
+products with attention as matrix products per sequence (``prefill.py``).
 
 The weights are the file's own bytes, mapped (q/k rows of a llama.cpp-permuted file are
 unpermuted into a copy; ``loader/gguf.py``); the norm weights are float32 copies. A
@@ -43,6 +43,9 @@ MLP_NORMS = {
                "post_feedforward_layernorm"),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+# From this many rows a step attends by matrix products per sequence (prefill.py) rather
+# than through a gather row per row (the decode stack); measured in docs/cpu_kernels.md.
+STACK_ROWS = 64
 
 
 def refusal(info: ModelInfo) -> Optional[str]:
@@ -193,10 +196,7 @@ class LiteModel:
             raise UnsupportedFeatureError(f"the torch-free CPU worker cannot run this model: {why}")
         self.cfg = cfg = arch_config(info)
         self.lib = cpu_lib.lib()
-        # long steps' products: the library's bfloat16 product where the CPU has it (from
-        # 24 rows), else numpy's float32 sgemm (from 64), as the torch worker chooses
-        self.bf16 = cpu_lib.has_bf16()
-        self.float_rows = cpu_lib.float_rows(self.bf16)
+        self.stack_rows = STACK_ROWS
         w = dict(load_gguf_weights(info.path, info))
 
         def norm(name: str) -> np.ndarray:
@@ -289,7 +289,7 @@ class LiteModel:
         for kind in self.rope_keys:
             freqs = np.outer(pos, self.inv_freq[kind])
             ropes[kind] = (np.cos(freqs), np.sin(freqs))
-        if m >= self.float_rows:  # the float path (prefill.py)
+        if m >= self.stack_rows:  # attention by matrix products (prefill.py)
             hidden = self.float_layers.run(x, views, self.layer_views, ropes, threads)
         else:
             hidden = self._stack(x, views, ropes, threads)

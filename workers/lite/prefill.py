@@ -1,13 +1,14 @@
-"""A long step's layers (``LiteModel.float_rows`` rows or more) in float32: each projection
-as numpy's sgemm on its weights decoded a slice at a time (or, where the CPU has AVX-512
-BF16, the library's bfloat16 product), attention as matrix products per sequence, and the
-library's norms, rotary and activation between them.
+"""A long step's layers (``LiteModel.stack_rows`` rows or more): the same products as the
+decode stack (``pq_linear``, one library call per projection), with attention as numpy
+matrix products per sequence instead of a gather per row, and the library's norms,
+rotary and activation between them, in ``layer.c``'s order.
 
-The integer block kernels win while a step has few rows (a product reads the weights
-once and the rows are cheap); from ~64 rows a product is compute-bound and a float sgemm
-on weights decoded a slice at a time is faster, as the torch worker found
-(``KernelPolicy.block_float_rows``, docs/cpu_kernels.md). The order of operations is
-``layer.c``'s, so both paths compute the same layer.
+The stack's attention reads each row's keys through its own gather row: cheap for a few
+rows, but a long prompt's rows would each gather and dot their keys one by one, where a
+matrix product per sequence reads them once. numpy's BLAS runs on one thread here
+(``LiteRunner`` limits it): the library's OpenMP threads hold the cores, and two thread
+pools spinning against each other on two cores cost a 24-row prompt 10x
+(docs/cpu_kernels.md).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import numpy as np
 
 from ..kernels import cpu_lib
 
-# A slice of a weight decoded at a time: 8 MiB of float32, so it stays in cache between
-# its decoding and its product (``layers/block_weight.py`` does the same).
-SCRATCH_ELEMS = 1 << 21
 QUERY_BLOCK = 256  # query rows whose scores are held at once (memory: rows x keys x heads)
 
 
@@ -35,7 +33,6 @@ class FloatLayers:
     def __init__(self, model):
         self.m = model
         self.lib = model.lib
-        self.scratch = np.empty(SCRATCH_ELEMS, dtype=np.float32)
 
     def run(self, x: np.ndarray, views: dict, layer_views: list, ropes: dict, threads: int
             ) -> np.ndarray:
@@ -59,31 +56,14 @@ class FloatLayers:
         return out, res_out
 
     def _linear(self, bound, x: np.ndarray, threads: int) -> np.ndarray:
-        """x @ W.T over every part, each decoded a slice of rows at a time."""
+        """x @ W.T over every part in one library call (from ``pq_gemm_rows`` rows its
+        many-row product: each weight row decoded once, exact integer sums)."""
         m, k = x.shape
         out = np.empty((m, bound.width), dtype=np.float32)
-        if self.m.bf16:  # every part in one library call
-            rc = self.lib.pq_linear_bf16(ctypes.addressof(bound.parts), len(bound.arrays), k,
-                                         x.ctypes.data, m, k, out.ctypes.data, bound.width,
-                                         threads)
-            cpu_lib.raise_for(rc, None, "bfloat16 product")
-            return out if bound.bias is None else out + bound.bias
-        step = max(1, SCRATCH_ELEMS // k)
-        for part, blocks in zip(bound.parts, bound.arrays):
-            for r0 in range(0, blocks.shape[0], step):
-                rows = min(step, blocks.shape[0] - r0)
-                w = self.scratch[:rows * k].reshape(rows, k)
-                ids = np.arange(r0, r0 + rows, dtype=np.int64)
-                # one thread: OpenMP's threads would spin on, stealing cores from the
-                # BLAS threads of the product that follows (it ran at 2/3 speed)
-                rc = self.lib.pq_dequantize_rows(part.type, blocks.ctypes.data, k,
-                                                 blocks.shape[1], ids.ctypes.data, rows,
-                                                 w.ctypes.data, k, 1)
-                cpu_lib.raise_for(rc, part.type, "dequantize_rows")
-                np.matmul(x, w.T, out=out[:, part.col + r0:part.col + r0 + rows])
-        if bound.bias is not None:
-            out += bound.bias
-        return out
+        rc = self.lib.pq_linear(ctypes.addressof(bound.parts), len(bound.arrays), k,
+                                x.ctypes.data, m, k, out.ctypes.data, bound.width, threads)
+        cpu_lib.raise_for(rc, None, "block product")
+        return out if bound.bias is None else out + bound.bias
 
     def _layer(self, i: int, x: np.ndarray, res: Optional[np.ndarray], view, cos, sin,
                threads: int) -> tuple[np.ndarray, np.ndarray]:

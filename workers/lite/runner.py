@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from pocketllm.config import EngineArgs, cpu_thread_count
 from pocketllm.model_info import ModelInfo
@@ -46,6 +47,10 @@ class LiteRunner:
         started = time.perf_counter()
         self.info, self.args = info, args
         self.threads = cpu_thread_count()
+        # One thread pool: the library's OpenMP threads run the products, and numpy's BLAS
+        # (a long step's attention) stays on the calling thread. Two pools spinning
+        # against each other on two cores made a 24-token prompt 10x slower (issue 34).
+        threadpool_limits(1, user_api="blas")
         self.model = LiteModel(info)
         cfg = self.model.cfg
         self.block_size, self.max_model_len = args.block_size, info.max_model_len

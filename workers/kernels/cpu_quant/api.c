@@ -6,13 +6,16 @@
 #endif
 
 #include "cpu_quant.h"
-#include "gemm_bf16.h"
+#include "gemm_i16.h"
 #include "kernels.h"
 
 /* best first */
 static const pq_isa_impl *const ISAS[] = {
 #if defined(__x86_64__)
     &pq_isa_avx512vnni, &pq_isa_avxvnni, &pq_isa_avx2,
+#endif
+#if defined(__aarch64__)
+    &pq_isa_neon,
 #endif
     &pq_isa_scalar,
 };
@@ -270,6 +273,14 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     return run_parts(&part, NULL, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
 }
 
+static int64_t g_gemm_rows = PQ_GEMM_ROWS;
+
+PQ_API int64_t pq_gemm_rows(int64_t rows) {
+    const int64_t before = g_gemm_rows;
+    if (rows > 0) g_gemm_rows = rows;
+    return before;
+}
+
 /* pq_linear, and with ranges (not NULL) pq_linear_rows: quantize x's M rows once, then
  * every part's rows against all of them or against its own run of them. */
 static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
@@ -287,6 +298,9 @@ static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts,
     if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
+    if (ranges == NULL && M >= g_gemm_rows && ISAS[g_isa]->gemm_tile != NULL)
+        return pq_gemm_parts(ISAS[g_isa], parts, nparts, K, g_q, g_d, g_gsum, M, y, ldy,
+                             threads(nthreads));
     return run_parts(parts, ranges, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
 }
 
@@ -325,68 +339,6 @@ PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row
                 for (int64_t k = 0; k < K; k++) o[k] = s->scale[k >> 4] * (float)s->v[k] + s->offset[k >> 4];
             else
                 for (int64_t k = 0; k < K; k++) o[k] = s->scale[k >> 4] * (float)s->v[k];
-        }
-    }
-    return failed ? PQ_ERR_NOMEM : PQ_OK;
-}
-
-/* ---- the bfloat16 prefill product (gemm_bf16.c) ---- */
-
-static uint32_t *g_ap; /* the packed activations of the last pq_linear_bf16 call */
-static int64_t g_ap_words;
-static __thread uint16_t *t_wb; /* a thread's bfloat16 weight rows */
-static __thread int64_t t_wb_k;
-
-PQ_API int pq_has_bf16(void) {
-    init_once();
-    return g_isa >= 0 && strcmp(ISAS[g_isa]->name, "avx512vnni") == 0 && pq_bf16_cpu_has();
-}
-
-static uint16_t *thread_wb(int64_t K) {
-    if (t_wb_k < K) {
-        free(t_wb);
-        t_wb = aligned(sizeof(uint16_t) * (size_t)(PQ_BF16_NW * K));
-        t_wb_k = t_wb ? K : 0;
-    }
-    return t_wb;
-}
-
-PQ_API int pq_linear_bf16(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
-                          int64_t ldx, float *y, int64_t ldy, int nthreads) {
-    if (!pq_has_bf16()) return PQ_ERR_ISA;
-    if (M > 1 && ldx < K) return PQ_ERR_ARG;
-    int64_t total;
-    int rc = check_parts(parts, nparts, K, M, ldy, &total);
-    if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    const int64_t panels = (M + PQ_BF16_MR - 1) / PQ_BF16_MR, words = panels * (K / 2) * PQ_BF16_MR;
-    if (words > g_ap_words) {
-        free(g_ap);
-        g_ap = aligned(sizeof(uint32_t) * (size_t)words);
-        g_ap_words = g_ap ? words : 0;
-        if (g_ap == NULL) return PQ_ERR_NOMEM;
-    }
-    const int64_t chunk = 16; /* whole cache lines of y per chunk; taken in turn (run_parts) */
-    int64_t first[PQ_MAX_PARTS + 1];
-    first[0] = 0;
-    for (int j = 0; j < nparts; j++) first[j + 1] = first[j] + (parts[j].rows + chunk - 1) / chunk;
-    const int64_t chunks = first[nparts];
-    int failed = 0;
-#pragma omp parallel num_threads(threads(nthreads)) reduction(| : failed)
-    {
-        pq_scratch *s = thread_scratch(K);
-        uint16_t *wb = thread_wb(K);
-        if (s == NULL || wb == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) pq_bf16_pack_act(x, M, K, ldx, g_ap, p, p + 1);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < chunks; c++) {
-            if (s == NULL || wb == NULL) continue;
-            int j = 0;
-            while (c >= first[j + 1]) j++;
-            const pq_part *p = &parts[j];
-            int64_t n0 = (c - first[j]) * chunk, n1 = n0 + chunk < p->rows ? n0 + chunk : p->rows;
-            pq_bf16_rows(pq_type((int)p->type), p->w, p->row_bytes, n0, n1, K, g_ap, M,
-                         y + p->col, ldy, s, wb);
         }
     }
     return failed ? PQ_ERR_NOMEM : PQ_OK;

@@ -63,6 +63,11 @@ typedef struct {
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
                      int64_t ldx, float *y, int64_t ldy, int nthreads);
 
+/* From how many rows pq_linear takes the many-row product (gemm_i16.c: activations packed
+ * by panels, each weight row decoded once) instead of the row dots; rows > 0 sets it.
+ * Returns the value before. Both compute the same sums (to float rounding). */
+PQ_API int64_t pq_gemm_rows(int64_t rows);
+
 /* pq_linear where each part multiplies its own run of x's rows: part j computes
  * y[m*ldy + parts[j].col + n] = x[m] . W_j[n] for ranges[2j] <= m < ranges[2j] + ranges[2j+1]
  * (a run of at least one row inside [0, M)). Routed experts in one call: a part per
@@ -71,13 +76,6 @@ PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x
 PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                           const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                           int nthreads);
-
-/* pq_linear's product for a long prompt, in bfloat16: x and each weight row are rounded
- * to bfloat16 (round to nearest even), the sums run in float32 and y is float32. Only
- * where pq_has_bf16() (AVX-512 BF16, and the avx512vnni variant in use); else PQ_ERR_ISA. */
-PQ_API int pq_has_bf16(void);
-PQ_API int pq_linear_bf16(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
-                          int64_t ldx, float *y, int64_t ldy, int nthreads);
 
 /* out[i*ldo + k] = W[ids[i], k] in float32 for i < n, k < K (bit-exact with
  * ggml's dequantization). The caller checks 0 <= ids[i] < rows. */

@@ -27,12 +27,39 @@ typedef struct {
     float *scale, *offset;
 } pq_scratch;
 
+/* The many-row product (gemm_i16.c): activations packed by panels of PQ_GEMM_MR rows,
+ * weight rows decoded to int16 a tile of PQ_GEMM_NW rows at a time. */
+#define PQ_GEMM_MR 16
+#define PQ_GEMM_NW 4
+
+typedef struct {
+    const uint32_t *ap; /* [panel][K/2][MR]: the int16 pair (q[m][2kp], q[m][2kp+1]) */
+    const float *xs;    /* [panel][K/32][MR]: each row's block scale (0 past M) */
+    const float *xg;    /* [panel][K/16][MR]: scale * group sum (the offsets' factor) */
+    int64_t K;
+} pq_gemm_act;
+
+typedef struct {
+    const int16_t *q;             /* [NW][K] the rows' integer values */
+    const float *scale, *offset;  /* [NW][K/16] per group of 16 */
+    int group;                    /* 32: a scale covers two groups (integer sums over 32) */
+    int has_offset;
+} pq_gemm_w;
+
 typedef struct {
     const char *name;
     int (*cpu_has)(void);
     /* rows n0..n1-1 of the output, all M activation rows */
     void (*mul_rows)(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s);
     int lane_order; /* reads pq_mm_args.qp as well as q */
+    /* tile[j][r] = panel p's row r . weight row j for the PQ_GEMM_NW rows of w and the
+     * panel's first `rows` rows (the rest of the tile is left undefined) */
+    void (*gemm_tile)(const pq_gemm_act *a, int64_t p, const pq_gemm_w *w, int64_t rows,
+                      float tile[PQ_GEMM_NW][PQ_GEMM_MR]);
+    /* a weight row as int16 values, scales and offsets per 16 (the canonical form's, values
+     * widened); 0 where the type takes the canonical decoder instead. NULL: always that. */
+    int (*unpack_row)(int id, const uint8_t *w, int64_t K, int16_t *q, float *scale,
+                      float *offset);
 } pq_isa_impl;
 
 /* The order in which a lane-order variant reads each block of 32 activations: 0-7, 16-23,
@@ -50,6 +77,9 @@ static inline void pq_lane_order(const int16_t *q, int64_t n, int16_t *qp) {
 extern const pq_isa_impl pq_isa_scalar;
 #if defined(__x86_64__)
 extern const pq_isa_impl pq_isa_avx2, pq_isa_avxvnni, pq_isa_avx512vnni;
+#endif
+#if defined(__aarch64__)
+extern const pq_isa_impl pq_isa_neon;
 #endif
 
 /* The generic dot of one decoded row (canonical form) with one activation row:

@@ -11,5 +11,5 @@ static int cpu_has(void) {
 }
 #pragma GCC pop_options
 
-const pq_isa_impl pq_isa_avx2 = {"avx2", cpu_has, mul_rows, 1};
+const pq_isa_impl pq_isa_avx2 = {"avx2", cpu_has, mul_rows, 1, gemm_tile, unpack_row};
 #endif

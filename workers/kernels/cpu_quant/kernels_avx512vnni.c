@@ -13,5 +13,5 @@ static int cpu_has(void) {
 }
 #pragma GCC pop_options
 
-const pq_isa_impl pq_isa_avx512vnni = {"avx512vnni", cpu_has, mul_rows, 0};
+const pq_isa_impl pq_isa_avx512vnni = {"avx512vnni", cpu_has, mul_rows, 0, gemm_tile, unpack_row};
 #endif

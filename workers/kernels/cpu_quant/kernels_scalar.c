@@ -28,6 +28,35 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
     }
 }
 
+/* The many-row product's tile (gemm_i16.c), as the SIMD variants compute it: exact int32
+ * sums per group of 16 or 32, scaled once per group into float32. */
+static void gemm_tile(const pq_gemm_act *a, int64_t p, const pq_gemm_w *w, int64_t rows,
+                      float tile[PQ_GEMM_NW][PQ_GEMM_MR]) {
+    enum { NW = PQ_GEMM_NW, MR = PQ_GEMM_MR };
+    const int64_t K = a->K, G = w->group;
+    const uint32_t *ap = a->ap + p * (K / 2) * MR;
+    const float *xs = a->xs + p * (K / 32) * MR, *xg = a->xg + p * (K / 16) * MR;
+    for (int j = 0; j < NW; j++)
+        for (int r = 0; r < rows; r++) {
+            const int16_t *wq = w->q + j * K;
+            float f = 0.0f;
+            for (int64_t g = 0; g < K / G; g++) {
+                int32_t acc = 0;
+                for (int64_t kp = g * (G / 2); kp < (g + 1) * (G / 2); kp++) {
+                    uint32_t pair = ap[kp * MR + r];
+                    acc += (int32_t)(int16_t)(pair & 0xFFFF) * wq[2 * kp] +
+                           (int32_t)(int16_t)(pair >> 16) * wq[2 * kp + 1];
+                }
+                const int64_t g16 = g * G / 16;
+                f += (float)acc * (xs[(g * G / 32) * MR + r] * w->scale[j * (K / 16) + g16]);
+                if (w->has_offset)
+                    for (int64_t h = g16; h < g16 + G / 16; h++)
+                        f += xg[h * MR + r] * w->offset[j * (K / 16) + h];
+            }
+            tile[j][r] = f;
+        }
+}
+
 static int always(void) { return 1; }
 
-const pq_isa_impl pq_isa_scalar = {"scalar", always, mul_rows, 0};
+const pq_isa_impl pq_isa_scalar = {"scalar", always, mul_rows, 0, gemm_tile, NULL};

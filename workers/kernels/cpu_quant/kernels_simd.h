@@ -161,3 +161,5 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
         }
     }
 }
+
+#include "gemm_tile_simd.h"
