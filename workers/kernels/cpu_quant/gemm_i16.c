@@ -137,12 +137,12 @@ int pq_gemm_parts(const pq_isa_impl *isa, const pq_part *parts, int nparts, int6
             const int64_t n0 = (c - first[j]) * chunk,
                           n1 = n0 + chunk < pt->rows ? n0 + chunk : pt->rows;
             const pq_gemm_w w = {b->q, b->scale, b->offset, group_of(t->id), t->has_offset};
-            float tile[NW][MR] __attribute__((aligned(64)));
+            float tile[NW][PQ_GEMM_TILE_ROWS] __attribute__((aligned(64)));
             for (int64_t n = n0; n < n1; n += NW) {
                 const int nw = n1 - n < NW ? (int)(n1 - n) : NW;
                 decode_tile(isa, t, pt->w, pt->row_bytes, n, nw, K, b);
-                for (int64_t p = 0; p < panels; p++) {
-                    const int64_t rows = M - p * MR < MR ? M - p * MR : MR;
+                for (int64_t p = 0; p < panels; p += 2) {
+                    const int64_t rows = M - p * MR < 2 * MR ? M - p * MR : 2 * MR;
                     isa->gemm_tile(&act, p, &w, rows, tile);
                     float *yp = y + p * MR * ldy + pt->col + n;
                     for (int64_t r = 0; r < rows; r++)

@@ -31,6 +31,7 @@ typedef struct {
  * weight rows decoded to int16 a tile of PQ_GEMM_NW rows at a time. */
 #define PQ_GEMM_MR 16
 #define PQ_GEMM_NW 4
+#define PQ_GEMM_TILE_ROWS (2 * PQ_GEMM_MR) /* the rows of one tile call: two panels */
 
 typedef struct {
     const uint32_t *ap; /* [panel][K/2][MR]: the int16 pair (q[m][2kp], q[m][2kp+1]) */
@@ -52,10 +53,10 @@ typedef struct {
     /* rows n0..n1-1 of the output, all M activation rows */
     void (*mul_rows)(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s);
     int lane_order; /* reads pq_mm_args.qp as well as q */
-    /* tile[j][r] = panel p's row r . weight row j for the PQ_GEMM_NW rows of w and the
-     * panel's first `rows` rows (the rest of the tile is left undefined) */
+    /* tile[j][r] = activation row 16p + r . weight row j for the PQ_GEMM_NW rows of w and
+     * r < rows <= PQ_GEMM_TILE_ROWS (panels p and p + 1; the rest of the tile undefined) */
     void (*gemm_tile)(const pq_gemm_act *a, int64_t p, const pq_gemm_w *w, int64_t rows,
-                      float tile[PQ_GEMM_NW][PQ_GEMM_MR]);
+                      float tile[PQ_GEMM_NW][PQ_GEMM_TILE_ROWS]);
     /* a weight row as int16 values, scales and offsets per 16 (the canonical form's, values
      * widened); 0 where the type takes the canonical decoder instead. NULL: always that. */
     int (*unpack_row)(int id, const uint8_t *w, int64_t K, int16_t *q, float *scale,

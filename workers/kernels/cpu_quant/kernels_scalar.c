@@ -30,14 +30,15 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
 
 /* The many-row product's tile (gemm_i16.c), as the SIMD variants compute it: exact int32
  * sums per group of 16 or 32, scaled once per group into float32. */
-static void gemm_tile(const pq_gemm_act *a, int64_t p, const pq_gemm_w *w, int64_t rows,
-                      float tile[PQ_GEMM_NW][PQ_GEMM_MR]) {
+static void gemm_tile(const pq_gemm_act *a, int64_t p0, const pq_gemm_w *w, int64_t rows,
+                      float tile[PQ_GEMM_NW][PQ_GEMM_TILE_ROWS]) {
     enum { NW = PQ_GEMM_NW, MR = PQ_GEMM_MR };
     const int64_t K = a->K, G = w->group;
-    const uint32_t *ap = a->ap + p * (K / 2) * MR;
-    const float *xs = a->xs + p * (K / 32) * MR, *xg = a->xg + p * (K / 16) * MR;
     for (int j = 0; j < NW; j++)
-        for (int r = 0; r < rows; r++) {
+        for (int rr = 0; rr < rows; rr++) {
+            const int64_t p = p0 + rr / MR, r = rr % MR;
+            const uint32_t *ap = a->ap + p * (K / 2) * MR;
+            const float *xs = a->xs + p * (K / 32) * MR, *xg = a->xg + p * (K / 16) * MR;
             const int16_t *wq = w->q + j * K;
             float f = 0.0f;
             for (int64_t g = 0; g < K / G; g++) {
@@ -53,7 +54,7 @@ static void gemm_tile(const pq_gemm_act *a, int64_t p, const pq_gemm_w *w, int64
                     for (int64_t h = g16; h < g16 + G / 16; h++)
                         f += xg[h * MR + r] * w->offset[j * (K / 16) + h];
             }
-            tile[j][r] = f;
+            tile[j][rr] = f;
         }
 }
 
