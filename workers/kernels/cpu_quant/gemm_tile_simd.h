@@ -16,6 +16,9 @@ static inline __m256i pair_dot(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+/* The float sums live in the output tile (L1), touched once per group: the int32 sums of
+ * 4 weight rows x 2 registers take 8 of AVX2's 16 registers, which leaves no room for 8
+ * float accumulators without spills in the inner loop. */
 __attribute__((always_inline)) static inline void gemm_tile_g(const pq_gemm_act *a, int64_t p,
                                                               const pq_gemm_w *w, const int G,
                                                               const int OFF, const int V,
@@ -24,8 +27,10 @@ __attribute__((always_inline)) static inline void gemm_tile_g(const pq_gemm_act 
     const int64_t K = a->K;
     const uint32_t *ap = a->ap + p * (K / 2) * MR;
     const float *xs = a->xs + p * (K / 32) * MR, *xg = a->xg + p * (K / 16) * MR;
-    __m256 f[NW][2];
-    for (int j = 0; j < NW; j++) f[j][0] = f[j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NW; j++) {
+        _mm256_storeu_ps(out + j * ld, _mm256_setzero_ps());
+        _mm256_storeu_ps(out + j * ld + 8, _mm256_setzero_ps());
+    }
     for (int64_t g = 0; g < K / G; g++) {
         __m256i acc[NW][2];
         for (int j = 0; j < NW; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
@@ -44,23 +49,20 @@ __attribute__((always_inline)) static inline void gemm_tile_g(const pq_gemm_act 
         const __m256 s0 = _mm256_load_ps(xs + blk * MR), s1 = _mm256_load_ps(xs + blk * MR + 8);
         for (int j = 0; j < NW; j++) {
             const __m256 ws = _mm256_set1_ps(w->scale[j * (K / 16) + g16]);
-            f[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][0]), _mm256_mul_ps(s0, ws), f[j][0]);
-            if (V == 2)
-                f[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][1]), _mm256_mul_ps(s1, ws), f[j][1]);
-        }
-        if (OFF)
-            for (int64_t h = g16; h < g16 + G / 16; h++) {
-                const __m256 g0 = _mm256_load_ps(xg + h * MR), g1 = _mm256_load_ps(xg + h * MR + 8);
-                for (int j = 0; j < NW; j++) {
+            __m256 f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][0]), _mm256_mul_ps(s0, ws),
+                                        _mm256_loadu_ps(out + j * ld));
+            __m256 f1 = V == 2 ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][1]), _mm256_mul_ps(s1, ws),
+                                                 _mm256_loadu_ps(out + j * ld + 8))
+                               : _mm256_setzero_ps();
+            if (OFF)
+                for (int64_t h = g16; h < g16 + G / 16; h++) {
                     const __m256 wo = _mm256_set1_ps(w->offset[j * (K / 16) + h]);
-                    f[j][0] = _mm256_fmadd_ps(g0, wo, f[j][0]);
-                    if (V == 2) f[j][1] = _mm256_fmadd_ps(g1, wo, f[j][1]);
+                    f0 = _mm256_fmadd_ps(_mm256_load_ps(xg + h * MR), wo, f0);
+                    if (V == 2) f1 = _mm256_fmadd_ps(_mm256_load_ps(xg + h * MR + 8), wo, f1);
                 }
-            }
-    }
-    for (int j = 0; j < NW; j++) {
-        _mm256_storeu_ps(out + j * ld, f[j][0]);
-        _mm256_storeu_ps(out + j * ld + 8, f[j][1]);
+            _mm256_storeu_ps(out + j * ld, f0);
+            if (V == 2) _mm256_storeu_ps(out + j * ld + 8, f1);
+        }
     }
 }
 
