@@ -35,9 +35,11 @@ def _torch_greedy(path: str, prompt: list[int], steps: int):
     return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
 
 
-def _lite_greedy(path: str, prompt: list[int], steps: int):
-    """One sequence in blocks 0, 1, 2... of one pool (every layer's), the pad block last."""
+def _lite_greedy(path: str, prompt: list[int], steps: int, stack_rows: int = 0):
+    """One sequence in blocks 0, 1, 2... of one pool (every layer's), the pad block last;
+    ``stack_rows``: from how many rows a step attends by matrix products (0: the model's)."""
     model = LiteModel(load_model_info(EngineArgs(model=path, device="cpu")))
+    model.stack_rows = stack_rows or model.stack_rows
     cfg, bs = model.cfg, 16
     table = list(range(-(-(len(prompt) + steps) // bs)))
     pad = len(table) * bs
@@ -62,13 +64,16 @@ def _lite_greedy(path: str, prompt: list[int], steps: int):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prompt_len", [24, 100])  # through the C stack; the float path
-def test_lite_forward_matches_the_torch_worker(family, prompt_len, tmp_path):
+@pytest.mark.parametrize("prompt_len,stack_rows", [(24, 0), (150, 0), (150, 2)])
+def test_lite_forward_matches_the_torch_worker(family, prompt_len, stack_rows, tmp_path):
+    """A prompt through the C stack, and a long one through it and through attention by
+    matrix products (two query blocks, past gemma3's 64-token window, so a block's run of
+    keys starts inside the cache)."""
     path = _all_block_gguf(tmp_path, family)
-    prompt = ([5, 6, 7, 8, 9, 40, 41, 3] * 13)[:prompt_len]
+    prompt = ([5, 6, 7, 8, 9, 40, 41, 3] * 19)[:prompt_len]
     steps = 70 if prompt_len < 64 else 20  # past gemma3's 64-token window either way
     want_tokens, want_lp = _torch_greedy(path, prompt, steps)
-    tokens, lp = _lite_greedy(path, prompt, steps)
+    tokens, lp = _lite_greedy(path, prompt, steps, stack_rows)
     assert tokens == want_tokens
     np.testing.assert_allclose(lp, want_lp, atol=2e-3)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..kernels import cpu_lib
 
-QUERY_BLOCK = 256  # query rows whose scores are held at once (memory: rows x keys x heads)
+QUERY_BLOCK = 128  # query rows whose scores are held at once (memory: rows x keys x heads)
 
 
 def _p(a: Optional[np.ndarray]) -> Optional[int]:
@@ -118,7 +118,9 @@ class FloatLayers:
     def _attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, view, scale: float,
                 softcap: Optional[float], H: int, Hkv: int) -> np.ndarray:
         """Each sequence's rows over its keys: ``view.seqs`` gives (first row, end row, key
-        slots, key positions) per sequence, ``view.positions`` each row's position."""
+        slots, key positions) per sequence, ``view.positions`` each row's position. A block
+        of queries multiplies only the run of keys some row of it sees (causal, and inside
+        the window): half the products of a fresh prompt's square."""
         out = np.empty_like(q)
         G, D = H // Hkv, q.shape[2]
         for r0, r1, slots, key_pos in view.seqs:
@@ -127,21 +129,25 @@ class FloatLayers:
             for b0 in range(r0, r1, QUERY_BLOCK):
                 b1 = min(r1, b0 + QUERY_BLOCK)
                 n = b1 - b0
+                pos = view.positions[b0:b1]
+                # key_pos ascends: the keys any row here sees are one run of it
+                lo = 0 if not view.window else int(np.searchsorted(key_pos, pos.min() - view.window + 1))
+                hi = int(np.searchsorted(key_pos, pos.max(), side="right"))
+                kp = key_pos[lo:hi]
                 qh = q[b0:b1].reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
-                s = np.matmul(qh, keys)  # [Hkv, G * n, L], in place from here
+                s = np.matmul(qh, keys[:, :, lo:hi])  # [Hkv, G * n, keys], in place from here
                 s *= np.float32(scale)
                 if softcap:
                     np.tanh(s / np.float32(softcap), out=s)
                     s *= np.float32(softcap)
-                pos = view.positions[b0:b1]
-                ok = key_pos[None, :] <= pos[:, None]
+                ok = kp[None, :] <= pos[:, None]
                 if view.window:
-                    ok &= key_pos[None, :] > pos[:, None] - view.window
-                bias = np.where(ok, np.float32(0.0), np.float32(-np.inf))  # [n, L]
+                    ok &= kp[None, :] > pos[:, None] - view.window
+                bias = np.where(ok, np.float32(0.0), np.float32(-np.inf))  # [n, keys]
                 s.reshape(Hkv, G, n, -1)[...] += bias
                 s -= s.max(axis=-1, keepdims=True)
                 np.exp(s, out=s)
                 s /= s.sum(axis=-1, keepdims=True)
-                o = np.matmul(s, values)  # [Hkv, G * n, D]
+                o = np.matmul(s, values[:, lo:hi])  # [Hkv, G * n, D]
                 out[b0:b1] = o.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3).reshape(n, H, D)
         return out
