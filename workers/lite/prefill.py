@@ -14,6 +14,8 @@ pools spinning against each other on two cores cost a 24-row prompt 10x
 from __future__ import annotations
 
 import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -33,6 +35,20 @@ class FloatLayers:
     def __init__(self, model):
         self.m = model
         self.lib = model.lib
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def _blocks_in_parallel(self, fn, blocks: list, threads: int) -> None:
+        """fn(block) for each block, on ``threads`` Python threads: numpy's BLAS is held to
+        one thread, and its products and ufuncs release the GIL, so query blocks on
+        threads of our own use every core (they sleep on a queue between steps)."""
+        threads = threads or os.cpu_count() or 1
+        if threads == 1 or len(blocks) == 1:
+            for b in blocks:
+                fn(b)
+            return
+        if self._pool is None or self._pool._max_workers != threads:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="attention")
+        list(self._pool.map(fn, blocks))
 
     def run(self, x: np.ndarray, views: dict, layer_views: list, ropes: dict, threads: int
             ) -> np.ndarray:
@@ -91,7 +107,7 @@ class FloatLayers:
         k_cache[view.slots] = k.reshape(m, Hkv, D)
         v_cache[view.slots] = v
         attn = self._attend(q.reshape(m, H, D), k_cache, v_cache, view, d.scale,
-                            cfg.attn_softcap, H, Hkv)
+                            cfg.attn_softcap, H, Hkv, threads)
         o = self._linear(o_w, attn.reshape(m, H * D), threads)
         if post_attn:
             o, _ = self._norm(o, norms[post_attn])
@@ -114,9 +130,9 @@ class FloatLayers:
         cpu_lib.raise_for(rc, None, "rms_norm")
         return out
 
-    @staticmethod
-    def _attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, view, scale: float,
-                softcap: Optional[float], H: int, Hkv: int) -> np.ndarray:
+    def _attend(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, view,
+                scale: float, softcap: Optional[float], H: int, Hkv: int, threads: int
+                ) -> np.ndarray:
         """Each sequence's rows over its keys: ``view.seqs`` gives (first row, end row, key
         slots, key positions) per sequence, ``view.positions`` each row's position. A block
         of queries multiplies only the run of keys some row of it sees (causal, and inside
@@ -126,7 +142,8 @@ class FloatLayers:
         for r0, r1, slots, key_pos in view.seqs:
             keys = k_cache[slots].transpose(1, 2, 0)  # [Hkv, D, L]
             values = v_cache[slots].transpose(1, 0, 2)  # [Hkv, L, D]
-            for b0 in range(r0, r1, QUERY_BLOCK):
+
+            def block(b0: int) -> None:
                 b1 = min(r1, b0 + QUERY_BLOCK)
                 n = b1 - b0
                 pos = view.positions[b0:b1]
@@ -150,4 +167,6 @@ class FloatLayers:
                 s /= s.sum(axis=-1, keepdims=True)
                 o = np.matmul(s, values[:, lo:hi])  # [Hkv, G * n, D]
                 out[b0:b1] = o.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3).reshape(n, H, D)
+
+            self._blocks_in_parallel(block, list(range(r0, r1, QUERY_BLOCK)), threads)
         return out
