@@ -296,6 +296,9 @@ static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts,
         if (ranges[2 * j] < 0 || ranges[2 * j + 1] < 1 || ranges[2 * j] + ranges[2 * j + 1] > M)
             return PQ_ERR_ARG;
     if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
+    /* a prompt's rows on every thread (a 502-row down projection's are 1 M elements) */
+    const int qt = M * K < 65536 ? 1 : threads(nthreads);
+#pragma omp parallel for num_threads(qt) schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
     if (ranges == NULL && M >= g_gemm_rows && ISAS[g_isa]->gemm_tile != NULL)

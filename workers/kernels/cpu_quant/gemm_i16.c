@@ -5,7 +5,7 @@
  * panels of PQ_GEMM_MR rows: int16 pairs interleaved across the panel's rows, so that one
  * register holds the same pair of elements of 8 rows. Each thread takes chunks of weight
  * rows, decodes PQ_GEMM_NW of them at a time to int16 with their per-group scales and
- * offsets (a few KiB that stay in L1), and runs the variant's tile (gemm_tile) over every
+ * offsets (up to 16 KiB, which stay in L1), and runs the variant's tile (gemm_tile) over every
  * panel. The sums are the row dots' (exact integers per group, one float scale per
  * group), so a prompt computes what decode computes, to float rounding.
  */
