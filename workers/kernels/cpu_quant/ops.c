@@ -23,6 +23,9 @@
 #endif
 
 #define LANES 16
+/* From this many elements (a prompt's rows) an op shares its rows out among the threads;
+ * a decode step's few rows stay on the calling thread (a parallel region costs ~µs). */
+#define PQ_OPS_PARALLEL 65536
 #define PQ_MAX_GROUP 16 /* query heads of one KV head attended in one pass */
 
 PQ_CLONES
@@ -58,6 +61,7 @@ PQ_API int pq_rms_norm(const float *x, int64_t A, int64_t B, int64_t D, int64_t 
                        const float *res, int64_t ra, int64_t rb, const float *w, float eps,
                        float *out, float *res_out) {
     if (A < 0 || B < 0 || D <= 0 || (res != NULL && res_out == NULL)) return PQ_ERR_ARG;
+#pragma omp parallel for if (A * B * D >= PQ_OPS_PARALLEL) schedule(static)
     for (int64_t a = 0; a < A; a++)
         for (int64_t b = 0; b < B; b++) {
             int64_t o = (a * B + b) * D;
@@ -79,6 +83,7 @@ static void rotate(float *x, const float *c, const float *s, int64_t half) {
 PQ_API int pq_rotary(float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
                      const float *cos, const float *sin, int64_t lc) {
     if (A < 0 || B < 0 || D <= 0 || D % 2 != 0 || lc < D / 2) return PQ_ERR_ARG;
+#pragma omp parallel for if (A * B * D >= PQ_OPS_PARALLEL) schedule(static)
     for (int64_t a = 0; a < A; a++)
         for (int64_t b = 0; b < B; b++) rotate(x + a * sa + b * sb, cos + a * lc, sin + a * lc, D / 2);
     return PQ_OK;
@@ -126,6 +131,7 @@ static void act_mul_row(int act, const float *g, const float *u, float *o, int64
 PQ_API int pq_act_and_mul(int act, const float *gate_up, int64_t T, int64_t I, int64_t ld,
                           float *out) {
     if (T < 0 || I <= 0 || ld < 2 * I || act < PQ_ACT_SILU || act > PQ_ACT_GELU_ERF) return PQ_ERR_ARG;
+#pragma omp parallel for if (T * I >= PQ_OPS_PARALLEL) schedule(static)
     for (int64_t t = 0; t < T; t++) act_mul_row(act, gate_up + t * ld, gate_up + t * ld + I, out + t * I, I);
     return PQ_OK;
 }
