@@ -34,11 +34,12 @@ def moe_path(tmp_path_factory) -> str:
 # ---------------------------------------------------------------------- GGUF
 
 
-def write_qwen3moe_gguf(path: str, model, expert_type) -> None:
+def write_qwen3moe_gguf(path: str, model, expert_type, dense_type=None) -> None:
     """``model`` as llama.cpp's converter writes a qwen3moe file: each layer's experts
     stacked in one [E, rows, cols] tensor per projection, the router as ffn_gate_inp.
     ``expert_type``: the GGML type of every expert tensor, or a dict of one per projection
-    ("gate", "up", "down")."""
+    ("gate", "up", "down"); ``dense_type``: that of the other matrices (attention, the
+    embedding, the LM head; None: F32). Norms and the router stay F32."""
     import gguf
 
     types = (expert_type if isinstance(expert_type, dict)
@@ -90,6 +91,9 @@ def write_qwen3moe_gguf(path: str, model, expert_type) -> None:
             gname = {"model.embed_tokens.weight": "token_embd.weight",
                      "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
+        if dense_type is not None and value.ndim == 2 and "ffn_gate_inp" not in gname:
+            w.add_tensor(gname, gguf.quants.quantize(value, dense_type), raw_dtype=dense_type)
+            continue
         w.add_tensor(gname, value, raw_dtype=gguf.GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()

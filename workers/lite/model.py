@@ -4,7 +4,8 @@ A step of fewer than ``stack_rows`` rows, prefill or decode, goes through
 ``pq_decoder_stack`` in one call: a row attends to the cache slots of its own gather row
 (its sequence's positions up to its own, cut to its layer's window), so a prompt's rows
 see each other once the layer has written their keys. A longer step takes the same
-products with attention as matrix products per sequence (``prefill.py``).
+products with attention as matrix products per sequence (``prefill.py``). Qwen3-MoE's
+routed experts run in both (``experts.py``).
 
 The weights are the file's own bytes, mapped (q/k rows of a llama.cpp-permuted file are
 unpermuted into a copy; ``loader/gguf.py``); the norm weights are float32 copies. A
@@ -30,7 +31,8 @@ from ..kernels.cpu_lib import Layer, Linear, Part, StackLayer, StepRope, StepVie
 from ..loader.block_tensor import BlockTensor
 from ..loader.gguf import load_gguf_weights
 from ..loader.gguf_quants import GGML_TYPES, type_name
-from ..models.config import ACTIVATION_KINDS, arch_config
+from ..models.config import ACTIVATION_KINDS, MoeArchConfig, arch_config
+from .experts import RoutedExperts, experts_refusal
 from .prefill import FloatLayers
 
 # The norms each family applies around its MLP (post-attention, pre-MLP, post-MLP), by
@@ -39,6 +41,7 @@ MLP_NORMS = {
     "llama": (None, "post_attention_layernorm", None),
     "qwen2": (None, "post_attention_layernorm", None),
     "qwen3": (None, "post_attention_layernorm", None),
+    "qwen3_moe": (None, "post_attention_layernorm", None),  # routed experts: experts.py
     "gemma3": ("post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm"),
 }
@@ -65,7 +68,16 @@ def refusal(info: ModelInfo) -> Optional[str]:
         return f"rope {sorted(kinds)}"
     if cfg.attn_sinks:
         return "attention sinks"
+    if _sparse(cfg):
+        return experts_refusal(info.family, cfg)
     return None
+
+
+def _sparse(cfg) -> list[bool]:
+    """Per layer: whether it routes to experts (an MoE config's sparse layers)."""
+    if isinstance(cfg, MoeArchConfig) and cfg.moe is not None:
+        return list(cfg.sparse_layers)
+    return []
 
 
 def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
@@ -210,8 +222,10 @@ class LiteModel:
 
         E, D = cfg.hidden_size, cfg.head_dim
         self.norms, self.bound, self.descs = [], [], []
+        self.experts: list[Optional[RoutedExperts]] = []  # per layer (None: a dense MLP)
         self.mlp_norm_names = post_attn, ff, post_ff = MLP_NORMS[info.family]
         act = cpu_lib.ACT_IDS[ACTIVATION_KINDS[cfg.hidden_act]]
+        sparse = _sparse(cfg)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -221,16 +235,24 @@ class LiteModel:
             kn = norm(a + "k_norm.weight") if cfg.qk_norm else None
             qkv = linear([a + "q_proj", a + "k_proj", a + "v_proj"], E)
             o = linear([a + "o_proj"], cfg.num_heads * D)
-            gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"], E)
-            down = linear([p + "mlp.down_proj"], cfg.intermediate_size)
+            if sparse and sparse[i]:  # routed experts in place of the MLP (no gate/up, down)
+                experts = self._experts(w, p + "mlp.", linear)
+                mlp, inter, mlp_act = (Linear(), Linear()), experts.inter, experts.act
+                self.bound.append((qkv, o))
+            else:
+                experts, inter, mlp_act = None, cfg.intermediate_size, act
+                gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"], E)
+                down = linear([p + "mlp.down_proj"], cfg.intermediate_size)
+                mlp = (gate_up.linear, down.linear)
+                self.bound.append((qkv, o, gate_up, down))
             self.norms.append((n, qn, kn))
-            self.bound.append((qkv, o, gate_up, down))
+            self.experts.append(experts)
             self.descs.append(Layer(
-                E, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size, cfg.rms_norm_eps,
-                cfg.attn_scale, cfg.attn_softcap or 0.0, act, _ptr(n["input_layernorm"]),
+                E, cfg.num_heads, cfg.num_kv_heads, D, inter, cfg.rms_norm_eps,
+                cfg.attn_scale, cfg.attn_softcap or 0.0, mlp_act, _ptr(n["input_layernorm"]),
                 _ptr(qn), _ptr(kn), _ptr(n[post_attn] if post_attn else None), _ptr(n[ff]),
-                _ptr(n[post_ff] if post_ff else None), qkv.linear, o.linear, gate_up.linear,
-                down.linear))
+                _ptr(n[post_ff] if post_ff else None), qkv.linear, o.linear, *mlp,
+                experts.desc if experts is not None else cpu_lib.Experts()))
         embed = w["model.embed_tokens.weight"]
         if not isinstance(embed, BlockTensor) or embed.ggml_type not in cpu_lib.QUANT_KERNEL_TYPES:
             raise UnsupportedFeatureError("the embedding table is not a block type with a kernel")
@@ -249,11 +271,29 @@ class LiteModel:
         self.layer_views: list = []
         self.float_layers = FloatLayers(self)
 
+    def _experts(self, w: dict, prefix: str, linear) -> RoutedExperts:
+        """A sparse layer's router and experts (``prefix``: ``model.layers.N.mlp.``), each
+        expert's [gate | up] and down bound as a projection's parts are."""
+        moe, E = self.cfg.moe, self.cfg.hidden_size
+        if w.get(prefix + "gate.bias") is not None:
+            raise UnsupportedFeatureError(f"{prefix}gate: a router bias")
+        router = w[prefix + "gate.weight"]  # llama.cpp keeps it F32; a block type is decoded
+        router = router.read() if isinstance(router, BlockTensor) else router
+        names = [prefix + f"experts.{e}." for e in range(moe.num_experts)]
+        return RoutedExperts(
+            self.lib, np.asarray(router, dtype=np.float32),
+            [linear([x + "gate_proj", x + "up_proj"], E) for x in names],
+            [linear([x + "down_proj"], moe.intermediate_size) for x in names],
+            moe.top_k, moe.norm_topk_prob, cpu_lib.ACT_IDS[ACTIVATION_KINDS[moe.hidden_act]],
+            prefix + "experts")
+
     def step_read_bytes(self) -> int:
-        """The weight bytes one decode step reads: every layer's parts and the LM head (of
-        the embedding, one row: it is the head only when tied)."""
+        """The weight bytes one decode step reads: every layer's parts (of an MoE layer,
+        its router and k experts') and the LM head (of the embedding, one row: it is the
+        head only when tied)."""
         layers = sum(a.nbytes for bound in self.bound for b in bound for a in b.arrays)
-        return layers + sum(a.nbytes for a in self.head.arrays)
+        experts = sum(x.read_bytes() for x in self.experts if x is not None)
+        return layers + experts + sum(a.nbytes for a in self.head.arrays)
 
     def bind(self, caches: Sequence[tuple[np.ndarray, np.ndarray]],
              layer_views: Sequence) -> None:

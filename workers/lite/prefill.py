@@ -1,7 +1,8 @@
 """A long step's layers (``LiteModel.stack_rows`` rows or more): the same products as the
 decode stack (``pq_linear``, one library call per projection), with attention as numpy
 matrix products per sequence instead of a gather per row, and the library's norms,
-rotary and activation between them, in ``layer.c``'s order.
+rotary and activation between them, in ``layer.c``'s order. An MoE layer's experts take
+their rows sorted by expert (``experts.py``).
 
 The stack's attention reads each row's keys through its own gather row: cheap for a few
 rows, but a long prompt's rows would each gather and dot their keys one by one, where a
@@ -84,7 +85,7 @@ class FloatLayers:
     def _layer(self, i: int, x: np.ndarray, res: Optional[np.ndarray], view, cos, sin,
                threads: int) -> tuple[np.ndarray, np.ndarray]:
         cfg, d = self.m.cfg, self.m.descs[i]
-        (norms, qn, kn), (qkv_w, o_w, gu_w, down_w) = self.m.norms[i], self.m.bound[i]
+        (norms, qn, kn), (qkv_w, o_w, *mlp) = self.m.norms[i], self.m.bound[i]
         post_attn, ff, post_ff = self.m.mlp_norm_names
         m, H, Hkv, D = x.shape[0], d.heads, d.kv_heads, d.head_dim
         if res is None:
@@ -112,6 +113,9 @@ class FloatLayers:
         if post_attn:
             o, _ = self._norm(o, norms[post_attn])
         h, res_out = self._norm(o, norms[ff], res1)
+        if self.m.experts[i] is not None:  # routed experts in place of the MLP (experts.py)
+            return self.m.experts[i](h, threads), res_out
+        gu_w, down_w = mlp
         gu = self._linear(gu_w, h, threads)
         inter = gu.shape[1] // 2
         act = np.empty((m, inter), dtype=np.float32)
