@@ -100,7 +100,7 @@ FAMILIES = (
            template="gemma.jinja", template_stop="<end_of_turn>"),
     # Qwen3-MoE: routed experts (workers/layers/moe.py); the router is ffn_gate_inp.
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), f"{_MODELS}.qwen3_moe:Qwen3MoeForCausalLM",
-           f"{_MODELS}.qwen3_moe:qwen3_moe_arch_config", gguf_architecture="qwen3moe",
+           f"{_MODELS}.qwen3_moe_config:qwen3_moe_arch_config", gguf_architecture="qwen3moe",
            gguf_model_type="qwen3_moe", gguf_config=_qwen3moe_gguf,
            gguf_tensors={**_LLAMA_TENSORS, "ffn_gate_inp": "mlp.gate"},
            gguf_expert_tensors={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",

@@ -101,9 +101,6 @@ def test_lite_moe_routes_as_layer_c(all_blocks):
     np.testing.assert_allclose(w, [e / e.sum()], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qwen3_moe_arch_config lives in workers/models/qwen3_moe.py, which imports torch; "
-    "a torch-free qwen3_moe_config.py (as llama_config.py, gemma3_config.py) is the fix"))
 def test_lite_moe_needs_no_torch(all_blocks):
     code = ("import sys; from pocketllm import EngineArgs; "
             "from pocketllm.model_info import load_model_info; "

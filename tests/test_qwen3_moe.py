@@ -23,7 +23,7 @@ from pocketllm.workers.layers.activation import get_activation  # noqa: E402
 from pocketllm.workers.layers.moe import FusedMoE, softmax_topk, torch_experts  # noqa: E402
 from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noqa: E402
 from pocketllm.workers.models.config import MoeSpec  # noqa: E402
-from pocketllm.workers.models.qwen3_moe import qwen3_moe_arch_config  # noqa: E402
+from pocketllm.workers.models.qwen3_moe_config import qwen3_moe_arch_config  # noqa: E402
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint, run_step, tables  # noqa: E402
 from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
