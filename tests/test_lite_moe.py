@@ -60,13 +60,14 @@ def all_blocks(hf_moe, tmp_path_factory) -> str:
     return _write(hf_moe, tmp_path_factory.mktemp("moe-all-blocks"), "blocks", "Q8_0")
 
 
-@pytest.mark.parametrize("prompt_len,stack_rows", [(24, 0), (63, 0), (150, 0), (24, 1),
-                                                   (150, 1)])
+@pytest.mark.parametrize("prompt_len,stack_rows", [(12, 0), (63, 64), (24, 0), (150, 0),
+                                                   (24, 1), (150, 1)])
 def test_lite_moe_matches_the_torch_worker(all_blocks, prompt_len, stack_rows):
-    """Prompts of 24 and 63 rows (the most a stack step takes: 126 pairs, two library calls
-    of 64) run their experts in C; 150 rows take the float path, its runs past
-    ``pq_gemm_rows()`` through the many-row product. With ``stack_rows`` 1 every step,
-    decode too, takes the float path (runs of a pair or a few: ``pq_linear_rows``)."""
+    """Prompts of 12 rows (under an MoE model's ``stack_rows``) and 63 (the stack forced
+    to take them: 126 pairs, two library calls of 64) run their experts in C; 24 and 150
+    rows take the float path, its runs past ``pq_gemm_rows()`` through the many-row
+    product. With ``stack_rows`` 1 every step, decode too, takes the float path (runs of a
+    pair or a few: ``pq_linear_rows``)."""
     prompt = ([5, 6, 7, 8, 9, 40, 41, 3, 200, 17, 301] * 14)[:prompt_len]
     want_tokens, want_lp = _torch_greedy(all_blocks, prompt, 12)
     tokens, lp = _lite_greedy(all_blocks, prompt, 12, stack_rows)

@@ -47,8 +47,12 @@ MLP_NORMS = {
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 # From this many rows a step attends by matrix products per sequence (prefill.py) rather
-# than through a gather row per row (the decode stack); measured in docs/cpu_kernels.md.
-STACK_ROWS = 64
+# than through a gather row per row (the decode stack): about even at 256 rows on the
+# embedded model, the matrix products 10% ahead at 502 (docs/cpu_kernels.md). With routed
+# experts the stack multiplies each (token, expert) pair on its own, where prefill.py reads
+# each expert once for its run of tokens, so an MoE model leaves the stack sooner (a
+# choice not yet measured on a real MoE shape).
+STACK_ROWS, STACK_ROWS_MOE = 256, 16
 
 
 def refusal(info: ModelInfo) -> Optional[str]:
@@ -208,7 +212,7 @@ class LiteModel:
             raise UnsupportedFeatureError(f"the torch-free CPU worker cannot run this model: {why}")
         self.cfg = cfg = arch_config(info)
         self.lib = cpu_lib.lib()
-        self.stack_rows = STACK_ROWS
+        self.stack_rows = STACK_ROWS_MOE if any(_sparse(cfg)) else STACK_ROWS
         w = dict(load_gguf_weights(info.path, info))
 
         def norm(name: str) -> np.ndarray:
