@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -157,6 +158,27 @@ def test_gemma_random_ids_stream_equals_full_decode(gemma, data, chunks, skip, l
     tokenizer, detok = gemma
     ids = data.draw(gemma_ids_strategy(tokenizer))
     check_stream(tokenizer, detok, ids, chunks, skip, logprobs)
+
+
+@pytest.fixture(scope="module")
+def gemma_decode_only(default_model_path):
+    """The detokenizer stage's own: the GGUF vocabulary without the model (``decode_only``)."""
+    from pocketllm.tokenizer.gguf_vocab import DecodeOnlyTokenizer, tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(default_model_path, decode_only=True)
+    assert isinstance(tok, DecodeOnlyTokenizer)
+    return tok, Detokenizer(tok)
+
+
+@SETTINGS
+@given(data=st.data(), chunks=CHUNKS, skip=st.booleans(), logprobs=st.sampled_from([None, 0]))
+def test_gemma_decode_only_streams_as_the_full_tokenizer(gemma, gemma_decode_only, data, chunks,
+                                                         skip, logprobs):
+    ids = data.draw(gemma_ids_strategy(gemma[0]))
+    full, lean = (stream(detok, ids, chunks, skip, logprobs)
+                  for detok in (gemma[1], gemma_decode_only[1]))
+    assert [msgspec.structs.replace(o, request_id="") for o in lean] == \
+           [msgspec.structs.replace(o, request_id="") for o in full]
 
 
 @SETTINGS

@@ -140,7 +140,7 @@ def test_stages_with_cached_merges_start_without_numpy(gemma_path, tmp_path):
         runs.append(out.stdout.split())
     assert runs[0] == ["detokenizer", "False", "tokenizer", "True"]  # it recovered the merges
     assert runs[1] == ["detokenizer", "False", "tokenizer", "False"]  # and read them back
-    assert len(list((tmp_path / "merges").iterdir())) == 1
+    assert len(list((tmp_path / "vocab").iterdir())) == 1
 
 
 def test_gemma_special_tokens(gemma):

@@ -22,18 +22,20 @@ here follows transformers' GGUF conversion, which tests use as the reference:
 
 from __future__ import annotations
 
+import gc
 from array import array
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from itertools import compress, count
+from typing import TYPE_CHECKING, Optional, Union
 
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
                         pre_tokenizers, processors)
 
 from ..errors import CheckpointError, UnsupportedFeatureError
-from ..gguf_meta import read_gguf_header
+from ..gguf_meta import LazyStrings, read_gguf_header
 from ..protocol.byte_level import BYTE_TO_CHAR
 from .gguf_pretokenizers import PRE_TOKENIZERS, REFUSED, PreTokenizer
-from .merges_cache import cached_merges
+from .merges_cache import cached_vocabulary, vocab_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,28 +46,52 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _POSITION_RANKED_ARCHS = {"gemma", "gemma2", "gemma3"}
 
-def tokenizer_from_gguf(path: str, decode_only: bool = False) -> Tokenizer:
-    """``decode_only``: leave out the merges, which only encoding reads (the detokenizer
-    decodes; recovering a SentencePiece vocabulary's merges takes ~1 s for 262k tokens)."""
+def tokenizer_from_gguf(path: str, decode_only: bool = False
+                        ) -> Union[Tokenizer, DecodeOnlyTokenizer]:
+    """``decode_only``: what decoding reads only (the detokenizer's): a
+    ``DecodeOnlyTokenizer``, without the model and its merges (recovering a SentencePiece
+    vocabulary's merges takes ~1 s for 262k tokens)."""
+    # With the collector paused: the build makes ~1.3M strings, tuples and lists, none in a
+    # cycle, and collections that walk them cost ~0.1 s of the tokenizer stage's start.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _tokenizer_from_gguf(path, decode_only)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _tokenizer_from_gguf(path: str, decode_only: bool) -> Tokenizer:
     meta = read_gguf_header(path).metadata
     kind = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
+    field = meta.get("tokenizer.ggml.tokens")
+    if not field:
         raise CheckpointError(f"{path!r} carries no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise CheckpointError(f"{path!r}: {len(types)} token types for {len(tokens)} tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(field)
+    if len(types) != len(field):
+        raise CheckpointError(f"{path!r}: {len(types)} token types for {len(field)} tokens")
     if kind == "llama":
-        tok, tokens = _sentencepiece_bpe(meta, tokens, decode_only)
-        default_add_bos = True
+        tokens, merges = _sentencepiece_vocab(meta, field, decode_only)
+        decoder = _sentencepiece_decoder(meta)
     elif kind == "gpt2":
         pre = pre_tokenizer(meta, path)
-        tok, tokens = _byte_level_bpe(meta, tokens, path, pre, decode_only)
-        default_add_bos = pre.add_bos
+        tokens, merges = _byte_level_vocab(meta, field, path, decode_only)
+        decoder = decoders.ByteLevel()
     else:
         raise UnsupportedFeatureError(
             f"{path!r}: GGUF tokenizer model {kind!r} is not supported (PocketLLM reads 'llama' and 'gpt2')")
-    _add_special_tokens(tok, meta, tokens, types, byte_level=kind == "gpt2")
+    added = _added_tokens(meta, tokens, types, byte_level=kind == "gpt2")
+    # (A vocabulary that repeats a string keeps the model: its maps give the string one id.)
+    if decode_only and len(set(tokens)) == len(tokens):
+        return DecodeOnlyTokenizer(tokens, added, decoder)
+    if kind == "llama":
+        tok, default_add_bos = _sentencepiece_bpe(meta, tokens, merges), True
+    else:
+        tok, default_add_bos = _byte_level_bpe(tokens, merges, pre), pre.add_bos
+    tok.decoder = decoder
+    tok.add_special_tokens([t for t in added.values() if t.special])
+    tok.add_tokens([t for t in added.values() if not t.special])
     _set_post_processor(tok, meta, tokens, default_add_bos=default_add_bos)
     return tok
 
@@ -84,38 +110,63 @@ def pre_tokenizer(meta: dict, path: str) -> PreTokenizer:
 # ------------------------------------------------------------------ SentencePiece-style
 
 
-def _sentencepiece_bpe(meta: dict, tokens: list[str],
-                       decode_only: bool = False) -> tuple[Tokenizer, list[str]]:
-    # Gemma stores runs of spaces as real spaces; the text they must match is ▁-escaped.
-    tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+def _sentencepiece_vocab(meta: dict, field: Sequence[str], decode_only: bool
+                         ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the tokens as the model holds them, the merges; none when ``decode_only``).
+    ``field``: the GGUF's token array; its strings and the merges come from the cache when
+    it holds them (merges_cache.py)."""
     arch = meta.get("general.architecture")
-    # float64 ranks in an array, not numpy: a cached start needs numpy for nothing else (0.1 s)
-    if decode_only:
-        ranks = None
-    elif arch in _POSITION_RANKED_ARCHS:
-        ranks = array("d", range(len(tokens)))
+    scores = meta.get("tokenizer.ggml.scores")
+    if arch in _POSITION_RANKED_ARCHS:
+        ranking = b"position"
+    elif scores is not None and len(scores) == len(field):
+        # float64 ranks in an array, not numpy: a cached start needs numpy for nothing else (0.1 s)
+        ranking = array("d", (-float(s) for s in scores)).tobytes()
+    elif decode_only:
+        ranking = b"unranked"
     else:
-        scores = meta.get("tokenizer.ggml.scores")
-        if scores is None or len(scores) != len(tokens):
-            raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
-        ranks = array("d", (-float(s) for s in scores))
+        raise CheckpointError("a 'llama' GGUF tokenizer needs one score per token to rank merges")
+
+    def recover(original: list[str]) -> list[tuple[str, str]]:
+        ranks = array("d", range(len(original)) if ranking == b"position" else ranking)
+        return _merges_from_vocab(_respaced(original), ranks)
+
+    original, merges = cached_vocabulary(vocab_key(field, ranking), lambda: list(field),
+                                         None if decode_only else recover)
+    if isinstance(field, LazyStrings):
+        field.fill(original)  # the header's other readers (special tokens, longest) decode none
+    return _respaced(original), merges
+
+
+def _adds_space_prefix(meta: dict) -> bool:
+    return meta.get("tokenizer.ggml.add_space_prefix",
+                    meta.get("general.architecture") not in _POSITION_RANKED_ARCHS)
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str], merges: list[tuple[str, str]]) -> Tokenizer:
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    merges = [] if decode_only else cached_merges(tokens, ranks, _merges_from_vocab)
     bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
                      unk_token=tokens[unk_id] if unk_id is not None else None,
                      fuse_unk=True, byte_fallback=True)
     tok = Tokenizer(bpe)
-    if meta.get("tokenizer.ggml.add_space_prefix", arch not in _POSITION_RANKED_ARCHS):
+    if _adds_space_prefix(meta):
         # "▁" before the first word only, as SentencePiece's add_dummy_prefix; dropped on decode
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first",
                                                      split=False)
-        tail = [decoders.Strip(content=" ", left=1, right=0)]
     else:
         tok.normalizer = normalizers.Replace(" ", _SPACE)
-        tail = []
-    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), *tail])
-    return tok, tokens
+    return tok
+
+
+def _sentencepiece_decoder(meta: dict) -> decoders.Decoder:
+    tail = [decoders.Strip(content=" ", left=1, right=0)] if _adds_space_prefix(meta) else []
+    return decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                              decoders.Fuse(), *tail])
+
+
+def _respaced(tokens: list[str]) -> list[str]:
+    # Gemma stores runs of spaces as real spaces; the text they must match is ▁-escaped.
+    return [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -203,8 +254,8 @@ def _piece_hashes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ------------------------------------------------------------------ byte-level BPE
 
 
-def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
-                    decode_only: bool = False) -> tuple[Tokenizer, list[str]]:
+def _byte_level_vocab(meta: dict, field: Sequence[str], path: str, decode_only: bool
+                      ) -> tuple[list[str], list[tuple[str, str]]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise CheckpointError(f"{path!r}: a 'gpt2' GGUF tokenizer needs tokenizer.ggml.merges")
@@ -212,8 +263,12 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
     spelled = set(alphabet.values())
     # A token written outside the byte alphabet (rare) is respelled byte by byte.
     tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
-              for t in tokens]
-    merges = [] if decode_only else [tuple(m.split(" ", 1)) for m in merges]
+              for t in field]
+    return tokens, [] if decode_only else [tuple(m.split(" ", 1)) for m in merges]
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], pre: PreTokenizer
+                    ) -> Tokenizer:
     bpe = models.BPE(vocab=_vocab(tokens), merges=merges,
                      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                      ignore_merges=pre.ignore_merges)
@@ -222,32 +277,78 @@ def _byte_level_bpe(meta: dict, tokens: list[str], path: str, pre: PreTokenizer,
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in pre.splits),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    return tok, tokens
+    return tok
 
 
 # ------------------------------------------------------------------ special tokens
 
 
-def _add_special_tokens(tok: Tokenizer, meta: dict, tokens: list[str], types: list[int],
-                        byte_level: bool) -> None:
+def _added_tokens(meta: dict, tokens: list[str], types: list[int], byte_level: bool
+                  ) -> dict[int, AddedToken]:
+    """Id -> added token: the control tokens (special), then the user-defined ones."""
     spelled = set(BYTE_TO_CHAR.values()) if byte_level else None
-    special_ids = {i for i, t in enumerate(types) if t == CONTROL}
+    special_ids = set(_ids_of(types, CONTROL))
     # the named special tokens are special even where a file forgets to mark them CONTROL
     for key in ("bos", "eos", "unknown", "padding", "eot"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= token_id < len(tokens):
             special_ids.add(int(token_id))
-    control = [AddedToken(tokens[i], special=True, normalized=False)
-               for i in sorted(special_ids)
-               if spelled is None or set(tokens[i]) <= spelled]
-    tok.add_special_tokens(control)
+    added = {i: AddedToken(tokens[i], special=True, normalized=False)
+             for i in sorted(special_ids) if spelled is None or set(tokens[i]) <= spelled}
     # USER_DEFINED tokens (e.g. "\n\n", "<think>") are matched whole in text, like llama.cpp does.
     original = meta["tokenizer.ggml.tokens"]
     # (one respelled to "▁▁" can't match raw text as written)
-    user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types) if t == USER_DEFINED and tokens[i] == original[i]]
-    tok.add_tokens(user)
+    for i in _ids_of(types, USER_DEFINED):
+        if tokens[i] == original[i] and i not in added:
+            added[i] = AddedToken(tokens[i], special=False, normalized=False)
+    return added
+
+
+def _ids_of(types: list[int], kind: int) -> Iterator[int]:
+    """The ids of the tokens of type ``kind``, in order (a loop in C: 262k types)."""
+    return compress(count(), map(kind.__eq__, types))
+
+
+class DecodeOnlyTokenizer:
+    """What decoding reads of the ``Tokenizer`` built here, without its model: the
+    detokenizer's (``decode_only``). The model's 262k-entry vocabulary costs ~0.2 s of CPU
+    to build, and decoding reads none of it: ``decode`` turns ids into their tokens here and
+    runs the same decoder over them, as ``Tokenizer.decode`` does (ids outside the
+    vocabulary are dropped, and special tokens by their text when skipped). Tests check
+    that it decodes every id, and runs of ids, as the full tokenizer does."""
+
+    def __init__(self, tokens: list[str], added: dict[int, AddedToken], decoder):
+        self._tokens = tokens
+        self._added = added
+        self._special = {t.content for t in added.values() if t.special}
+        self._ids: Optional[dict[str, int]] = None  # built on first use
+        self.decoder = decoder
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        tokens, n = self._tokens, len(self._tokens)
+        pieces = [tokens[i] for i in ids if 0 <= i < n]
+        if skip_special_tokens:
+            special = self._special
+            pieces = [t for t in pieces if t not in special]
+        return self.decoder.decode(pieces)
+
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+                     ) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in batch]
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tokens[token_id] if 0 <= token_id < len(self._tokens) else None
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        if self._ids is None:
+            self._ids = _vocab(self._tokens)
+        return self._ids.get(token)
+
+    def get_added_tokens_decoder(self) -> dict[int, AddedToken]:
+        return dict(self._added)
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self._tokens)
 
 
 def _set_post_processor(tok: Tokenizer, meta: dict, tokens: list[str], default_add_bos: bool) -> None:
