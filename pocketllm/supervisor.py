@@ -85,6 +85,7 @@ class Supervisor:
         cmd, stage_env = stage_command(module, self.run_dir, *extra)
         self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
                                             env={**os.environ, **stage_env, **(env or {})})
+        log.debug("%s spawned after %.2f s", name, time.monotonic() - self._started)
 
     def start(self, cancel: Optional[threading.Event] = None) -> None:
         """Start every stage and wait for each to report ready; on failure reap all and raise.
@@ -98,8 +99,6 @@ class Supervisor:
         try:
             if self.args.node_rank == 0:  # the control plane lives with rank 0
                 self._spawn("tokenizer", "pocketllm.tokenizer")
-                self._spawn("detokenizer", "pocketllm.detokenizer")
-                self._spawn("scheduler", "pocketllm.scheduler")
             for rank in range(first, first + local):
                 # A launcher (torchrun) that started this process already chose its device.
                 local_rank = int(os.environ.get("LOCAL_RANK", 0)) + rank - first
@@ -107,17 +106,30 @@ class Supervisor:
                             "WORLD_SIZE": str(world), "TP_RANK": str(rank),
                             "TP_WORLD": str(world), **dist_env}
                 self._spawn(f"worker{rank}", "pocketllm.workers", str(rank), env=rank_env)
-            log.debug("stages spawned after %.2f s", time.monotonic() - self._started)
-            self._await_ready(self.args.startup_timeout, cancel)
+            # The scheduler's and the detokenizer's starts are short (0.1-0.3 s of CPU), the
+            # tokenizer's (its vocabulary) and the workers' (weights) the long ones, and a
+            # start is CPU-bound: on fewer cores than starting stages, the short ones only
+            # stretch the longest (on two cores, all four at once took the tokenizer's from
+            # ~0.9 to ~1.1 s). So each of them waits for a core that a finished start frees.
+            short = [("scheduler", "pocketllm.scheduler"),
+                     ("detokenizer", "pocketllm.detokenizer")] if self.args.node_rank == 0 else []
+            self._await_ready(self.args.startup_timeout, cancel, short)
         except BaseException:
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, daemon=True, name="pocketllm-monitor").start()
 
-    def _await_ready(self, timeout: float, cancel: Optional[threading.Event] = None) -> None:
+    def _await_ready(self, timeout: float, cancel: Optional[threading.Event] = None,
+                     waiting: list[tuple[str, str]] = ()) -> None:
+        """Wait for every stage's ready; spawn each of ``waiting`` (name, module) once fewer
+        stages are starting than this process may use cores."""
         deadline = time.monotonic() + timeout
         decoder = codec.decoder_for("supervisor")
-        while len(self.ready) < len(self.procs):
+        waiting = list(waiting)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        while waiting or len(self.ready) < len(self.procs):
+            while waiting and len(self.procs) - len(self.ready) < (cores or 1):
+                self._spawn(*waiting.pop(0))
             if cancel is not None and cancel.is_set():
                 raise EngineStartupError("startup was interrupted (the server is stopping)")
             for name, proc in self.procs.items():
@@ -127,7 +139,7 @@ class Supervisor:
                     raise EngineStartupError(
                         f"the {name} process exited with status {proc.returncode} during startup")
             if time.monotonic() > deadline:
-                missing = sorted(set(self.procs) - set(self.ready))
+                missing = sorted(set(self.procs) - set(self.ready)) + [n for n, _m in waiting]
                 raise EngineStartupError(
                     f"the engine did not become ready within {timeout:.0f} s "
                     f"(still waiting for: {', '.join(missing)})")

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import psutil
 import pytest
+import zmq
 
 from pocketllm import LLM, EngineArgs, EngineDeadError, SamplingParams
+from pocketllm import supervisor as sv
+from pocketllm.model_info import load_model_info
+from pocketllm.proto import codec, endpoints
+from pocketllm.proto.messages import StageReady
 from process_checks import assert_gone, assert_kill_fails_everything, engine_procs
 
 
@@ -82,3 +90,48 @@ def test_parent_killed_takes_children(tiny_llama):
     proc.kill()
     proc.wait()
     assert_pids_gone(pids)
+
+
+def test_short_starts_wait_for_a_free_core(monkeypatch):
+    """On two cores the tokenizer and the worker start at once; the scheduler, then the
+    detokenizer, each once a start has finished (docs/architecture.md, start-up)."""
+    class Running:  # a stage process that never exits
+        pid = 0
+
+        def poll(self):
+            return None
+
+    spawned: list[str] = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(sv.Supervisor, "_spawn", lambda self, name, *a, **k: (
+        spawned.append(name), self.procs.__setitem__(name, Running())))
+    monkeypatch.setattr(sv.Supervisor, "shutdown", lambda self: None)
+    args = EngineArgs()
+    sup = sv.Supervisor(args, load_model_info(args))
+    starting = threading.Thread(target=sup.start)
+    starting.start()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoints.supervisor(sup.run_dir))
+
+    def after(stage: str) -> list[str]:
+        if stage:
+            push.send(codec.encode(StageReady(stage=stage, pid=0)))
+        time.sleep(0.5)
+        return list(spawned)
+
+    try:
+        assert after("") == ["tokenizer", "worker0"]
+        assert after("worker0") == ["tokenizer", "worker0", "scheduler"]
+        assert after("scheduler") == ["tokenizer", "worker0", "scheduler", "detokenizer"]
+        after("detokenizer")
+        after("tokenizer")
+        starting.join(timeout=10)
+        assert not starting.is_alive() and set(sup.ready) == set(spawned)
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        sup._stopping.set()
+        sup._inbox.close(linger=0)
+        sup._zmq.term()
+        shutil.rmtree(sup.run_dir, ignore_errors=True)
