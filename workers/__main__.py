@@ -9,8 +9,6 @@ from pocketllm.process import StageContext, run_stage
 from pocketllm.proto import codec, endpoints
 from pocketllm.proto.messages import Ping, Pong, Shutdown, WorkerReady
 
-from .kv_plan import start_backing
-
 logger = logging.getLogger("pocketllm.worker")
 
 
@@ -37,8 +35,10 @@ def main(ctx: StageContext) -> None:
     try:
         send(codec.encode(WorkerReady(rank=rank, capabilities=runner.capabilities())))
         ctx.ready(info={"rank": rank, "tensor_parallel_size": world})
+        decoder = codec.decoder_for("worker")
         launched = None  # a step queued on the device whose tokens are not sent yet
-        for plan in messages(recv):
+        while True:
+            plan = decoder.decode(recv())
             if isinstance(plan, Shutdown):
                 return
             if isinstance(plan, Ping):  # only local ranks get them (remote: no such socket)
@@ -59,18 +59,6 @@ def main(ctx: StageContext) -> None:
     finally:
         if fatal:
             distributed.shutdown()
-
-
-def messages(recv):
-    """Every message to this rank, decoded. The first (a plan, or the frontend's first
-    heartbeat) comes only once every stage is ready; once it is handled, the CPU KV
-    cache's pages are backed (kv_plan.populated_zeros): not while the other stages start,
-    nor under the first step."""
-    decoder = codec.decoder_for("worker")
-    yield decoder.decode(recv())
-    start_backing()
-    while True:
-        yield decoder.decode(recv())
 
 
 def lite_runner(info, args, world: int):

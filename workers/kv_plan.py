@@ -12,7 +12,6 @@ import math
 import mmap
 import os
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -141,47 +140,28 @@ def check_available(nbytes: int, what: str, param: str) -> None:
 
 def populated_zeros(sizes: list[int]) -> list[Union[mmap.mmap, bytearray]]:
     """Zeroed host buffers of ``sizes`` bytes (anonymous mappings) whose pages one
-    background thread backs once the engine is ready (``start_backing``, which the worker
-    calls after its first message; ``MADV_POPULATE_WRITE``: the kernel zeroes them without
-    the GIL), so that their memory is taken once, right after start, not request by
-    request as they are first written (the worker's memory stays flat: a leak check can
-    tell a leak from the cache). Not before ready: backing the embedded model's 2.4 GB KV
-    cache takes ~0.55 s of a core on the 2-core VM, which the tokenizer stages need
-    then (docs/benchmarks.md, "Start-up to ready under 1 s"). Every mapping is made
+    background thread backs right away (``MADV_POPULATE_WRITE``: the kernel zeroes them without the GIL), so that their
+    memory is taken once, at start, not request by request as they are first written
+    (the worker's memory stays flat: a leak check can tell a leak from the cache), and
+    start-up does not wait for it: backing the embedded model's 2.4 GB KV cache takes
+    0.8-7 s of a core on the 2-core VM (more where the VM's memory is touched for the
+    first time), ~40% of the worker's start (docs/benchmarks.md). Every mapping is made
     before the thread starts: a new mapping waits for the address-space lock that a
     backing call holds, hence ``BACKING_CHUNK``. Where the kernel lacks the call (before
     Linux 5.14) the pages are backed as they are first written.
     ``check_available`` has already refused a cache the RAM cannot hold."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):
         return [bytearray(n) for n in sizes]
-    buffers = []
+    buffers, spans = [], []
     for nbytes in sizes:
         if nbytes == 0:
             buffers.append(bytearray(0))
             continue
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buffers.append(buf)
-        _unbacked.append(weakref.ref(buf))  # a pool dropped before then is not backed
+        spans.append((ctypes.addressof(ctypes.c_char.from_buffer(buf)), nbytes))
+    threading.Thread(target=_back_pages, args=(spans,), daemon=True, name="kv-cache-backing").start()
     return buffers
-
-
-# The buffers populated_zeros made that no thread backs yet.
-_unbacked: list[weakref.ref] = []
-
-
-def start_backing() -> None:
-    """Back every buffer of ``populated_zeros`` not backed yet, on one background thread."""
-    buffers = [buf for buf in (ref() for ref in _unbacked) if buf is not None]
-    _unbacked.clear()
-    if buffers:
-        threading.Thread(target=_back_buffers, args=(buffers,), daemon=True,
-                         name="kv-cache-backing").start()
-
-
-def _back_buffers(buffers: list[mmap.mmap]) -> None:
-    # The thread holds the buffers (and an export of each), so none is unmapped under it.
-    views = [ctypes.c_char.from_buffer(buf) for buf in buffers]
-    _back_pages([(ctypes.addressof(v), len(buf)) for v, buf in zip(views, buffers)])
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>
