@@ -203,7 +203,6 @@ static void q4_k_unpack(const uint8_t *w, int64_t n256, int16_t *q, float *scale
 }
 
 static void q6_k_unpack(const uint8_t *w, int64_t n256, int16_t *q, float *scale, float *offset) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 210 * sb;
         const float d = pq_f16(blk + 208);
@@ -216,14 +215,8 @@ static void q6_k_unpack(const uint8_t *w, int64_t n256, int16_t *q, float *scale
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
             for (int k = 0; k < 4; k++) {
-                const __m256i l = k & 1 ? l1 : l0;
-                const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4)
-                                         : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
-                const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
-                                 : k == 1 ? _mm256_slli_epi16(hb, 2)
-                                 : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
                 __m256i w0, w1;
-                widen_u8(_mm256_or_si256(lo, _mm256_and_si256(hi, hi2)), 32, &w0, &w1);
+                q6_k_block(l0, l1, hb, k, &w0, &w1);
                 store_natural(q + 256 * sb + 128 * h + 32 * k, w0, w1);
             }
         }

@@ -152,12 +152,23 @@ static inline __m256i group_pair_dot(__m256i w0, __m256i w1, const int16_t *q) {
 #endif
 }
 
+/* Block k (0..3) of one half of a Q6_K super-block as int16 values q - 32 (widen_u8's order),
+ * from the half's two 32-byte runs of low nibbles and its run of high bit pairs. */
+static inline void q6_k_block(__m256i l0, __m256i l1, __m256i hb, int k, __m256i *w0, __m256i *w1) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i l = k & 1 ? l1 : l0;
+    const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
+    const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
+                     : k == 1 ? _mm256_slli_epi16(hb, 2)
+                     : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
+    widen_u8(_mm256_or_si256(lo, _mm256_and_si256(hi, hi2)), 32, w0, w1);
+}
+
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
  * nibble k>>1 of ql[64h + 32(k&1) + j] with bits 2k..2k+1 of qh[32h + j] above it, minus 32;
  * one scale per 16, so block 4h+k's two groups take scales 8h+2k and 8h+2k+1. */
 __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq_rows x,
                                                             const int R, float *out) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const int64_t n256 = x.K / 256, n32 = x.K / 32;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -172,14 +183,8 @@ __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
             for (int k = 0; k < 4; k++) {
-                const __m256i l = k & 1 ? l1 : l0;
-                const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4)
-                                         : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
-                const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
-                                 : k == 1 ? _mm256_slli_epi16(hb, 2)
-                                 : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
                 __m256i w0, w1;
-                widen_u8(_mm256_or_si256(lo, _mm256_and_si256(hi, hi2)), 32, &w0, &w1);
+                q6_k_block(l0, l1, hb, k, &w0, &w1);
                 const __m256 s = _mm256_permutevar8x32_ps(
                     sc, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
                 const int64_t b = 8 * sb + 4 * h + k;
