@@ -1,27 +1,19 @@
 """SamplingParams: the public, validated per-request sampling and termination settings.
-
-Also the torch-free rules both worker samplers share (workers/layers/sampler.py, torch;
-workers/lite/sampler.py, numpy): seeded uniforms, which rows are greedy, the top-p probe
-size and the shape of what a sampler returns.
-"""
+How the workers apply them: workers/sampler/rules.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from .errors import InvalidRequestError
-from .proto.messages import SamplingSpec, TokenLogprobs
+from .proto.messages import SamplingSpec
 from .protocol import limits as L
 from .protocol.limits import DEFAULT_LIMITS, RequestLimits
 from .protocol.response_format import parse_response_format
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries; the OpenAI API's own cap, and it bounds the per-step work
-# Top-p over a 262k vocabulary: a full sort costs more than a decode step on CPU, while
-# the nucleus of a real distribution almost always lies within its best few hundred tokens.
-NUCLEUS_PROBE = 1024
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -146,48 +138,6 @@ def check_token_ids_in_vocab(spec: SamplingSpec, vocab_size: int) -> None:
     if bad:
         raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
                                   f"(0..{vocab_size - 1})", "logit_bias")
-
-
-def seeded_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) from (seed, position): two rounds of splitmix64."""
-    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
-    for _ in range(2):
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x = z ^ (z >> 31)
-    return (x >> 11) / float(1 << 53)
-
-
-def is_greedy(spec: SamplingSpec) -> bool:
-    return spec.temperature == 0 or spec.top_k == 1
-
-
-def uses_output_counts(spec: SamplingSpec) -> bool:
-    return spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
-
-
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[Optional[TokenLogprobs]]
-
-
-def logprob_lists(tables: list[list], specs: Sequence[SamplingSpec]
-                  ) -> list[Optional[TokenLogprobs]]:
-    """Per row, its TokenLogprobs or None. ``tables``: [] when no row asked, else [chosen,
-    top values, top ids] as lists over the rows that asked, top lists as wide as the widest
-    request (each row keeps its own ``logprobs`` of them)."""
-    out: list[Optional[TokenLogprobs]] = [None] * len(specs)
-    if not tables:
-        return out
-    chosen, top_vals, top_ids = tables
-    asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-    for j, i in enumerate(asked):
-        n = specs[i].logprobs
-        out[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_vals[j][:n])
-    return out
 
 
 def _is_int(v: object) -> bool:

@@ -18,7 +18,8 @@ import torch  # noqa: E402  (load_kernels skips the module when torch/triton are
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
 from pocketllm.proto.messages import SamplingSpec  # noqa: E402
 from pocketllm.workers.layers.attention import ScheduledSeq, build_metadata  # noqa: E402
-from pocketllm.workers.layers.sampler import Sampler  # noqa: E402
+from pocketllm.workers.sampler import torch_ops  # noqa: E402
+from pocketllm.workers.sampler.rules import Sampler  # noqa: E402
 
 CUDA = DEVICE.type == "cuda"
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
@@ -115,7 +116,7 @@ def test_sampler_draws_a_row_the_same_in_any_batch():
     target = SamplingSpec(temperature=0.8, top_k=40, top_p=0.9, seed=7)
     others = [SamplingSpec(temperature=1.0, top_k=k, top_p=p, seed=s)
               for k, p, s in ((0, 1.0, 1), (5, 0.5, 2), (40, 1.0, 3), (0, 0.7, 4), (0, 1.0, 0))]
-    sampler = Sampler(0, batch_invariant=True)
+    sampler = Sampler(torch_ops, 0)
     alone, _ = sampler.draw(logits[2:3].clone(), [target], [11])
     specs = others[:2] + [target] + others[2:]
     mixed, _ = sampler.draw(logits.clone(), specs, [5, 6, 11, 7, 8, 9])

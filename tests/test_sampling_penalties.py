@@ -17,8 +17,12 @@ from pocketllm import InvalidRequestError, SamplingParams  # noqa: E402
 from pocketllm.proto.messages import SamplingSpec  # noqa: E402
 from pocketllm.protocol.openai_fields import parse_chat, parse_completion  # noqa: E402
 from pocketllm.sampling import MAX_LOGIT_BIAS, check_token_ids_in_vocab  # noqa: E402
-from pocketllm.workers.layers import sampler as sampler_mod  # noqa: E402
-from pocketllm.workers.layers.sampler import Sampler, TokenHistory, apply_penalties  # noqa: E402
+from pocketllm.workers.sampler import rules as sampler_mod, torch_ops  # noqa: E402
+from pocketllm.workers.sampler.rules import TokenHistory, apply_penalties  # noqa: E402
+
+
+def Sampler(seed):
+    return sampler_mod.Sampler(torch_ops, seed)
 
 ROW = [1.0, 2.0, -1.0, 0.5, 3.0]
 PROMPT, OUTPUT = [0, 3], [1, 1, 2]  # token 1 generated twice, 2 once; 0 and 3 only prompted
@@ -26,7 +30,7 @@ PROMPT, OUTPUT = [0, 3], [1, 1, 2]  # token 1 generated twice, 2 once; 0 and 3 o
 
 def adjusted(spec: SamplingSpec, row=ROW, prompt=PROMPT, output=OUTPUT) -> list[float]:
     logits = torch.tensor([row])
-    apply_penalties(logits, [spec], [TokenHistory(spec, prompt, output, len(row))])
+    apply_penalties(torch_ops, logits, [spec], [TokenHistory(spec, prompt, output, len(row))])
     return logits[0].tolist()
 
 

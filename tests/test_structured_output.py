@@ -149,7 +149,8 @@ def test_sampler_mask_applies_after_bias_and_logprobs_stay_raw():
     import numpy as np
 
     from pocketllm.proto.messages import SamplingSpec
-    from pocketllm.workers.layers.sampler import Sampler, TokenHistory, structured_token_mask
+    from pocketllm.workers.sampler import torch_ops
+    from pocketllm.workers.sampler.rules import Sampler, TokenHistory, structured_token_mask
 
     vocab = 70
     logits = torch.randn(2, vocab)
@@ -165,7 +166,7 @@ def test_sampler_mask_applies_after_bias_and_logprobs_stay_raw():
     histories = [None, TokenHistory(spec, [1], [], vocab)]
     for seed in range(20):
         s = SamplingSpec(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "seed": seed})
-        out = Sampler(0)(logits.clone(), [plain, s], [4, 4], histories, mask)
+        out = Sampler(torch_ops, 0)(logits.clone(), [plain, s], [4, 4], histories, mask)
         assert out.token_ids[1] in allowed
         assert out.token_ids[0] == int(raw[0].argmax())  # an unstructured row is untouched
         assert out.logprobs[1].top_token_ids[0] == 5  # from the raw logits

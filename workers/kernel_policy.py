@@ -31,8 +31,8 @@ choice is fixed per row. All products, one row or many, run the matmul of
 attention row, decode or prefill, runs the prefill kernel with one fixed tile,
 whose key tiles start at absolute positions, so a row computes the same whether
 its keys came from its own chunk or the cache (chunking, prefix hits, preemption);
-the sampler draws each group of rows of one top-k width on its own (see
-``layers/sampler.py``). RMSNorm, rotary, the activations and the KV writes are per
+the sampler needs nothing: its rules never look at another row
+(``sampler/rules.py``). RMSNorm, rotary, the activations and the KV writes are per
 row already. Tensor parallelism is refused in this mode: an all-reduce's order
 follows the message size.
 

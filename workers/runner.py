@@ -26,7 +26,9 @@ from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import build_metadata
-from .layers.sampler import HostCopy, Sampler, TokenHistory, structured_token_mask
+from .sampler import torch_ops
+from .sampler.rules import Sampler, TokenHistory, structured_token_mask
+from .sampler.torch_ops import HostCopy
 from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
@@ -102,7 +104,7 @@ class ModelRunner:
         # per group: the sliding window whose table entries behind it point at the pad block
         self.group_slide = [layout.window(g) for g in range(len(counts))]
         self._warm_up_attention()
-        self.sampler = Sampler(args.seed, batch_invariant=self.policy.batch_invariant)
+        self.sampler = Sampler(torch_ops, args.seed)
         self.book = RequestBook(self.kv.num_blocks, self.kv.pad_blocks, self.group_slide,
                                 self.block_size, args.max_num_seqs, self._history)
         # The last launched step's sampled tokens, still on the device: a PENDING input of
@@ -253,7 +255,7 @@ class ModelRunner:
             return StepResult(step_id=step.step_id, error=step.error)
         try:
             with torch.inference_mode():
-                out = Sampler.collect(step.copy, step.specs) if step.copy is not None else None
+                out = self.sampler.collect(step.copy, step.specs) if step.copy is not None else None
                 timing = self._timing(step)
         except Exception as e:
             logger.exception("step %s failed", step.step_id)
@@ -374,11 +376,11 @@ class ModelRunner:
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in samplers])  # None: none structured
         positions = [len(state.token_ids) for _rid, state in samplers]
-        tokens, raw_rows = self.sampler.draw(
+        tokens, tables = self.sampler.draw(
             logits, specs, positions, histories if any(h is not None for h in histories) else None,
             mask)
         if plan.next_follows:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
-        return LaunchedStep(plan.step_id, Sampler.to_host(tokens, raw_rows, specs), specs,
+        return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)],
                             path=path)

@@ -28,7 +28,8 @@ from pocketllm.sampling import MAX_LOGPROBS
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
 from ..step_rows import RequestBook
 from .model import LiteModel, step_view
-from .sampler import Sampler, TokenHistory, structured_token_mask
+from ..sampler import numpy_ops
+from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -74,7 +75,7 @@ class LiteRunner:
         self.book = RequestBook(self.num_blocks, self.pad_blocks,
                                 [layout.window(g) for g in range(len(layout.specs))],
                                 self.block_size, args.max_num_seqs, self._history)
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(numpy_ops, args.seed)
         self._last_tokens: dict[str, int] = {}  # the last step's sampled token per request
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready (no torch): %s on cpu/float32, KV capacity %d tokens "
@@ -136,10 +137,8 @@ class LiteRunner:
         histories = [state.history for state in states]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in rows.samplers])
-        out = self.sampler.sample(logits, [s.sampling for s in states],
-                                  [len(s.token_ids) for s in states],
-                                  histories if any(h is not None for h in histories) else None,
-                                  mask)
+        out = self.sampler(logits, [s.sampling for s in states], [len(s.token_ids) for s in states],
+                           histories if any(h is not None for h in histories) else None, mask)
         ids = [rid for rid, _ in rows.samplers]
         self._last_tokens = dict(zip(ids, out.token_ids))
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=out.token_ids,
