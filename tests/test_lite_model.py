@@ -112,3 +112,17 @@ def test_lite_model_needs_no_torch(default_model_path):
 
 def test_what_the_lite_forward_refuses(tiny_llama):
     assert refusal(load_model_info(EngineArgs(model=tiny_llama))) == "not a GGUF checkpoint"
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3_moe"])
+def test_dummy_shapes_are_the_torch_models(family, tmp_path):
+    """The torch-free worker's dummy weights take their shapes from the config
+    (``lite/dummy.checkpoint_shapes``): every tensor the torch model of the family loads,
+    of the same shape, and no other."""
+    from pocketllm.workers.lite.dummy import checkpoint_shapes
+    from pocketllm.workers.models.config import arch_config
+    from pocketllm.workers.models.registry import checkpoint_shapes as torch_shapes
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    info = load_model_info(EngineArgs(model=make_tiny_checkpoint(family, str(tmp_path))))
+    assert checkpoint_shapes(arch_config(info), info.family) == torch_shapes(info)
