@@ -33,8 +33,8 @@ class EngineArgs:
     # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS)
     quantization: Optional[str] = None
     # Expand every GGUF block weight to the float dtype at load (the reference numerics of
-    # float products; ~4x the memory) instead of keeping it in its block type for the CPU
-    # block kernels. See docs/cpu_kernels.md.
+    # float products; ~4x the memory): the torch worker serves, not the torch-free CPU
+    # worker that computes on the blocks. See docs/cpu_kernels.md.
     dequantize_weights: bool = False
     dtype: str = "auto"
     device: str = "auto"

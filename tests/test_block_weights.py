@@ -1,11 +1,15 @@
-"""GGUF weights kept in their block types (the CPU block kernels' path) against the same
-weights expanded to float32: quality on the real embedded file, dummy block weights,
-and the engine arguments that choose between them."""
+"""GGUF weights kept in their block types (the torch-free worker, ``workers/lite``, the one
+CPU worker for them) against the same weights dequantized to float32 (the torch worker):
+quality on the real embedded file, dummy block weights, and where the torch worker
+serves a GGUF instead (tensor parallelism, no kernel library)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,13 +17,14 @@ torch = pytest.importorskip("torch")
 from pocketllm import LLM, EngineArgs, SamplingParams  # noqa: E402
 from pocketllm.errors import UnsupportedFeatureError  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
-from pocketllm.workers.kernels import cpu_quant  # noqa: E402
+from pocketllm.workers.kernels import cpu_lib  # noqa: E402
 from pocketllm.workers.layers.attention import ScheduledSeq  # noqa: E402
-from pocketllm.workers.layers.block_weight import BlockWeight  # noqa: E402
+from pocketllm.workers.lite.model import LiteModel, step_view  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
+import cpu_lib_calls as cl  # noqa: E402
 
-needs_kernels = pytest.mark.skipif(not cpu_quant.available(),
-                                   reason=f"CPU kernels: {cpu_quant.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not cpu_lib.available(),
+                                   reason=f"CPU kernels: {cpu_lib.unavailable_reason()}")
 TEXT_TOKENS = 1100
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
@@ -38,11 +43,12 @@ def _runner(**kw) -> ModelRunner:
     return ModelRunner(load_model_info(args), args)
 
 
-def _block_layers(runner: ModelRunner) -> int:
-    return sum(isinstance(m, BlockWeight) for m in runner.model.modules())
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
-def _teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(argmax, log-probability of the next text token) at each position of one prefill."""
     seq = ScheduledSeq(block_ids=list(range(len(ids) // 16 + 1)), start=0, num_tokens=len(ids), row=0)
     meta = runner.metadata([[seq] for _ in runner.kv.num_blocks])  # the same ids in each pool
@@ -51,19 +57,44 @@ def _teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, 
                               runner.kv_caches)[:-1]
         top, logprob = [], []
         for at in range(0, hidden.shape[0], 128):  # the 262k-entry logits, a slice at a time
-            logits = runner.model.compute_logits(hidden[at:at + 128]).float()
+            logits = runner.model.compute_logits(hidden[at:at + 128]).double().numpy()
             top.append(logits.argmax(-1))
-            nxt = torch.tensor(ids[at + 1:at + 1 + logits.shape[0]])
-            logprob.append(logits.log_softmax(-1).gather(1, nxt[:, None])[:, 0])
-    return torch.cat(top), torch.cat(logprob)
+            nxt = np.array(ids[at + 1:at + 1 + logits.shape[0]])
+            logprob.append(_log_softmax(logits)[np.arange(len(nxt)), nxt])
+    return np.concatenate(top), np.concatenate(logprob)
+
+
+def _lite_teacher_forced(model: LiteModel, ids: list[int], chunk: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """The same through the torch-free forward, the text in prefill chunks of ``chunk``
+    rows (each attending to the cache the earlier ones wrote)."""
+    cfg, bs = model.cfg, 16
+    table = list(range(-(-len(ids) // bs)))
+    pad = len(table) * bs
+    caches = [tuple(np.zeros((pad + bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
+                    for _ in range(2)) for _ in range(cfg.num_layers)]
+    model.bind(caches, [(0, w) for w in cfg.layer_windows])
+    top, logprob = [], []
+    for start in range(0, len(ids) - 1, chunk):
+        n = min(chunk, len(ids) - start)
+        seq = ScheduledSeq(table, start, n, 0)
+        views = {(0, w): step_view([seq], w, bs, pad, n) for w in set(cfg.layer_windows)}
+        rows = [r for r in range(n) if start + r + 1 < len(ids)]
+        logits = model.forward(np.array(ids[start:start + n]), np.arange(start, start + n),
+                               views, rows).astype(np.float64)
+        top.append(logits.argmax(-1))
+        nxt = np.array(ids[start + 1:start + 1 + len(rows)])
+        logprob.append(_log_softmax(logits)[np.arange(len(rows)), nxt])
+    return np.concatenate(top), np.concatenate(logprob)
 
 
 @pytest.mark.slow
 @needs_kernels
 def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path):
-    """Teacher-forced over 1,100 tokens of prose, the prompt through the many-row product
-    and through the row dots at every row count: each path's top-1 token agrees with the
-    float32 reference at >= 99% of positions, and its perplexity is within 1%."""
+    """Teacher-forced over 1,100 tokens of prose, the prompt in chunks through the
+    torch-free worker's float path with the many-row product and with the row dots at
+    every row count, and through its decode stack: each path's top-1 token agrees with
+    the dequantized float32 model at >= 99% of positions, and its perplexity is within 1%."""
     from pocketllm.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
@@ -73,60 +104,39 @@ def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path)
         ids += ids[1:]
     ids = ids[:TEXT_TOKENS]
     dense = _runner(dequantize_weights=True)
-    assert _block_layers(dense) == 0
-    top_f, lp_f = _teacher_forced(dense, ids)
+    top_f, lp_f = _torch_teacher_forced(dense, ids)
     del dense
-    blocks = _runner()
-    assert _block_layers(blocks) > 0 and cpu_quant.gemm_rows() < len(ids)
-    paths = {"many-row product": _teacher_forced(blocks, ids)}
-    with cpu_quant.forcing_gemm_rows(len(ids) + 1):  # the row dots at every row count
-        paths["row dots"] = _teacher_forced(blocks, ids)
+    model = LiteModel(load_model_info(EngineArgs(model=default_model_path, device="cpu")))
+    chunk = 275  # past the model's stack_rows: the float path
+    assert model.stack_rows <= chunk and cl.gemm_rows() < chunk
+    paths = {"many-row product": _lite_teacher_forced(model, ids, chunk)}
+    with cl.forcing_gemm_rows(len(ids) + 1):  # the row dots at every row count
+        paths["row dots"] = _lite_teacher_forced(model, ids, chunk)
+    paths["decode stack"] = _lite_teacher_forced(model, ids, model.stack_rows - 1)
     for name, (top_b, lp_b) in paths.items():
-        agree = (top_b == top_f).float().mean().item()
-        ppl_b, ppl_f = torch.exp(-lp_b.mean()).item(), torch.exp(-lp_f.mean()).item()
+        agree = (top_b == top_f).mean()
+        ppl_b, ppl_f = np.exp(-lp_b.mean()), np.exp(-lp_f.mean())
         print(f"{name}: top-1 agreement {agree:.4f}, perplexity {ppl_b:.4f} float32 {ppl_f:.4f}")
         assert agree >= 0.99, name
         assert abs(ppl_b / ppl_f - 1) <= 0.01, name
 
 
 @needs_kernels
-def test_dummy_block_weights_serve(tiny_llama):
-    """Random q8_0 blocks on a tiny checkpoint's shapes: every matrix is a BlockWeight and
-    the engine generates with them."""
-    runner = _runner(model=tiny_llama, load_format="dummy", quantization="q8_0")
-    assert _block_layers(runner) >= 4  # qkv, o, gate_up, down of each layer (and the head)
-    weights = [m for m in runner.model.modules() if isinstance(m, BlockWeight)]
-    assert all(t == 8 for w in weights for t in w.part_types if t is not None)
-    with LLM(EngineArgs(model=tiny_llama, device="cpu", load_format="dummy", quantization="q8_0")) as llm:
-        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
-                                                          ignore_eos=True))[0]
-    assert len(out.token_ids) == 6
-
-
-@needs_kernels
-def test_block_weight_products_of_few_and_many_rows():
-    """Mixed part types (one float): the block parts in one library call (the row dots
-    below ``gemm_rows()`` rows, the many-row product from there), the float part in
-    torch; each matches the float product within 16-bit activations' rounding."""
-    from test_cpu_quant_kernels import random_blocks
-
-    from pocketllm.workers.loader.gguf_quants import dequantize
-
-    k, rows = 512, [48, 32, 24]
-    blocks = {0: random_blocks(6, rows[0], k, seed=1), 1: random_blocks(12, rows[1], k, seed=2)}
-    w = BlockWeight(k, rows, [6, 12, None])
-    dense = []
-    for j, t in blocks.items():
-        setattr(w, f"part{j}", t)
-        dense.append(torch.from_numpy(dequantize(t.numpy().reshape(-1), w.part_types[j]).reshape(-1, k)))
-    w.part2 = torch.randn(rows[2], k)
-    dense.append(w.part2)
-    ref_w = torch.cat(dense).double()
-    for m in (1, 4, cpu_quant.gemm_rows(), 40):
-        x = torch.randn(m, k)
-        ref = x.double() @ ref_w.T
-        got = w(x).double()
-        assert torch.allclose(got, ref, rtol=0, atol=2e-3 * ref.abs().max().item()), m
+def test_dummy_block_weights_serve(tiny_llama, monkeypatch):
+    """Random q8_0 blocks on a tiny checkpoint's shapes: the torch-free worker binds every
+    matrix as Q8_0 blocks and the engine generates with them; the torch worker, where it
+    serves, draws float weights of the same shapes."""
+    model = LiteModel(load_model_info(EngineArgs(model=tiny_llama, load_format="dummy",
+                                                 quantization="q8_0")), "q8_0")
+    types = {p.type for bound in model.bound for b in bound for p in b.parts}
+    assert types == {8} and model.embed.ggml_type == 8 and model.head.parts[0].type == 8
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for torch_worker in ("0", "1"):
+        monkeypatch.setenv("POCKETLLM_TORCH_WORKER", torch_worker)  # the worker inherits it
+        with LLM(EngineArgs(model=tiny_llama, device="cpu", load_format="dummy",
+                            quantization="q8_0")) as llm:
+            out = llm.generate([[5, 6, 7, 8]], sp)[0]
+        assert len(out.token_ids) == 6
 
 
 @pytest.fixture(scope="module")
@@ -144,24 +154,23 @@ def tiny_block_gguf(tmp_path_factory):
 
 
 @pytest.mark.slow
-@needs_kernels
-def test_tensor_parallel_block_weights_equal_one_rank(tiny_block_gguf):
-    """Two CPU ranks slice every block weight at block boundaries (the down projection's 128
-    columns into 64 + 64) and generate what one rank does."""
+def test_tensor_parallel_gguf_equals_one_rank(tiny_block_gguf):
+    """Two CPU ranks (the torch worker: tensor parallelism) slice every block weight at
+    block boundaries (the down projection's 128 columns into 64 + 64), dequantize their
+    parts, and generate what one rank does with the whole file dequantized."""
     path = tiny_block_gguf(128)
-    assert _block_layers(_runner(model=path)) >= 4
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 3]]
     outs = {}
     for tp in (1, 2):
-        with LLM(EngineArgs(model=path, device="cpu", tensor_parallel_size=tp)) as llm:
+        with LLM(EngineArgs(model=path, device="cpu", tensor_parallel_size=tp,
+                            dequantize_weights=tp == 1)) as llm:
             outs[tp] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs[1] == outs[2]
     assert len(set(outs[1][0] + outs[1][1])) > 2, "a degenerate model would prove little"
 
 
 @pytest.mark.slow
-@needs_kernels
 def test_tensor_parallel_split_inside_a_block_is_refused(tiny_block_gguf):
     """96 columns over two ranks is 48 each: not a whole number of 32-element blocks. The
     engine refuses to start, naming the tensor, rather than dequantize silently."""
@@ -172,17 +181,23 @@ def test_tensor_parallel_split_inside_a_block_is_refused(tiny_block_gguf):
 
 
 @pytest.mark.slow
-def test_engine_without_the_kernel_library_runs_dequantized(tiny_block_gguf, monkeypatch, capfd):
+def test_engine_without_the_kernel_library_runs_dequantized(tiny_block_gguf, monkeypatch):
     """A build whose kernels cannot run here (an ISA forced that the CPU lacks stands in for
-    a failed compile) still starts: one warning, the weights dequantized, the same tokens
-    as --dequantize-weights."""
+    a failed compile) still serves a GGUF: the torch-free worker refuses, naming why, and
+    the torch worker gives the same tokens as --dequantize-weights."""
     path = tiny_block_gguf(128)
+    code = ("from pocketllm import EngineArgs; from pocketllm.model_info import load_model_info; "
+            "from pocketllm.workers.lite.model import worker_refusal; "
+            f"args = EngineArgs(model={path!r}, device='cpu'); "
+            "print(worker_refusal(load_model_info(args), args, 1))")
+    env = {**os.environ, "POCKETLLM_CPU_ISA": "bogus"}
+    why = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "POCKETLLM_CPU_ISA='bogus'" in why
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(EngineArgs(model=path, device="cpu", dequantize_weights=True)) as llm:
         ref = llm.generate([[5, 6, 7, 8, 9]], sp)[0].token_ids
     monkeypatch.setenv("POCKETLLM_CPU_ISA", "bogus")  # the worker process inherits it
-    capfd.readouterr()
     with LLM(EngineArgs(model=path, device="cpu")) as llm:
         got = llm.generate([[5, 6, 7, 8, 9]], sp)[0].token_ids
     assert got == ref
-    assert "the CPU block kernels are not available" in capfd.readouterr().err

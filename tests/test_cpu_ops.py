@@ -1,6 +1,6 @@
-"""The CPU path's fused C operations (workers/kernels/cpu_ops.py, cpu_quant/ops.c) against
-the torch references the layers otherwise run, and ``BlockLinear`` (a whole layer's
-block parts in one call) against the per-part products."""
+"""The float32 operations between the products (cpu_quant/ops.c: RMSNorm with its residual
+add, rotary, the gated activations, decode attention), which the torch-free worker's
+decode stack and float path call, against the torch references the torch worker runs."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pocketllm.workers.kernels import cpu_quant as cq
+from pocketllm.workers.kernels import cpu_lib
 from pocketllm.workers.layers.activation import act_and_mul as torch_act_and_mul
 from pocketllm.workers.layers.activation import get_activation
 from pocketllm.workers.layers.attention import ScheduledSeq, TorchAttention, build_metadata
 from pocketllm.workers.layers.rotary import apply_rotary
+from pocketllm.workers.models.config import ACTIVATION_KINDS
 
-pytestmark = pytest.mark.skipif(not cq.available(), reason=f"CPU kernels: {cq.unavailable_reason()}")
-
-from pocketllm.workers.kernels import cpu_ops  # noqa: E402
+pytestmark = pytest.mark.skipif(not cpu_lib.available(),
+                                reason=f"CPU kernels: {cpu_lib.unavailable_reason()}")
 
 G = torch.Generator().manual_seed(7)
 
@@ -29,70 +29,90 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-6) -> bool:
     return bool(((a - b).abs() <= tol * (1 + b.abs())).all())
 
 
+def _check(rc: int) -> None:
+    cpu_lib.raise_for(rc, None, "ops.c")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual=None):
+    """pq_rms_norm over x [A, D] or [A, B, D] (unit last stride): (out, x + residual)."""
+    d = x.shape[-1]
+    a, b = (x.shape[0], 1) if x.dim() == 2 else (x.shape[0], x.shape[1])
+    sb = 0 if x.dim() == 2 else x.stride(1)
+    out = torch.empty(x.shape)
+    summed = torch.empty(x.shape) if residual is not None else None
+    res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+    _check(cpu_lib.lib().pq_rms_norm(
+        x.data_ptr(), a, b, d, x.stride(0), sb, res_ptr, res_stride, 0, w.data_ptr(), eps,
+        out.data_ptr(), None if summed is None else summed.data_ptr()))
+    return out, summed
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_rms_norm_and_its_residual_add_match_torch(rows):
     x, res, w = rand(rows, 640) * 3, rand(rows, 640), rand(640)
-    ref = F.rms_norm(x, (640,), w, 1e-6)
-    assert close(cpu_ops.rms_norm(x, w, 1e-6), ref)
-    out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-6)
+    assert close(rms_norm(x, w, 1e-6)[0], F.rms_norm(x, (640,), w, 1e-6))
+    out, summed = rms_norm(x, w, 1e-6, res)
     assert torch.equal(summed, x + res)
     assert close(out, F.rms_norm(x + res, (640,), w, 1e-6))
 
 
 def test_rms_norm_of_strided_heads():
-    # q and k as the attention layer sees them: [T, H, D] views into one qkv row
+    # q as the attention sees it: [T, H, D] heads of one qkv row (Gemma's, Qwen3's q norm)
     qkv = rand(3, 6 * 256)
     q = qkv[:, :4 * 256].view(3, 4, 256)
     w = rand(256)
-    assert close(cpu_ops.rms_norm(q, w, 1e-6), F.rms_norm(q, (256,), w, 1e-6))
+    assert close(rms_norm(q, w, 1e-6)[0], F.rms_norm(q, (256,), w, 1e-6))
 
 
 def test_rotary_is_the_reference_bit_for_bit_and_in_place():
     qkv = rand(4, 6 * 64)
-    q, k = qkv[:, :4 * 64].view(4, 4, 64), qkv[:, 4 * 64:5 * 64].view(4, 1, 64)
+    q = qkv[:, :4 * 64].view(4, 4, 64)
     cos, sin = rand(4, 1, 32), rand(4, 1, 32)
-    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    v_before = qkv[:, 5 * 64:].clone()
-    got_q, got_k = cpu_ops.apply_rotary_qk(q, k, cos, sin)
-    assert got_q.data_ptr() == q.data_ptr() and torch.equal(got_q, want_q)
-    assert torch.equal(got_k, want_k)
-    assert torch.equal(qkv[:, 5 * 64:], v_before)  # v untouched
+    want = apply_rotary(q, cos, sin)
+    rest = qkv[:, 4 * 64:].clone()
+    _check(cpu_lib.lib().pq_rotary(q.data_ptr(), 4, 4, 64, q.stride(0), q.stride(1),
+                                   cos.data_ptr(), sin.data_ptr(), 32))
+    assert torch.equal(q, want)
+    assert torch.equal(qkv[:, 4 * 64:], rest)  # k and v untouched
 
 
-def test_rotary_with_qk_norms_is_norm_then_rotary():
-    qkv = rand(3, 6 * 64)
-    q, k = qkv[:, :4 * 64].view(3, 4, 64), qkv[:, 4 * 64:5 * 64].view(3, 1, 64)
-    cos, sin, wq, wk = rand(3, 1, 32), rand(3, 1, 32), rand(64), rand(64)
-    want_q = apply_rotary(F.rms_norm(q, (64,), wq, 1e-6), cos, sin)
-    want_k = apply_rotary(F.rms_norm(k, (64,), wk, 1e-6), cos, sin)
-    got_q, got_k = cpu_ops.apply_rotary_qk(q, k, cos, sin, (wq, wk, 1e-6))
-    assert close(got_q, want_q) and close(got_k, want_k)
-
-
-@pytest.mark.parametrize("act", sorted(cpu_ops.ACTIVATIONS))
+@pytest.mark.parametrize("act", sorted(ACTIVATION_KINDS))
 def test_gated_activations_match_torch(act):
     gate_up = torch.cat([torch.linspace(-30, 30, 2048).view(1, -1), rand(2, 2048) * 4])
-    gate_up = torch.cat([gate_up, rand(3, 2048)], dim=1)
+    gate_up = torch.cat([gate_up, rand(3, 2048)], dim=1).contiguous()
     ref = torch_act_and_mul(get_activation(act), gate_up)
-    got = cpu_ops.act_and_mul(gate_up, act)
+    got = torch.empty(3, 2048)
+    _check(cpu_lib.lib().pq_act_and_mul(cpu_lib.ACT_IDS[ACTIVATION_KINDS[act]],
+                                        gate_up.data_ptr(), 3, 2048, 4096, got.data_ptr()))
     assert ((got - ref).abs() <= 3e-6 * (1 + ref.abs())).all(), float((got - ref).abs().max())
 
 
-def test_unknown_activation_and_bad_shapes_are_refused():
-    with pytest.raises(ValueError):
-        cpu_ops.act_and_mul(rand(1, 64), "relu")
-    with pytest.raises(ValueError):
-        cpu_ops.rms_norm(rand(2, 64).t(), rand(2), 1e-6)  # non-unit last stride
-    with pytest.raises(ValueError):
-        cpu_ops.rms_norm(rand(2, 64).double(), rand(64), 1e-6)
-    with pytest.raises(ValueError):
-        cpu_ops.add_rms_norm(rand(2, 64), rand(3, 64), rand(64), 1e-6)
+def test_bad_arguments_are_refused():
+    lib, x = cpu_lib.lib(), torch.zeros(2, 64)
+    assert lib.pq_act_and_mul(3, x.data_ptr(), 1, 32, 64, x.data_ptr()) == cpu_lib.ERR_ARG
+    assert lib.pq_act_and_mul(0, x.data_ptr(), 1, 32, 63, x.data_ptr()) == cpu_lib.ERR_ARG
+
+
+def c_decode_attention(q, k, v, k_cache, v_cache, meta, window, scale, softcap):
+    """What the decode stack does for one-token rows: their k/v written to their slots,
+    then pq_decode_attention over each row's gathered slots."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    (group,) = meta.groups
+    view = group.views[window]
+    b, heads, dim = q.shape
+    out = torch.empty(b, heads, dim)
+    _check(cpu_lib.lib().pq_decode_attention(
+        q.data_ptr(), b, heads, dim, q.stride(0), q.stride(1), k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.shape[1], view.gather.data_ptr(), view.gather.shape[1],
+        view.lengths.data_ptr(), scale, softcap or 0.0, out.data_ptr(), 0))
+    return out
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (8, None), (None, 30.0)])
 def test_decode_attention_matches_the_reference(window, softcap):
     """Batched decodes of different lengths (padding masked), GQA, sliding window,
-    soft-capping: the C backend against TorchAttention on the same cache."""
+    soft-capping: the C attention against TorchAttention on the same cache."""
     block, heads, kv_heads, dim = 4, 4, 2, 32
     cache_shape = (16 * block, kv_heads, dim)
     k_cache, v_cache = rand(*cache_shape), rand(*cache_shape)
@@ -104,8 +124,7 @@ def test_decode_attention_matches_the_reference(window, softcap):
     meta = build_metadata(seqs, block, [window], torch.device("cpu"), pad)
     want = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, window,
                                     dim ** -0.5, softcap)
-    got = cpu_ops.CpuAttention().forward(q, k, v, k_cache, v_cache, meta, window, dim ** -0.5,
-                                         softcap)
+    got = c_decode_attention(q, k, v, k_cache, v_cache, meta, window, dim ** -0.5, softcap)
     assert close(got, want, 1e-5), float((got - want).abs().max())
 
 
@@ -128,40 +147,7 @@ def test_decode_attention_splits_the_keys_across_threads(heads, kv_heads, length
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # more threads than KV heads: the keys split
     try:
-        got = cpu_ops.CpuAttention().forward(q, k, v, k_cache, v_cache, meta, None, dim ** -0.5,
-                                             None)
+        got = c_decode_attention(q, k, v, k_cache, v_cache, meta, None, dim ** -0.5, None)
     finally:
         torch.set_num_threads(threads)
     assert close(got, want, 1e-5), float((got - want).abs().max())
-
-
-def test_block_linear_equals_the_per_part_products():
-    from test_cpu_quant_kernels import random_blocks
-
-    k = 512
-    parts = [(8, random_blocks(8, 40, k, 1), 0), (12, random_blocks(12, 23, k, 2), 40),
-             (6, random_blocks(6, 17, k, 3), 63)]
-    linear = cq.BlockLinear(k, parts)
-    for m in (1, 3, 15):
-        x = rand(m, k)
-        act = cq.quantize_activations(x)
-        want = torch.cat([cq.mul_mat(t, w, k, act, torch.empty(m, w.shape[0])) for t, w, _ in parts],
-                         dim=1)
-        wide = torch.full((m, 90), float("nan"))
-        with cq.forcing_gemm_rows(1 << 40):  # the row dots, as mul_mat: bit for bit
-            linear(x, wide)
-        assert torch.equal(wide[:, :80], want)
-        assert wide[:, 80:].isnan().all()  # nothing past the last part
-
-
-def test_block_linear_refuses_what_does_not_fit():
-    from test_cpu_quant_kernels import random_blocks
-
-    w = random_blocks(8, 8, 64, 0)
-    with pytest.raises(ValueError):
-        cq.BlockLinear(96, [(8, w, 0)])  # rows of 64 elements, not 96
-    linear = cq.BlockLinear(64, [(8, w, 4)])
-    with pytest.raises(ValueError):
-        linear(rand(2, 64), torch.empty(2, 11))  # 4 + 8 columns needed
-    with pytest.raises(ValueError):
-        linear(rand(2, 32), torch.empty(2, 12))

@@ -1,7 +1,8 @@
 """The torch-free forward (workers/lite/model.py) against the torch worker on the same GGUF
-files: the same greedy tokens and log probabilities within float32 rounding (the prompt's
-rows take different float paths: SDPA and torch's ops there, the C layer here), on tiny
-all-block files of each family it serves and on the embedded model."""
+files, whose blocks it dequantizes to float32: the same greedy tokens and log
+probabilities within the 16-bit activations' rounding (and float32's: the prompt's rows
+take SDPA and torch's ops there, the C layer here), on tiny all-block files of each
+family it serves and on the embedded model."""
 
 from __future__ import annotations
 
@@ -20,11 +21,23 @@ from pocketllm.workers.kernels import cpu_lib  # noqa: E402
 from pocketllm.workers.lite.model import LiteModel, refusal, step_view  # noqa: E402
 from pocketllm.workers.step_rows import ScheduledSeq  # noqa: E402
 from pocketllm.workers.runner import ModelRunner  # noqa: E402
-from test_cpu_layer import FAMILIES, _all_block_gguf  # noqa: E402
 from tiny_checkpoints import PlanDriver  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_lib.available(),
                                 reason=f"CPU kernels: {cpu_lib.unavailable_reason()}")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def _all_block_gguf(tmp_path, family: str) -> str:
+    import gguf
+    from test_gguf_weights import _tiny_hf_model, write_tiny_gguf
+
+    Q = gguf.GGMLQuantizationType
+    path = str(tmp_path / f"tiny-{family}.gguf")
+    write_tiny_gguf(path, family, _tiny_hf_model(family),
+                    qtypes=[(Q.Q8_0, 0), (Q.Q4_0, 0), (Q.Q5_1, 0), (Q.Q4_1, 0), (Q.Q5_0, 0)])
+    return path
 
 
 def _torch_greedy(path: str, prompt: list[int], steps: int):
@@ -35,10 +48,12 @@ def _torch_greedy(path: str, prompt: list[int], steps: int):
     return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
 
 
-def _lite_greedy(path: str, prompt: list[int], steps: int, stack_rows: int = 0):
+def _lite_greedy(path, prompt: list[int], steps: int, stack_rows: int = 0):
     """One sequence in blocks 0, 1, 2... of one pool (every layer's), the pad block last;
-    ``stack_rows``: from how many rows a step attends by matrix products (0: the model's)."""
-    model = LiteModel(load_model_info(EngineArgs(model=path, device="cpu")))
+    ``path``: a GGUF file or a ``LiteModel``; ``stack_rows``: from how many rows a step
+    attends by matrix products (0: the model's)."""
+    model = (path if isinstance(path, LiteModel)
+             else LiteModel(load_model_info(EngineArgs(model=path, device="cpu"))))
     model.stack_rows = stack_rows or model.stack_rows
     cfg, bs = model.cfg, 16
     table = list(range(-(-(len(prompt) + steps) // bs)))
@@ -97,3 +112,17 @@ def test_lite_model_needs_no_torch(default_model_path):
 
 def test_what_the_lite_forward_refuses(tiny_llama):
     assert refusal(load_model_info(EngineArgs(model=tiny_llama))) == "not a GGUF checkpoint"
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3_moe"])
+def test_dummy_shapes_are_the_torch_models(family, tmp_path):
+    """The torch-free worker's dummy weights take their shapes from the config
+    (``lite/dummy.checkpoint_shapes``): every tensor the torch model of the family loads,
+    of the same shape, and no other."""
+    from pocketllm.workers.lite.dummy import checkpoint_shapes
+    from pocketllm.workers.models.config import arch_config
+    from pocketllm.workers.models.registry import checkpoint_shapes as torch_shapes
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    info = load_model_info(EngineArgs(model=make_tiny_checkpoint(family, str(tmp_path))))
+    assert checkpoint_shapes(arch_config(info), info.family) == torch_shapes(info)

@@ -1,7 +1,8 @@
 """Qwen3-MoE from GGUF files on the CPU: llama.cpp's qwen3moe layout (float and block
-experts, split per expert); experts kept in their block types (``layers/block_experts``)
-against the dequantized model, llama.cpp and the one-call decode stack; the dequantized
-fallback; dummy quantization of an MoE shape; ``bench/synthetic_gguf``'s files."""
+experts, split per expert); the torch worker's experts dequantized at load, at one rank and
+two; dummy quantization of an MoE shape; ``bench/synthetic_gguf``'s files, their experts
+kept in blocks by the torch-free worker against llama.cpp, its decode stack against its
+float path. (The torch-free worker against the torch one: test_lite_moe.py.)"""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ transformers = pytest.importorskip("transformers")
 
 from pocketllm import LLM, EngineArgs, SamplingParams  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
-from pocketllm.workers.kernels import cpu_quant  # noqa: E402
-from pocketllm.workers.layers.moe import FusedMoE  # noqa: E402
-from test_worker_parity import NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
+from pocketllm.workers.kernels import cpu_lib  # noqa: E402
+from test_worker_parity import NEW_TOKENS, PROMPT, hf_greedy  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
 from family_parity import assert_matches, run  # noqa: E402
 
-needs_kernels = pytest.mark.skipif(not cpu_quant.available(),
-                                   reason=f"CPU kernels: {cpu_quant.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not cpu_lib.available(),
+                                   reason=f"CPU kernels: {cpu_lib.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +131,12 @@ def test_gguf_stacked_quantized_experts_split_per_expert(hf_moe, tmp_path):
     import gguf
 
     from pocketllm.workers.loader.block_tensor import BlockTensor
-    from pocketllm.workers.loader.gguf import gguf_block_types, load_gguf_weights
+    from pocketllm.workers.loader.gguf import load_gguf_weights
 
     path = str(tmp_path / "q8.gguf")
     q8 = gguf.GGMLQuantizationType.Q8_0
     write_qwen3moe_gguf(path, hf_moe, q8)
     info = load_model_info(EngineArgs(model=path))
-    types = gguf_block_types(path, info)
     tensors = dict(load_gguf_weights(path, info))
     state = hf_moe.state_dict()
     for layer in range(3):
@@ -148,7 +147,7 @@ def test_gguf_stacked_quantized_experts_split_per_expert(hf_moe, tmp_path):
             for proj, want in (("gate_proj", gate_up[e, :64]), ("up_proj", gate_up[e, 64:]),
                                ("down_proj", down[e])):
                 got = tensors[p + proj + ".weight"]
-                assert isinstance(got, BlockTensor) and types[p + proj + ".weight"] == q8
+                assert isinstance(got, BlockTensor) and got.ggml_type == q8
                 expected = gguf.quants.dequantize(
                     gguf.quants.quantize(want.numpy(), q8), q8)
                 assert np.array_equal(got.read(), expected), p + proj
@@ -175,100 +174,28 @@ def _gguf_runner(path: str, **kw):
     return ModelRunner(load_model_info(args), args)
 
 
-def _sparse_moes(runner) -> list[FusedMoE]:
-    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-
-
-def _top5(driver, rid: str):
-    return [(lp.top_token_ids, lp.top_logprobs) for lp in driver.reqs[rid].logprobs]
-
-
-def _assert_close(got, want, tol: float) -> None:
-    """Greedy tokens equal; at each step the same top-5 ids, log probabilities within tol."""
-    (tokens, top), (ref_tokens, ref_top) = got, want
-    assert tokens == ref_tokens
-    for (ids, lps), (ref_ids, ref_lps) in zip(top, ref_top):
-        assert ids == ref_ids
-        assert lps == pytest.approx(ref_lps, abs=tol)
-
-
-BLOCK_TOL = 2e-3  # the integer kernels round the activations to 16 bits per block of 32
 PROMPTS = {"a": PROMPT, "b": [2] + [random.Random(9).randrange(3, 512) for _ in range(30)]}
 
 
-@pytest.fixture(scope="module")
-def dequantized_reference(blocks_gguf):
-    """The same file with every weight expanded to float32 (gguf-py's dequantization is
-    checked in test_gguf_stacked_quantized_experts_split_per_expert)."""
-    runner = _gguf_runner(blocks_gguf, dequantize_weights=True)
-    assert all(m.blocks is None for m in _sparse_moes(runner))
-    out, driver = run(runner, PROMPTS)
-    return {rid: (out[rid], _top5(driver, rid)) for rid in PROMPTS}
-
-
-@needs_kernels
-@pytest.mark.parametrize("product", ["row dots", "many-row"])
-def test_gguf_quantized_experts_stay_blocks(blocks_gguf, dequantized_reference, product):
-    """Experts stored in block types stay in them on the CPU: no float expert tensor, one
-    BlockWeight per expert, the file's bytes held as they are. Greedy tokens and top-5 log
-    probabilities equal the dequantized model's, with each expert's rows through the
-    row dots (a few pairs a run) or, forced at every run here, the many-row product (a long
-    prompt's runs)."""
-    from pocketllm.workers.layers.block_experts import BlockExperts
-    from pocketllm.workers.loader.gguf import load_gguf_weights
+def test_gguf_block_experts_load_dequantized(hf_moe, blocks_gguf):
+    """The torch worker (tensor parallelism, a dtype other than float32: where the
+    torch-free worker refuses) expands the experts' blocks into its float stacked tensors
+    at load, as gguf-py dequantizes them."""
+    import gguf
 
     runner = _gguf_runner(blocks_gguf)
-    moes = _sparse_moes(runner)
-    assert len(moes) == 3 and all(isinstance(m.blocks, BlockExperts) for m in moes)
-    assert all(m.w13 is None and m.w2 is None for m in moes)
-    tensors = dict(load_gguf_weights(blocks_gguf, load_model_info(EngineArgs(model=blocks_gguf))))
-    down = moes[1].blocks.down[5].part(0)
-    assert np.array_equal(down.numpy(), tensors["model.layers.1.mlp.experts.5.down_proj.weight"].blocks)
-    assert moes[1].blocks.gate_up[3].part_types == [2, 7]  # Q4_0, Q5_1
-    if product == "many-row":
-        for m in moes:
-            m.blocks.run_rows = 1
-        with cpu_quant.forcing_gemm_rows(1):
-            out, driver = run(runner, PROMPTS)
-    else:
-        out, driver = run(runner, PROMPTS)
-    for rid in PROMPTS:
-        _assert_close((out[rid], _top5(driver, rid)), dequantized_reference[rid], BLOCK_TOL)
-    assert len(set(out["b"])) > 2, "a degenerate model would prove little"
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    down = hf_moe.state_dict()["model.layers.2.mlp.experts.down_proj"][5].numpy()
+    expected = gguf.quants.dequantize(gguf.quants.quantize(down, q8), q8)
+    assert np.array_equal(runner.model.layers[2].mlp.w2[5].numpy(), expected)
+    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
+    assert len(out["r"]) == 4
 
 
-@needs_kernels
-def test_block_experts_pairs_and_groups_compute_the_same(blocks_gguf, monkeypatch):
-    """A few tokens take one library call per projection for all their (token, expert)
-    pairs, more tokens one product per expert: the same values (to float rounding: a lone
-    Q8_0 row sums its blocks in another order than several rows do)."""
-    from pocketllm.workers.layers import block_experts
-
-    experts = _sparse_moes(_gguf_runner(blocks_gguf))[0].blocks
-    gen = torch.Generator().manual_seed(0)
-    for tokens in (1, 3, 16):
-        x = torch.randn(tokens, 64, generator=gen)
-        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
-        weights = torch.rand(tokens, 2, generator=gen)
-        monkeypatch.setattr(block_experts, "PAIRS_MAX", 64)
-        pairs = experts(x, weights, ids, "silu")
-        monkeypatch.setattr(block_experts, "PAIRS_MAX", 0)
-        grouped = experts(x, weights, ids, "silu")
-        assert torch.allclose(grouped, pairs, rtol=1e-5, atol=1e-6 * float(pairs.abs().max()))
-
-
-@needs_kernels
-def test_block_experts_with_chunked_prefill_and_preemption(blocks_gguf):
-    runner = _gguf_runner(blocks_gguf)
-    out, _ = run(runner, {"b": PROMPTS["b"]})
-    chunked, _ = run(runner, {"b": PROMPTS["b"]}, chunk=5, preempt_after=9)
-    assert chunked["b"] == out["b"]
-
-
-@needs_kernels
-def test_block_experts_at_tp2_over_gloo_equal_one_rank(blocks_gguf):
+def test_gguf_block_experts_at_tp2_over_gloo_equal_one_rank(blocks_gguf):
     """Each rank keeps its 32 of the 64 expert columns, whole blocks of Q4_0, Q5_1 (gate,
-    up: rows) and Q8_0 (down: block columns)."""
+    up: rows) and Q8_0 (down: block columns), dequantized: one rank's tokens, log
+    probabilities within the all-reduce's float32 rounding."""
     runner = _gguf_runner(blocks_gguf)
     out, driver = run(runner, PROMPTS, new_tokens=12)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
@@ -278,29 +205,7 @@ def test_block_experts_at_tp2_over_gloo_equal_one_rank(blocks_gguf):
     for rid, o in zip(PROMPTS, outs):
         assert o.token_ids == out[rid]
         assert max(abs(e.logprob - lp.logprob)
-                   for e, lp in zip(o.logprobs, driver.reqs[rid].logprobs)) < BLOCK_TOL
-
-
-def test_experts_without_a_block_kernel_load_dequantized(hf_moe, blocks_gguf, monkeypatch,
-                                                         caplog):
-    """Where the policy keeps no blocks (a GPU; a CPU whose kernel library did not build),
-    the experts fill the float stacked tensors, with a warning."""
-    import gguf
-
-    from pocketllm.workers import kernel_policy
-    from pocketllm.workers.layers import moe
-
-    monkeypatch.setattr(kernel_policy.KernelPolicy, "keeps_blocks", lambda self, types: False)
-    monkeypatch.setattr(moe, "_warned_dequantized", False)
-    with caplog.at_level("WARNING", logger="pocketllm.worker"):
-        runner = _gguf_runner(blocks_gguf)
-    assert "dequantized" in caplog.text
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    down = hf_moe.state_dict()["model.layers.2.mlp.experts.down_proj"][5].numpy()
-    expected = gguf.quants.dequantize(gguf.quants.quantize(down, q8), q8)
-    assert np.array_equal(runner.model.layers[2].mlp.w2[5].numpy(), expected)
-    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
-    assert len(out["r"]) == 4
+                   for e, lp in zip(o.logprobs, driver.reqs[rid].logprobs)) < 1e-4
 
 
 def test_dummy_quantization_of_an_moe_shape_follows_llama_cpp():
@@ -321,14 +226,20 @@ def test_dummy_quantization_of_an_moe_shape_follows_llama_cpp():
 
 
 @needs_kernels
-def test_dummy_quantized_experts_serve(moe_path):
-    from pocketllm.workers.layers.block_experts import BlockExperts
+def test_dummy_quantized_experts_stay_blocks(moe_path):
+    """``--quantization q8_0`` on an MoE shape (sparse and dense layers): the torch-free
+    worker binds every expert's parts as Q8_0 blocks and generates."""
+    from test_lite_model import _lite_greedy
 
-    runner = make_runner(moe_path, load_format="dummy", quantization="q8_0")
-    moes = _sparse_moes(runner)
-    assert moes and all(isinstance(m.blocks, BlockExperts) for m in moes)
-    out, _ = run(runner, {"r": PROMPT}, new_tokens=4)
-    assert len(out["r"]) == 4
+    from pocketllm.workers.lite.model import LiteModel
+
+    info = load_model_info(EngineArgs(model=moe_path, load_format="dummy", quantization="q8_0"))
+    model = LiteModel(info, "q8_0")
+    sparse = [x for x in model.experts if x is not None]
+    assert sparse and len(sparse) < len(model.experts)  # mlp_only_layers stay dense
+    assert {p.type for x in sparse for p in (*x.gate_up, *x.down)} == {8}
+    tokens, _ = _lite_greedy(model, PROMPT, 4)
+    assert len(tokens) == 4
 
 
 # ---------------------------------------------------------------------- a synthetic file
@@ -359,20 +270,34 @@ def synthetic_gguf(tmp_path_factory) -> str:
     return path
 
 
-def _prefill_logits(runner, ids: list[int]) -> np.ndarray:
-    from pocketllm.workers.layers.attention import ScheduledSeq
+def _lite_model(path: str):
+    from pocketllm.workers.lite.model import LiteModel
 
-    seq = ScheduledSeq(block_ids=list(range(len(ids) // 4 + 1)), start=0, num_tokens=len(ids),
-                       row=0)
-    meta = runner.metadata([[seq] for _ in runner.kv.num_blocks])
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), len(ids) - 1, meta,
-                              runner.kv_caches)
-        return runner.model.compute_logits(hidden).float().numpy()
+    return LiteModel(load_model_info(EngineArgs(model=path, device="cpu")))
+
+
+def _prefill_logits(model, ids: list[int], stack_rows: int) -> np.ndarray:
+    """Every prompt row's logits through the torch-free forward, in one step through its
+    decode stack (``stack_rows`` 0: the model's) or its float path (1)."""
+    from pocketllm.workers.lite.model import step_view
+    from pocketllm.workers.step_rows import ScheduledSeq
+
+    model.stack_rows = stack_rows or model.stack_rows
+    cfg, bs, n = model.cfg, 16, len(ids)
+    table = list(range(-(-n // bs)))
+    pad = len(table) * bs
+    model.bind([tuple(np.zeros((pad + bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
+                      for _ in range(2)) for _ in range(cfg.num_layers)],
+               [(0, w) for w in cfg.layer_windows])
+    views = {(0, w): step_view([ScheduledSeq(table, 0, n, 0)], w, bs, pad, n)
+             for w in set(cfg.layer_windows)}
+    return model.forward(np.array(ids), np.arange(n), views, list(range(n)))
 
 
 @needs_kernels
 def test_synthetic_q4_k_m_file_keeps_llama_cpp_types_and_serves(synthetic_gguf):
+    from test_lite_model import _lite_greedy
+
     from pocketllm.gguf_meta import read_gguf_header
 
     tensors = read_gguf_header(synthetic_gguf).tensors
@@ -382,25 +307,25 @@ def test_synthetic_q4_k_m_file_keeps_llama_cpp_types_and_serves(synthetic_gguf):
     assert tensors["blk.1.ffn_down_exps.weight"].ggml_type == q6_k  # the last eighth: more bits
     assert tensors["blk.0.ffn_gate_inp.weight"].ggml_type == f32
     assert tensors["output.weight"].ggml_type == q6_k
-    runner = _gguf_runner(synthetic_gguf)
-    assert all(m.blocks is not None for m in _sparse_moes(runner))
-    out, _ = run(runner, {"r": SYNTH_PROMPT}, new_tokens=6)
-    assert len(out["r"]) == 6
+    model = _lite_model(synthetic_gguf)  # the experts bound as the file's blocks
+    assert [model.experts[i].down[3].type for i in (0, 1)] == [q4_k, q6_k]
+    assert model.experts[0].gate_up[1].type == q4_k and model.head.parts[0].type == q6_k
+    tokens, _ = _lite_greedy(model, SYNTH_PROMPT, 6)
+    assert len(tokens) == 6
 
 
 @needs_kernels
-@pytest.mark.parametrize("pairs_max", [0, 32])
-def test_block_experts_match_llama_cpp_on_a_q4_k_m_file(synthetic_gguf, monkeypatch, pairs_max):
-    """The whole forward of a Q4_K/Q6_K qwen3moe file against llama.cpp's, position by
-    position: the same top token and logits pointing the same way (cosine > 0.999; the two
-    engines round activations differently: 16-bit per block of 32 here, 8-bit there). With
-    ``pairs_max`` 32 the 12 prompt tokens' 24 pairs take the one-call path, with 0 the
-    per-expert one."""
+@pytest.mark.parametrize("stack_rows", [0, 1])
+def test_lite_experts_match_llama_cpp_on_a_q4_k_m_file(synthetic_gguf, stack_rows):
+    """The whole forward of a Q4_K/Q6_K qwen3moe file on the torch-free worker against
+    llama.cpp's, position by position: the same top token and logits pointing the same way
+    (cosine > 0.999; the two engines round activations differently: 16-bit per block of 32
+    here, 8-bit there). The 12 prompt rows through the decode stack (each (token, expert)
+    pair a run of its own, in C) or the float path (the pairs sorted into a run per
+    expert)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from pocketllm.workers.layers import block_experts
 
-    monkeypatch.setattr(block_experts, "PAIRS_MAX", pairs_max)
-    ours = _prefill_logits(_gguf_runner(synthetic_gguf), SYNTH_PROMPT)
+    ours = _prefill_logits(_lite_model(synthetic_gguf), SYNTH_PROMPT, stack_rows)
     llm = llama_cpp.Llama(model_path=synthetic_gguf, n_ctx=64, logits_all=True, verbose=False,
                           n_threads=2)
     llm.eval(SYNTH_PROMPT)
@@ -412,25 +337,15 @@ def test_block_experts_match_llama_cpp_on_a_q4_k_m_file(synthetic_gguf, monkeypa
 
 
 @needs_kernels
-def test_decode_stack_in_one_call_equals_the_module_path(synthetic_gguf):
-    """A decode step of an MoE file kept in blocks is one library call for every layer
-    (``kernels/cpu_layer``: attention, the router, its softmax top-k and the experts' pairs
-    in C): the module path's tokens, log probabilities within 1e-4. (``blocks_gguf``'s
-    attention is float, so it keeps the module path.)"""
-    path = synthetic_gguf
-    rng = random.Random(3)
-    # 40 sequences: a decode step's 80 (token, expert) pairs take two calls of 64 at most
-    prompts = {"a": SYNTH_PROMPT, **{f"r{i}": [1] + [rng.randrange(3, 49152) for _ in range(4)]
-                                     for i in range(39)}}
-    results = []
-    for fused in (True, False):
-        runner = _gguf_runner(path, max_num_seqs=40, num_kv_blocks=256)
-        if not fused:
-            runner.model._fused = False  # the per-module path
-        out, driver = run(runner, prompts, new_tokens=12)
-        assert bool(runner.model._fused) == fused
-        results.append((out, {r: [lp.logprob for lp in driver.reqs[r].logprobs] for r in prompts}))
-    (out, lps), (ref, ref_lps) = results
-    assert out == ref
-    for r in prompts:
-        assert max(abs(a - b) for a, b in zip(lps[r], ref_lps[r])) < 1e-4
+def test_decode_stack_equals_the_float_path(synthetic_gguf):
+    """Every step of an MoE file in one ``pq_decode_stack`` call (attention, the router,
+    its softmax top-k and the experts' pairs in C) against every step through the float
+    path (``lite/prefill.py``: attention by matrix products, the experts by runs): the
+    same tokens, log probabilities within 1e-4."""
+    from test_lite_model import _lite_greedy
+
+    stack = _lite_greedy(_lite_model(synthetic_gguf), SYNTH_PROMPT, 12)
+    floats = _lite_greedy(_lite_model(synthetic_gguf), SYNTH_PROMPT, 12, stack_rows=1)
+    assert stack[0] == floats[0]
+    np.testing.assert_allclose(stack[1], floats[1], atol=1e-4)
+    assert len(set(stack[0])) > 2, "a degenerate model would prove little"

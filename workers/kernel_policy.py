@@ -16,12 +16,10 @@ Default mode, tuned for speed:
 - multi-head latent attention's paged decode (DeepSeek) is ``kernels/mla_decode.py`` on
   CUDA where the latent widths fit its tiles, else the torch
   reference of ``layers/mla.py`` (``mla_decode``);
-- on the CPU, a GGUF weight stays in its block type where ``kernels/cpu_quant`` has a
-  kernel for every block type of the layer (``keeps_blocks``); otherwise it is
-  dequantized at load (a type with no kernel is named in a one-line warning) and takes
-  torch's product. A block weight's product is the library's at every row count: the
-  row dots for a few rows, its many-row product (each weight row decoded once) for a
-  prompt, the switch made inside the library (docs/cpu_kernels.md).
+- a GGUF checkpoint's blocks are dequantized at load on every device: the torch worker
+  has no block kernels. A CPU serving a GGUF takes the torch-free worker instead
+  (``workers/lite``), which computes on the blocks; this worker serves one only where
+  that one refuses (tensor parallelism, a dtype other than float32, ...).
 Each of these choices depends on what else shares a step, so on CUDA the rounding
 of a request's logits does too.
 
@@ -45,57 +43,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
 
-logger = logging.getLogger("pocketllm.worker")
-
 _building_batch_invariant = False
-_warned_types: set[str] = set()
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
     batch_invariant: bool = False
-    cpu_blocks: bool = False  # the CPU block kernels of kernels/cpu_quant are built and load
     decode_min_partition: int = 64  # fewest keys per decode split (each sequence's own)
     decode_programs_per_sm: int = 8  # a small batch is split until about this many per SM
     sdpa_min_rows: tuple[int, int] = (512, 512)  # by head_dim up to 128 / 256
     # Steps of at most this many tokens run their experts as gemvs (kernels/moe_gemv.py):
     # below it a token's experts are rarely shared, so grouping buys no reuse.
     moe_gemv_max_tokens: int = 4
-
-    def keeps_blocks(self, types: Sequence[Optional[int]]) -> bool:
-        """Whether a layer whose stacked parts a checkpoint stores in ``types`` (GGML ids;
-        None: a float type) keeps them as blocks: some part is block-typed and every
-        block type has a kernel here."""
-        blocks = [t for t in types if t is not None]
-        if not blocks or not self.cpu_blocks:
-            return False
-        from .kernels import cpu_quant
-        from .loader.gguf_quants import type_name
-
-        missing = sorted(type_name(t) for t in set(blocks) - set(cpu_quant.QUANT_KERNEL_TYPES))
-        for name in missing:
-            if name not in _warned_types:
-                _warned_types.add(name)
-                logger.warning("GGUF type %s has no CPU kernel here: its tensors are "
-                               "dequantized to float32", name)
-        return not missing
-
-    def fused_decode(self, meta, dtype: torch.dtype) -> bool:
-        """Whether a CPU step runs each decoder layer as one library call
-        (``kernels/cpu_layer.py``): float32, only one-token decodes, in row order."""
-        if not self.cpu_blocks or dtype != torch.float32 or len(meta.groups) != 1:
-            return False
-        return meta.groups[0].q_len == 1 and meta.covers_all_rows
 
     def decode_partition(self, num_seqs: int, kv_heads: int, span: int, sms: int,
                          block_n: int) -> int:
@@ -180,10 +148,6 @@ class KernelPolicy:
 
     def attention_backend(self):
         if not self.triton:
-            if self.cpu_blocks:  # the library loaded: decodes attend in C
-                from .kernels.cpu_ops import CpuAttention
-
-                return CpuAttention()
             from .layers.attention import TorchAttention
 
             return TorchAttention()
@@ -221,23 +185,8 @@ def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
 
 def policy_for(device: torch.device) -> KernelPolicy:
     """The policy of layers built now on ``device`` (see ``building``)."""
-    cpu_blocks = device.type == "cpu" and _cpu_blocks_available()
     return KernelPolicy(triton=kernels.kernels_usable(device),
-                        batch_invariant=_building_batch_invariant, cpu_blocks=cpu_blocks)
-
-
-def _cpu_blocks_available() -> bool:
-    try:
-        from .kernels import cpu_quant
-    except ImportError:
-        return False
-    if not cpu_quant.available():
-        if "build" not in _warned_types:
-            _warned_types.add("build")
-            logger.warning("the CPU block kernels are not available (%s): GGUF weights are "
-                           "dequantized to float32", cpu_quant.unavailable_reason())
-        return False
-    return True
+                        batch_invariant=_building_batch_invariant)
 
 
 @contextlib.contextmanager

@@ -26,10 +26,10 @@ from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import build_metadata
+from .loader import load_model_weights
 from .sampler import torch_ops
 from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
-from .loader import load_model_weights, stored_weight_types
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 from .step_rows import RequestBook, RequestState, ScheduledSeq
@@ -72,8 +72,7 @@ class ModelRunner:
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
-            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp,
-                                     stored_weight_types(info, args))
+            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
         # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides

@@ -19,9 +19,9 @@
 ``AttentionBackend`` interface; ``bench`` checks and times them all on a GPU
 against the torch references (``python -m pocketllm.workers.kernels.bench``). No Triton
 module is imported by the CPU path: a kernel module imports triton at module level, so
-import it only after ``kernels_usable(device)`` said yes. The CPU path's own kernels are
-C (``cpu_quant`` for the block products, ``cpu_ops`` for the fused operations between
-them, with the Triton ones' signatures).
+import it only after ``kernels_usable(device)`` said yes. The CPU's C library
+(``cpu_quant/``, loaded by ``cpu_lib``) serves the torch-free worker (``workers/lite``)
+only: on the CPU the torch worker runs the torch references.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *defined* (module import), so the
 CPU tests set it while they import the kernel modules (tests/kernel_modules.py).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported by what calls these, not for them (workers/lite)
     import torch
@@ -60,38 +60,17 @@ def kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda" and triton_available()
 
 
-def fused_kernel(device: torch.device, module: str, name: str,
-                 dtype: Optional[torch.dtype] = None):
+def fused_kernel(device: torch.device, module: str, name: str):
     """The fused function ``name`` that the layers on ``device`` should use in place of
     their torch ops, else None: on CUDA the Triton one of ``workers/kernels/<module>.py``
-    (see kernels_usable); on the CPU, for a float32 model, the C one of ``cpu_ops`` where
-    the CPU kernel library loaded."""
-    import torch
-
-    if device.type == "cpu":
-        if dtype != torch.float32 or not _cpu_ops_usable():
-            return None
-        from . import cpu_ops
-
-        return getattr(cpu_ops, name)
+    (see kernels_usable)."""
     if not kernels_usable(device):
         return None
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-def _cpu_ops_usable() -> bool:
-    try:
-        from . import cpu_quant
-    except ImportError:
-        return False
-    return cpu_quant.available()
+def kernel_activations() -> frozenset:
+    """The HF activation names the fused gated-activation kernel implements."""
+    from .gated_act import KERNEL_ACTIVATIONS
 
-
-def kernel_activations(device: torch.device) -> frozenset:
-    """The HF activation names the fused gated-activation kernel on ``device`` implements."""
-    if device.type == "cpu":
-        from .cpu_ops import ACTIVATIONS
-    else:
-        from .gated_act import KERNEL_ACTIVATIONS as ACTIVATIONS
-
-    return frozenset(ACTIVATIONS)
+    return frozenset(KERNEL_ACTIVATIONS)

@@ -1,9 +1,9 @@
 """Loading the CPU kernels' C library (``cpu_quant/``) with ctypes, and nothing else: no torch.
 
 The library is an optional build product (``setup.py``): ``available()`` says whether it
-loaded and ``unavailable_reason()`` why not; nothing here raises at import. The
-torch-facing binding with its checks is ``cpu_quant.py``; the torch-free worker
-(``workers/lite``) calls the library through ``lib()`` on numpy buffers.
+loaded and ``unavailable_reason()`` why not; nothing here raises at import. This is the
+library's one binding: the torch-free worker (``workers/lite``), its only user, calls it
+through ``lib()`` on numpy buffers, checking shapes where it binds them.
 
 Which OpenMP runtime the library binds: its NEEDED ``libgomp.so.1``, which is torch's own
 when torch was imported first (one thread pool, sized by ``torch.set_num_threads``), else
@@ -40,15 +40,13 @@ _SIGNATURES = {
     "pq_gemm_rows": (_i64, [_i64]),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),
-    # ops.c, bound in cpu_ops.py
+    # ops.c
     "pq_rms_norm": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _f32, _p, _p]),
     "pq_rotary": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64]),
     "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
     "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
                                    _p, _f32, _f32, _p, _int]),
-    # layer.c, bound in cpu_layer.py
-    "pq_decoder_layer": (_int, [_p, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p,
-                                _p, _int]),
+    # layer.c
     "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
     "pq_set_isa": (_int, [ctypes.c_char_p]),

@@ -16,10 +16,8 @@ on the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
 residual add) before q/k/v and gate/up (``ColumnParallelLinear.normed``), the
 gated activation before the down projection (``RowParallelLinear(hidden_act=)``).
 
-How a weight is stored is chosen per checkpoint tensor (``stored``: the GGML type a
-GGUF file keeps it in, None for a float type): a layer whose parts the policy keeps as
-blocks (``KernelPolicy.keeps_blocks``: the CPU with its block kernels) holds a
-``BlockWeight`` and no float ``weight``; every other layer holds one float parameter.
+Every layer holds one float parameter in the model dtype: a GGUF checkpoint's blocks
+are dequantized at load (``loader/block_tensor.BlockTensor.read``).
 
 Each layer says, as a ``Shard``, which part of a checkpoint tensor it holds, so a
 loader reads only that part. At world 1 every shard is the whole tensor and the
@@ -37,11 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import SINGLE, TPGroup
-from ..kernel_policy import KernelPolicy, policy_for
-from .block_weight import BlockWeight
+from ..kernel_policy import policy_for
 from .norm import RMSNorm
-
-Stored = Sequence[Optional[int]]  # per stacked part: its GGML block type, None for a float type
 
 
 @dataclass(frozen=True)
@@ -91,28 +86,18 @@ def _param(shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> nn
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-def _blocks(policy: KernelPolicy, in_features: int, rows: Sequence[int], stored: Stored
-            ) -> Optional[BlockWeight]:
-    """The block storage of a weight whose parts are ``stored`` so, where the policy keeps it."""
-    if not stored or not policy.keeps_blocks(stored):
-        return None
-    return BlockWeight(in_features, rows, stored)
-
-
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; ``parts`` are this rank's slices (dim 0) of
     the stacked checkpoint matrices, in stacking order."""
 
     def __init__(self, in_features: int, parts: Sequence[Shard], bias: bool,
-                 device: torch.device, dtype: torch.dtype, stored: Stored = ()):
+                 device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.parts = list(parts)
         self.out_sizes = [p.size for p in self.parts]
         self.in_features = in_features
         self.policy = policy_for(device)
-        self.blocks = _blocks(self.policy, in_features, self.out_sizes, stored)
-        self.weight: Optional[nn.Parameter] = None if self.blocks is not None else _param(
-            (sum(self.out_sizes), in_features), device, dtype)
+        self.weight = _param((sum(self.out_sizes), in_features), device, dtype)
         self.bias: Optional[nn.Parameter] = (
             _param((sum(self.out_sizes),), device, dtype) if bias else None)
         self.gemv = self.policy.kernel("gemv", "gemv")
@@ -129,15 +114,13 @@ class ColumnParallelLinear(nn.Module):
         return None if part.whole else part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:
-            return _plus(self.blocks(x), self.bias)
         if self.policy.one_row(x):
             return self.gemv(x, self.weight, self.bias)
         return self.policy.linear(x, self.weight, self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path."""
-        return self.blocks is None and self.policy.one_row(x)
+        return self.policy.one_row(x)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,13 +140,11 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks (``in_shard``, dim 1); the outputs are summed."""
 
     def __init__(self, in_shard: Shard, out_features: int, bias: bool, device: torch.device,
-                 dtype: torch.dtype, tp: TPGroup = SINGLE, stored: Optional[int] = None):
+                 dtype: torch.dtype, tp: TPGroup = SINGLE):
         super().__init__()
         self.in_shard, self.tp = in_shard, tp
         self.policy = policy_for(device)
-        self.blocks = _blocks(self.policy, in_shard.size, [out_features], [stored])
-        self.weight: Optional[nn.Parameter] = None if self.blocks is not None else _param(
-            (out_features, in_shard.size), device, dtype)
+        self.weight = _param((out_features, in_shard.size), device, dtype)
         # The bias is added once, after the sum, so every rank holds all of it.
         self.bias: Optional[nn.Parameter] = _param((out_features,), device, dtype) if bias else None
         self.gemv = self.policy.kernel("gemv", "gemv")
@@ -188,8 +169,6 @@ class RowParallelLinear(nn.Module):
 
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor], hidden_act: str
                  ) -> torch.Tensor:
-        if self.blocks is not None:
-            return _plus(self.blocks(x), bias)
         if hidden_act:
             return self.gated_gemv(x, self.weight, bias, hidden_act)
         if self.policy.one_row(x):
@@ -202,18 +181,13 @@ class VocabParallelEmbedding(nn.Module):
     by sqrt(hidden_size)). Ids outside the slice give zeros; the sum over ranks fills them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, device: torch.device,
-                 dtype: torch.dtype, scale: Optional[float] = None, tp: TPGroup = SINGLE,
-                 stored: Optional[int] = None):
+                 dtype: torch.dtype, scale: Optional[float] = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
         self.rows, self.shard = vocab_shard(vocab_size, tp)
         self.vocab_start, self.num_valid = self.shard.start, self.shard.size
-        # Blocks hold the real rows only: a lookup decodes just the rows it reads.
-        self.blocks = _blocks(policy_for(device), hidden_size, [self.num_valid], [stored])
-        self.weight: Optional[nn.Parameter] = None
-        if self.blocks is None:
-            self.weight = _param((self.rows, hidden_size), device, dtype)
-            _zero_padding(self.weight, self.num_valid)
+        self.weight = _param((self.rows, hidden_size), device, dtype)
+        _zero_padding(self.weight, self.num_valid)
         # The scale is rounded to the model dtype first, as the reference does.
         self.scale = None if scale is None else torch.tensor(scale, dtype=dtype).item()
 
@@ -228,20 +202,12 @@ class VocabParallelEmbedding(nn.Module):
         return x if self.scale is None else x * self.scale
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:
-            return self.blocks.rows(ids)
         return F.embedding(ids, self.weight)
 
     def unread_bytes(self) -> int:
         """Bytes of the table a one-token step does not read: all rows but the one it looks
         up (unless the LM head shares the table: ``CausalLM.step_read_bytes``)."""
-        table, rows = ((self.blocks.nbytes(), self.num_valid) if self.blocks is not None
-                       else (self.weight.nbytes, self.weight.shape[0]))
-        return table - table // rows
-
-
-def _plus(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return y if bias is None else y + bias
+        return self.weight.nbytes - self.weight.nbytes // self.weight.shape[0]
 
 
 class LMHead(nn.Module):
@@ -253,31 +219,22 @@ class LMHead(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, device: torch.device,
                  dtype: torch.dtype, tied_to: Optional[VocabParallelEmbedding] = None,
-                 softcap: Optional[float] = None, tp: TPGroup = SINGLE,
-                 stored: Optional[int] = None):
+                 softcap: Optional[float] = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.tied_to, self.softcap, self.tp, self.vocab_size = tied_to, softcap, tp, vocab_size
         self.weight: Optional[nn.Parameter] = None
-        self.own_blocks: Optional[BlockWeight] = None
         self.policy = policy_for(device)
         if tied_to is None:  # the same vocabulary split as the embedding
             self.rows, self.shard = vocab_shard(vocab_size, tp)
-            self.own_blocks = _blocks(self.policy, hidden_size, [self.shard.size], [stored])
-            if self.own_blocks is None:
-                self.weight = _param((self.rows, hidden_size), device, dtype)
-                _zero_padding(self.weight, self.shard.size)
+            self.weight = _param((self.rows, hidden_size), device, dtype)
+            _zero_padding(self.weight, self.shard.size)
         else:
             self.rows, self.shard = tied_to.rows, None
         self.gemv = self.policy.kernel("gemv", "gemv")
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        blocks = self.tied_to.blocks if self.tied_to is not None else self.own_blocks
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        if blocks is not None:
-            logits = blocks(hidden)
-            if blocks.out_features < self.rows:  # blocks hold the real rows: pad with zeros
-                logits = F.pad(logits, (0, self.rows - blocks.out_features))
-        elif self.policy.one_row(hidden):
+        if self.policy.one_row(hidden):
             logits = self.gemv(hidden, weight, out_dtype=torch.float32)
         else:
             logits = self.policy.linear(hidden, weight, out_dtype=torch.float32)

@@ -182,16 +182,16 @@ class MLAttention(nn.Module):
         else:
             q_a = Shard(0, 0, spec.q_lora_rank, spec.q_lora_rank)
             self.a_proj = ColumnParallelLinear(hidden_size, [q_a, latent], False, device, dtype)
-            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, device, dtype)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, device)
             self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, [q_heads], False, device, dtype)
-        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS, device, dtype)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS, device)
         self.kv_b_proj = ColumnParallelLinear(spec.kv_lora_rank,
                                               [even_shard(num_heads * (n + v), tp)], False,
                                               device, dtype)
         self.o_proj = RowParallelLinear(even_shard(num_heads * v, tp, dim=1), hidden_size, False,
                                         device, dtype, tp)
         self.split = [self.a_proj.out_sizes[0], spec.latent_width]
-        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk", dtype)
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")
         self.output_shape = (self.num_heads, v)  # of each token's row ``attend`` writes
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],

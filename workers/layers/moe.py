@@ -9,8 +9,8 @@ The seam every MoE family shares (Qwen3-MoE, DeepSeek-V2/V3 and gpt-oss):
   bias: a module, so its parameter loads with the layer) and
   ``SoftmaxGroupLimitedTopK`` DeepSeek-V2's;
 * ``FusedMoE`` holds every expert's gate/up and down matrices stacked
-  (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]; on the CPU, experts a GGUF stores
-  in block types stay in them instead, ``layers/block_experts.BlockExperts``) and computes
+  (``w13`` [E, 2*I_local, H], ``w2`` [E, H, I_local]; a GGUF's blocks dequantized at
+  load) and computes
   ``sum_j weight_j * down_e(act(gate_e(x)) * up_e(x))`` over each token's k experts
   (with ``MoeSpec.expert_bias``, each product adds its expert's bias; with
   ``swiglu_limit``, gpt-oss's clamped SwiGLU replaces ``act(gate) * up``).
@@ -29,9 +29,8 @@ all-to-all) would narrow ``experts`` below and is not built.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +38,12 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..kernel_policy import policy_for
-from .block_experts import BlockExperts
 from .activation import ClampedSwiGLU, GatedAct, gated, get_activation
 from .linear import Shard, even_shard
 from ..models.config import MoeSpec
 
 if TYPE_CHECKING:
     from .norm import RMSNorm
-
-logger = logging.getLogger("pocketllm.worker")
 
 Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -172,16 +168,6 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         0, token_of, rows)
 
 
-_warned_dequantized = False
-
-
-def _warn_dequantized(dtype: torch.dtype) -> None:
-    global _warned_dequantized
-    _warned_dequantized = True
-    logger.warning("the experts stored in GGUF block types are dequantized to %s at load: "
-                   "the block kernels run on the CPU only, with the C library built", dtype)
-
-
 def _fused_route(kernel, renormalize: bool, logits: torch.Tensor, k: int, scaling: float = 1.0):
     weights, ids = kernel(logits, k, renormalize)
     return (weights if scaling == 1.0 else weights * scaling), ids
@@ -193,13 +179,10 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden_size: int, spec: MoeSpec, routing: Routing,
                  device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
-                 router_dtype: Optional[torch.dtype] = None,
-                 stored: Sequence[Optional[int]] = ()):
+                 router_dtype: Optional[torch.dtype] = None):
         """``router_dtype``: the router's (DeepSeek keeps it in float32, as transformers
         does); the model dtype by default. A ``routing`` that is a module (DeepSeek-V3's,
-        holding its loaded bias) becomes a submodule. ``stored``: the GGML block types of
-        the checkpoint's gate, up and down expert matrices (None: float), which the
-        experts keep where the kernel policy has kernels for them (``BlockExperts``)."""
+        holding its loaded bias) becomes a submodule."""
         super().__init__()
         if spec.top_k > spec.num_experts or spec.top_k < 1:
             raise ValueError(f"num_experts_per_tok={spec.top_k} must be in "
@@ -220,15 +203,8 @@ class FusedMoE(nn.Module):
         self.gate_bias = (nn.Parameter(torch.empty(e, device=device, dtype=self.gate.dtype),
                                        requires_grad=False) if spec.router_bias else None)
         self.policy = policy_for(device)
-        # Kept as blocks (the CPU with kernels for every type), or float stacked tensors.
-        self.blocks: Optional[BlockExperts] = None
-        if any(t is not None for t in stored):
-            if self.policy.keeps_blocks(stored):
-                self.blocks = BlockExperts(e, hidden_size, local, stored)
-            elif not _warned_dequantized:
-                _warn_dequantized(dtype)
-        self.w13 = None if self.blocks is not None else param(e, 2 * local, hidden_size)
-        self.w2 = None if self.blocks is not None else param(e, hidden_size, local)
+        self.w13 = param(e, 2 * local, hidden_size)
+        self.w2 = param(e, hidden_size, local)
         # Expert biases: b13 split with the columns; b2 is added once, by rank 0 (the other
         # ranks' partial sums leave it out), so the all-reduce counts it once.
         self.b13 = param(e, 2 * local) if spec.expert_bias else None
@@ -270,10 +246,7 @@ class FusedMoE(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  reduce: bool = True) -> torch.Tensor:
         biases = () if self.b13 is None else (self.b13, self.b2 if self.tp.rank == 0 else None)
-        if self.blocks is not None:
-            out = self.blocks(x, weights, ids, self.act, *biases)
-        else:
-            out = self.compute(x, self.w13, self.w2, weights, ids, self.act, *biases)
+        out = self.compute(x, self.w13, self.w2, weights, ids, self.act, *biases)
         return self.tp.all_reduce(out) if reduce else out
 
     def unread_bytes(self) -> int:
@@ -281,8 +254,6 @@ class FusedMoE(nn.Module):
         did not pick): what the decode roofline leaves out."""
         per_expert = sum(p[0].numel() * p.element_size()
                          for p in (self.w13, self.w2, self.b13, self.b2) if p is not None)
-        if self.blocks is not None:
-            per_expert += self.blocks.expert_bytes(0)
         return (self.spec.num_experts - self.spec.top_k) * per_expert
 
     def weight_targets(self, prefix: str) -> dict:
@@ -300,19 +271,10 @@ class FusedMoE(nn.Module):
             t[f"{prefix}gate.bias"] = WeightTarget(self.gate_bias)
         for e in range(self.spec.num_experts):
             p = f"{prefix}experts.{e}."
-            if self.blocks is not None:  # parts of the expert's own block weights
-                t[f"{p}gate_proj.weight"] = WeightTarget(None, shard=part,
-                                                         blocks=self.blocks.gate_up[e])
-                t[f"{p}up_proj.weight"] = WeightTarget(None, shard=part,
-                                                       blocks=self.blocks.gate_up[e], part=1)
-                t[f"{p}down_proj.weight"] = WeightTarget(None, shard=down,
-                                                         blocks=self.blocks.down[e])
-            else:
-                t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local),
-                                                         shard=part)
-                t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
-                                                       shard=part)
-                t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
+            t[f"{p}gate_proj.weight"] = WeightTarget(self.w13[e], slice(0, local), shard=part)
+            t[f"{p}up_proj.weight"] = WeightTarget(self.w13[e], slice(local, 2 * local),
+                                                   shard=part)
+            t[f"{p}down_proj.weight"] = WeightTarget(self.w2[e], shard=down)
             if self.b13 is not None:
                 t[f"{p}gate_proj.bias"] = WeightTarget(self.b13[e], slice(0, local), shard=part)
                 t[f"{p}up_proj.bias"] = WeightTarget(self.b13[e], slice(local, 2 * local),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,15 +12,13 @@ from ..kernels import fused_kernel
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``. Gemma's ``(1 + w)`` form is folded into ``weight`` at load."""
 
-    def __init__(self, dim: int, eps: float, device: torch.device,
-                 dtype: Optional[torch.dtype] = None):
-        """``dtype``: the rows' dtype (the model's), which the fused kernel may depend on."""
+    def __init__(self, dim: int, eps: float, device: torch.device):
         super().__init__()
         self.dim, self.eps = dim, eps
         # Norm weights stay float32: they are tiny and bf16 would round Gemma's 1 + w.
         self.weight = nn.Parameter(torch.ones(dim, device=device), requires_grad=False)
-        self.kernel = fused_kernel(device, "rmsnorm", "rms_norm", dtype)  # one launch, not four
-        self.add_kernel = fused_kernel(device, "rmsnorm", "add_rms_norm", dtype)
+        self.kernel = fused_kernel(device, "rmsnorm", "rms_norm")  # one launch, not four
+        self.add_kernel = fused_kernel(device, "rmsnorm", "add_rms_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

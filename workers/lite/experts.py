@@ -8,7 +8,7 @@ experts' block parts, bound once for both of its paths.
   as a run of its own, 64 pairs a call: any number of rows, a prompt's included.
 * **A long step** (``prefill.py``) calls ``__call__``: the same rule, with the pairs
   sorted by expert into a run per expert hit, so an expert's weights are read once for
-  all its rows (``layers/block_experts.py``'s form on the torch side).
+  all its rows.
 
 Both compute what ``layer.c``'s ``experts_mlp`` computes, to float rounding: softmax over
 the router's float32 logits, the ``top_k`` largest logits kept in descending order (ties:

@@ -8,9 +8,11 @@ products with attention as matrix products per sequence (``prefill.py``). Qwen3-
 routed experts run in both (``experts.py``).
 
 The weights are the file's own bytes, mapped (q/k rows of a llama.cpp-permuted file are
-unpermuted into a copy; ``loader/gguf.py``); the norm weights are float32 copies. A
-model this cannot run is refused with ``UnsupportedFeatureError`` before its weights are
-bound: the torch worker serves it (docs/cpu_kernels.md, "The torch-free worker").
+unpermuted into a copy; ``loader/gguf.py``), or random blocks of a config's shape
+(``--load-format dummy --quantization``: ``dummy.py``); the norm weights are float32
+copies. This is the one CPU worker for GGUF blocks: a model it cannot run is refused with
+``UnsupportedFeatureError`` before its weights are bound, and the torch worker serves
+it with the blocks dequantized (docs/cpu_kernels.md, "The torch-free worker").
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .experts import RoutedExperts, experts_refusal
 from .prefill import FloatLayers
 
 # The norms each family applies around its MLP (post-attention, pre-MLP, post-MLP), by
-# HF name under ``model.layers.N.``: what ``DecoderLayer.mlp_norms`` says on the torch side.
+# HF name under ``model.layers.N.``.
 MLP_NORMS = {
     "llama": (None, "post_attention_layernorm", None),
     "qwen2": (None, "post_attention_layernorm", None),
@@ -55,9 +57,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 STACK_ROWS, STACK_ROWS_MOE = 256, 16
 
 
-def refusal(info: ModelInfo) -> Optional[str]:
-    """Why this model cannot run here (None: it can), from the config alone."""
-    if info.format != "gguf":
+def refusal(info: ModelInfo, dummy: bool = False) -> Optional[str]:
+    """Why this model cannot run here (None: it can), from the config alone; ``dummy``:
+    with random block weights rather than the checkpoint's."""
+    if info.format != "gguf" and not dummy:
         return "not a GGUF checkpoint"
     if info.family not in MLP_NORMS:
         return f"the {info.family} family has no torch-free forward"
@@ -86,7 +89,8 @@ def _sparse(cfg) -> list[bool]:
 
 def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
     """Why the torch-free worker cannot serve this engine (None: it can): a CPU, float32,
-    one rank, the checkpoint's own weights, and a model ``refusal`` lets through.
+    one rank, the checkpoint's own weights or dummy ones in block types
+    (``quantization``), and a model ``refusal`` lets through.
     ``POCKETLLM_TORCH_WORKER=1`` keeps the torch worker, to compare."""
     if os.environ.get("POCKETLLM_TORCH_WORKER") == "1":
         return "POCKETLLM_TORCH_WORKER=1"
@@ -96,9 +100,11 @@ def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
         return "a GPU"  # whether torch can use it is torch's to say
     if args.dtype not in ("auto", "float32"):
         return f"dtype {args.dtype}"
-    if args.load_format == "dummy" or args.dequantize_weights or args.batch_invariant:
-        return "dummy weights, dequantize_weights or batch_invariant"
-    return refusal(info)
+    if args.load_format == "dummy" and args.quantization is None:
+        return "dummy float weights (no quantization)"
+    if args.dequantize_weights or args.batch_invariant:
+        return "dequantize_weights or batch_invariant"
+    return refusal(info, dummy=args.load_format == "dummy")
 
 
 def _has_nvidia_gpu() -> bool:
@@ -206,14 +212,21 @@ def _ptr(a: Optional[np.ndarray]) -> Optional[int]:
 class LiteModel:
     """The checkpoint's decoder, embedding and LM head, bound for the library."""
 
-    def __init__(self, info: ModelInfo):
-        why = refusal(info)
+    def __init__(self, info: ModelInfo, quantization: Optional[str] = None, seed: int = 0):
+        """``quantization``: random weights in these block types (``--load-format dummy``,
+        drawn from ``seed``) instead of the checkpoint's."""
+        why = refusal(info, dummy=quantization is not None)
         if why is not None:
             raise UnsupportedFeatureError(f"the torch-free CPU worker cannot run this model: {why}")
         self.cfg = cfg = arch_config(info)
         self.lib = cpu_lib.lib()
         self.stack_rows = STACK_ROWS_MOE if any(_sparse(cfg)) else STACK_ROWS
-        w = dict(load_gguf_weights(info.path, info))
+        if quantization is None:
+            w = dict(load_gguf_weights(info.path, info))
+        else:
+            from .dummy import dummy_weights
+
+            w = dummy_weights(cfg, info.family, quantization, seed)
 
         def norm(name: str) -> np.ndarray:
             return (np.asarray(w[name], dtype=np.float32) + np.float32(cfg.norm_weight_offset))

@@ -52,7 +52,7 @@ class LiteRunner:
         # (a long step's attention) stays on the calling thread. Two pools spinning
         # against each other on two cores made a 24-token prompt 10x slower (issue 34).
         threadpool_limits(1, user_api="blas")
-        self.model = LiteModel(info)
+        self.model = LiteModel(info, args.quantization, args.seed)
         cfg = self.model.cfg
         self.block_size, self.max_model_len = args.block_size, info.max_model_len
         layout = cache_layout(cfg.layer_windows, self.max_model_len)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from pocketllm.config import EngineArgs
@@ -11,26 +12,7 @@ from pocketllm.model_info import ModelInfo
 if TYPE_CHECKING:
     from ..models.base import CausalLM
 
-
-def stored_weight_types(info: ModelInfo, args: EngineArgs) -> dict[str, int]:
-    """HF name -> GGML block type of each tensor the checkpoint stores in blocks (read from
-    the GGUF header, before any weight), which lets layers keep those weights as stored.
-    Empty with ``dequantize_weights``: every layer then builds float parameters."""
-    if args.dequantize_weights:
-        return {}
-    if args.load_format == "dummy":
-        if args.quantization is None:
-            return {}
-        from .dummy_blocks import dummy_block_types
-        from ..models.registry import checkpoint_shapes
-
-        return dummy_block_types(args.quantization, checkpoint_shapes(info),
-                                 int(info.hf_config["num_hidden_layers"]))
-    if info.format == "gguf":
-        from .gguf import gguf_block_types
-
-        return gguf_block_types(info.path, info)
-    return {}
+logger = logging.getLogger("pocketllm.worker")
 
 
 def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
@@ -46,6 +28,10 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
 
     if fmt == "dummy":
         from .dummy import init_dummy_weights
+
+        if args.quantization is not None:
+            logger.info("quantization=%s: the torch worker draws float weights of the model's "
+                        "shapes (random blocks are the torch-free CPU worker's)", args.quantization)
 
         init_dummy_weights(model, args.seed)
     elif fmt == "safetensors":

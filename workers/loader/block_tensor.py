@@ -5,9 +5,9 @@ fixed-size blocks along the input features. So this rank's part of a matrix is a
 slice of rows (column-parallel: whole rows) or of block columns (row-parallel: the
 input split must fall on block boundaries), both without decoding a value.
 
-A ``BlockTensor`` is also a lazy tensor (``shape`` + ``read``): a layer that keeps
-weights dense (the GPU path, a type with no CPU kernel) reads it dequantized, as numpy
-(this module and ``gguf.py`` need no torch: the torch-free worker reads them too).
+A ``BlockTensor`` is also a lazy tensor (``shape`` + ``read``): the torch worker, whose
+weights are all float, reads it dequantized, as numpy (this module and ``gguf.py`` need
+no torch: the torch-free worker binds the blocks themselves).
 """
 
 from __future__ import annotations

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
-
-import numpy as np
 import torch
 
 from ..models.base import CausalLM
@@ -24,14 +21,6 @@ def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> No
     with torch.no_grad():
         for name, target in sorted(model.weight_targets().items()):
             shape = target.checkpoint_shape
-            if target.blocks is not None:  # a weight kept in a block type: random blocks
-                from .dummy_blocks import random_block_tensor
-
-                kind = target.blocks.part_types[target.part]
-                rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-                target.blocks.load_part(target.part, random_block_tensor(kind, shape, rng),
-                                        target.shard)
-                continue
             if name.endswith("norm.weight"):  # identity norms (Gemma stores w of 1 + w)
                 fill = 0.0 if target.transform is not None else 1.0
                 value = torch.full(shape, fill, device=device)

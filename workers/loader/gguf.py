@@ -12,8 +12,8 @@ the values equal the HF checkpoint's:
 * ``gguf_norm_offset`` (gemma3): Gemma's RMSNorm multiplies by ``1 + w``; the converter
   stores ``w + 1`` so llama.cpp can multiply by the stored value. We subtract 1.
 
-Tensor data is memory-mapped. A layer that keeps a block tensor dense dequantizes it
-when it copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
+Tensor data is memory-mapped. The torch worker dequantizes a block tensor when it
+copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -109,23 +109,6 @@ def _unpermuted(w: "np.ndarray | BlockTensor", n_heads: int) -> "np.ndarray | Bl
     if isinstance(w, BlockTensor):  # whole rows move: the blocks stay as they are
         return w.with_rows(unpermute_rope_rows(np.arange(w.shape[0]), n_heads))
     return unpermute_rope_rows(w, n_heads)
-
-
-def gguf_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
-    """HF name -> GGML type of every block-quantized tensor of the file (before any read)."""
-    header = read_gguf_header(path)
-    experts = BY_NAME[info.family].gguf_expert_tensors
-    types = {}
-    for name, t in header.tensors.items():
-        if name in GGUF_DERIVED_TENSORS or t.ggml_type in FLOAT_TYPES:
-            continue
-        m = _BLOCK_NAME.fullmatch(name)
-        if m is not None and m.group(2) in experts:  # one entry per expert; E is listed last
-            types.update({f"model.layers.{m.group(1)}.mlp.experts.{e}.{experts[m.group(2)]}"
-                          ".weight": t.ggml_type for e in range(t.shape[-1])})
-        else:
-            types[hf_name(name, info.family)] = t.ggml_type
-    return types
 
 
 def load_gguf_weights(path: str, info: "ModelInfo"

@@ -18,12 +18,9 @@ from torch import nn
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError
 
 from ..distributed import SINGLE, TPGroup
-from ..kernel_policy import policy_for
 from ..kernels import fused_kernel, kernel_activations
 from ..layers.activation import act_and_mul, get_activation
 from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.block_weight import BlockWeight
-from ..layers.moe import FusedMoE
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
@@ -62,19 +59,6 @@ def check_tensor_parallel(cfg: ArchConfig, world: int) -> None:
             + "; ".join(problems) + ". Choose a tensor_parallel_size that divides the head counts.")
 
 
-def stored(cfg: ArchConfig, prefix: str, *names: str) -> list[Optional[int]]:
-    """The GGML block types the checkpoint stores ``prefix + name + .weight`` in (None: float)."""
-    return [cfg.weight_types.get(f"{prefix}{name}.weight") for name in names]
-
-
-def expert_types(cfg: ArchConfig, index: int) -> list[Optional[int]]:
-    """The block types of layer ``index``'s gate, up and down experts (expert 0's: a GGUF
-    stacks a layer's experts in one tensor of one type, and a loaded part of another type
-    is refused)."""
-    return stored(cfg, f"model.layers.{index}.mlp.experts.0.", "gate_proj", "up_proj",
-                  "down_proj")
-
-
 def kv_head_range(cfg: ArchConfig, tp: TPGroup) -> tuple[int, int]:
     """The KV heads this rank holds: its share, or (fewer KV heads than ranks) the one
     KV head its query heads read, replicated on the ranks that share it."""
@@ -95,15 +79,12 @@ class Attention(nn.Module):
         q_shard = even_shard(cfg.num_heads * d, tp)
         kv_shard = Shard(0, kv_first * d, (kv_first + self.num_kv_heads) * d, cfg.num_kv_heads * d)
         self.split = [q_shard.size, kv_shard.size, kv_shard.size]
-        prefix = f"model.layers.{layer}.self_attn."
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.qkv_bias, device, dtype,
-            stored(cfg, prefix, "q_proj", "k_proj", "v_proj"))
+            cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.qkv_bias, device, dtype)
         self.o_proj = RowParallelLinear(even_shard(cfg.num_heads * d, tp, dim=1), cfg.hidden_size,
-                                        cfg.o_bias, device, dtype, tp,
-                                        *stored(cfg, prefix, "o_proj"))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+                                        cfg.o_bias, device, dtype, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         self.window, self.scale, self.softcap = cfg.layer_windows[layer], cfg.attn_scale, cfg.attn_softcap
         # gpt-oss: one learned logit per query head in each softmax (this rank's heads),
         # float32 whatever the model dtype, as the backends add it to float32 scores
@@ -111,7 +92,7 @@ class Attention(nn.Module):
         self.sinks = (nn.Parameter(torch.empty(self.num_heads, device=device, dtype=torch.float32),
                                    requires_grad=False) if cfg.attn_sinks else None)
         self.backend = backend
-        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk", dtype)  # in place, q and k
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
         # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
         self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
@@ -166,21 +147,18 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """Intermediate columns split across ranks (column-parallel gate/up, row-parallel down)."""
 
-    def __init__(self, cfg: ArchConfig, layer: int, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ArchConfig, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup = SINGLE):
         super().__init__()
         inter = even_shard(cfg.intermediate_size, tp)
-        prefix = f"model.layers.{layer}.mlp."
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 device, dtype,
-                                                 stored(cfg, prefix, "gate_proj", "up_proj"))
+                                                 device, dtype)
         self.down_proj = RowParallelLinear(even_shard(cfg.intermediate_size, tp, dim=1),
-                                           cfg.hidden_size, cfg.mlp_bias, device, dtype, tp,
-                                           *stored(cfg, prefix, "down_proj"))
+                                           cfg.hidden_size, cfg.mlp_bias, device, dtype, tp)
         self.act = get_activation(cfg.hidden_act)
         self.hidden_act = cfg.hidden_act
-        kernel = fused_kernel(device, "gated_act", "act_and_mul", dtype)
-        if kernel is not None and cfg.hidden_act not in kernel_activations(device):
+        kernel = fused_kernel(device, "gated_act", "act_and_mul")
+        if kernel is not None and cfg.hidden_act not in kernel_activations():
             kernel = None
         self.act_kernel = kernel
 
@@ -203,7 +181,7 @@ class GatedMLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         if self.act_kernel is not None:
-            if self.down_proj.blocks is None and self.down_proj.policy.one_row(gate_up):
+            if self.down_proj.policy.one_row(gate_up):
                 # one launch: the activation inside the product
                 return self.down_proj(gate_up, hidden_act=self.hidden_act, reduce=reduce)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act), reduce=reduce)
@@ -231,12 +209,6 @@ class DecoderLayer(nn.Module):
         """Attention rows [T, H, D] -> the layer's output x and the residual."""
         raise NotImplementedError
 
-    def mlp_norms(self) -> Optional[tuple[Optional[RMSNorm], RMSNorm, Optional[RMSNorm]]]:
-        """The norms ``post_attention`` applies: (on the attention output or None, the MLP's
-        input norm, on the MLP output or None). What the fused CPU layer reads
-        (``kernels/cpu_layer.py``); None: this family runs the module path only."""
-        return None
-
 
 class PreNormDecoderLayer(DecoderLayer):
     """Attention, then an MLP (dense, or experts: anything with ``normed``), each opened by
@@ -252,20 +224,13 @@ class PreNormDecoderLayer(DecoderLayer):
         super().__init__()
         self.self_attn = attention or Attention(cfg, index, backend, device, dtype, tp)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mlp.normed(self.post_attention_layernorm, self.self_attn.output(attn),
                                residual)
-
-    def mlp_norms(self):
-        # the fused CPU decode layer computes Attention and a dense gated MLP or routed
-        # experts (kernels/cpu_layer.py refuses the experts it cannot compute)
-        fused = (isinstance(self.self_attn, Attention)
-                 and isinstance(self.mlp, (GatedMLP, FusedMoE)))
-        return (None, self.post_attention_layernorm, None) if fused else None
 
 
 @dataclass
@@ -296,21 +261,18 @@ class CausalLM(nn.Module):
         self.cfg, self.device, self.dtype, self.tp = cfg, device, dtype, tp
         self.attention_backend = backend  # what the runner builds each step's metadata for
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype,
-                                                   cfg.embed_scale, tp,
-                                                   *stored(cfg, "model.", "embed_tokens"))
+                                                   cfg.embed_scale, tp)
         self.layers = nn.ModuleList(self.make_layer(cfg, i, backend, device, dtype, tp)
                                     for i in range(cfg.num_layers))
         # Indexed twice per layer and step: a tuple skips ModuleList's slow __getitem__.
         self._layer_at = tuple(self.layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, device, dtype, tied,
-                              cfg.final_softcap, tp, *stored(cfg, "", "lm_head"))
+                              cfg.final_softcap, tp)
         self.num_local_kv_heads = kv_head_range(cfg, tp)[1]  # what this rank's KV cache holds
         self.rotary = {kind: RotaryTable(cfg.head_dim, cfg.rope[kind], cfg.max_position_embeddings,
                                          device, dtype) for kind in sorted(set(cfg.layer_rope))}
-        self.policy = policy_for(device)
-        self._fused = None  # the stack bound for the fused CPU decode path (False: cannot be)
         # Per layer: its KV cache group, whose metadata (block tables) its attention reads.
         # One group until the runner sets its layout (workers/kv_cache.py).
         self.layer_group: tuple[int, ...] = (0,) * cfg.num_layers
@@ -321,11 +283,10 @@ class CausalLM(nn.Module):
 
     def step_read_bytes(self) -> int:
         """Bytes of weights a one-token decode step reads on this rank (``bench latency``'s
-        roofline): every parameter and block weight, less what a module declares it leaves
-        unread (``unread_bytes``: the experts a token is not routed to, an input embedding's
-        rows but one). A table the LM head shares is read whole."""
-        total = (sum(p.numel() * p.element_size() for p in self.parameters())
-                 + sum(m.nbytes() for m in self.modules() if isinstance(m, BlockWeight)))
+        roofline): every parameter, less what a module declares it leaves unread
+        (``unread_bytes``: the experts a token is not routed to, an input embedding's rows
+        but one). A table the LM head shares is read whole."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
         return total - sum(m.unread_bytes() for m in self.modules()
                            if hasattr(m, "unread_bytes") and m is not self.lm_head.tied_to)
 
@@ -340,35 +301,11 @@ class CausalLM(nn.Module):
         the segments, with each layer's attention between them. ``metas``: one metadata per
         KV cache group (a lone one: every layer's)."""
         metas = as_group_metas(metas)
-        if self.policy.fused_decode(metas[0], self.dtype) and self._fused_layers():
-            return self._fused_decode(input_ids, positions, max_position, metas, kv_caches)
         seg = self.embed(input_ids, positions, max_position)
         for i, layer in enumerate(self._layer_at):
             seg = self.segment(i + 1, layer.self_attn.attend(
                 *seg.qkv, metas[self.layer_group[i]], kv_caches[i]), seg)
         return seg.hidden
-
-    def _fused_layers(self):
-        """Every layer bound for one library call per decode step, or False where that
-        cannot be (a float weight, a family without ``mlp_norms``, tensor parallelism)."""
-        if self._fused is None:
-            from ..kernels.cpu_layer import CpuDecoderLayer, CpuDecoderStack
-
-            bound = [CpuDecoderLayer.bind(layer) for layer in self._layer_at]
-            n = len(bound)
-            self._fused = CpuDecoderStack(
-                bound, [(self.layer_group[i], self.cfg.layer_windows[i]) for i in range(n)],
-                [self.cfg.layer_rope[i] for i in range(n)]) \
-                if all(b is not None for b in bound) else False
-        return self._fused
-
-    def _fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                      metas: Sequence[AttentionMetadata],
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """``forward`` for a step of one-token decodes: the whole stack in one library
-        call, each layer given its own group's slots and gather over its own pool."""
-        rope = {kind: table.lookup(positions, max_position) for kind, table in self.rotary.items()}
-        return self._fused(self.embed_tokens(input_ids).contiguous(), metas, rope, kv_caches)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int
               ) -> Segment:
@@ -401,12 +338,10 @@ class CausalLM(nn.Module):
         """HF parameter name -> where it is stored here (override to add family params)."""
         t: dict[str, WeightTarget] = {
             "model.embed_tokens.weight": vocab_target(self.embed_tokens.weight,
-                                                       self.embed_tokens.shard,
-                                                       self.embed_tokens.blocks),
+                                                       self.embed_tokens.shard),
             "model.norm.weight": WeightTarget(self.norm.weight)}
         if self.lm_head.tied_to is None:
-            t["lm_head.weight"] = vocab_target(self.lm_head.weight, self.lm_head.shard,
-                                                self.lm_head.own_blocks)
+            t["lm_head.weight"] = vocab_target(self.lm_head.weight, self.lm_head.shard)
         for i, layer in enumerate(self.layers):
             t.update(self.layer_weight_targets(f"model.layers.{i}.", layer))
         return t
@@ -445,7 +380,6 @@ class CausalLM(nn.Module):
         of it is ever read. A full tensor is sliced here and dropped by the caller.
         """
         targets = self.weight_targets()
-        self._fused = None  # bound again on first use: the parts' storage changes
         loaded: set[str] = set()
         with torch.no_grad():
             for raw_name, tensor in named_tensors:
@@ -459,10 +393,6 @@ class CausalLM(nn.Module):
                 if tuple(tensor.shape) != target.checkpoint_shape:
                     raise CheckpointError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {target.checkpoint_shape}")
-                if target.blocks is not None:
-                    target.blocks.load_part(target.part, tensor, target.shard)
-                    loaded.add(name)
-                    continue
                 if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor
                     tensor = torch.from_numpy(tensor)
                 if isinstance(tensor, torch.Tensor):

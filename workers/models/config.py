@@ -51,9 +51,6 @@ class ArchConfig:
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator
     final_softcap: Optional[float] = None
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's 1 + w
-    # HF name -> the GGML block type the checkpoint stores that tensor in (GGUF files, the
-    # dummy quantizations); absent: a float type. Layers choose their storage from it.
-    weight_types: dict[str, int] = field(default_factory=dict)
 
     def tp_splits(self) -> dict[str, int]:
         """Config key -> an MLP width that tensor parallelism splits evenly across ranks."""

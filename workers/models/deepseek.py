@@ -242,7 +242,7 @@ class DeepseekMoE(nn.Module):
         if cfg.n_shared_experts:
             shared = dataclasses.replace(cfg, intermediate_size=cfg.n_shared_experts
                                          * moe.intermediate_size)
-            self.shared_experts = GatedMLP(shared, index, device, dtype, tp)
+            self.shared_experts = GatedMLP(shared, device, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, reduce=False)
@@ -285,7 +285,7 @@ class DeepseekForCausalLM(CausalLM):
     def make_layer(self, cfg: DeepseekArchConfig, index: int, backend: MlaBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         mlp = (DeepseekMoE(cfg, index, device, dtype, tp) if cfg.sparse_layers[index]
-               else GatedMLP(cfg, index, device, dtype, tp))
+               else GatedMLP(cfg, device, dtype, tp))
         attention = MLAttention(cfg.hidden_size, cfg.num_heads, cfg.mla, cfg.attn_scale,
                                 backend, device, dtype, tp)
         return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp, mlp, attention)

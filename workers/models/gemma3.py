@@ -30,19 +30,15 @@ class Gemma3DecoderLayer(DecoderLayer):
                  device: torch.device, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.self_attn = Attention(cfg, index, backend, device, dtype, tp)
-        self.mlp = GatedMLP(cfg, index, device, dtype, tp)
+        self.mlp = GatedMLP(cfg, device, dtype, tp)
         for name in self.norm_names:
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype))
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device))
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.post_attention_layernorm(self.self_attn.output(attn))
         h, residual = self.mlp.normed(self.pre_feedforward_layernorm, attn, residual)
         return self.post_feedforward_layernorm(h), residual
-
-    def mlp_norms(self):
-        return (self.post_attention_layernorm, self.pre_feedforward_layernorm,
-                self.post_feedforward_layernorm)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -17,4 +17,4 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp,
-                                   GatedMLP(cfg, index, device, dtype, tp))
+                                   GatedMLP(cfg, device, dtype, tp))

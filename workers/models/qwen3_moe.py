@@ -13,7 +13,7 @@ import torch
 from ..distributed import TPGroup
 from ..layers.attention import AttentionBackend
 from ..layers.moe import FusedMoE, softmax_topk
-from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, expert_types
+from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
 from .config import MoeArchConfig
 
 
@@ -21,6 +21,6 @@ class Qwen3MoeForCausalLM(CausalLM):
     def make_layer(self, cfg: MoeArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         mlp = (FusedMoE(cfg.hidden_size, cfg.moe, softmax_topk(cfg.moe.norm_topk_prob), device,
-                        dtype, tp, stored=expert_types(cfg, index))
-               if cfg.sparse_layers[index] else GatedMLP(cfg, index, device, dtype, tp))
+                        dtype, tp)
+               if cfg.sparse_layers[index] else GatedMLP(cfg, device, dtype, tp))
         return PreNormDecoderLayer(cfg, index, backend, device, dtype, tp, mlp)

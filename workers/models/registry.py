@@ -4,8 +4,6 @@ they are imported here, when a checkpoint of that family is built."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pocketllm.model_info import ModelInfo
@@ -17,14 +15,10 @@ from .config import ArchConfig, arch_config, resolve
 
 
 def build_model(info: ModelInfo, backend: AttentionBackend, device: torch.device,
-                dtype: torch.dtype, tp: TPGroup = SINGLE,
-                weight_types: Optional[dict[str, int]] = None) -> CausalLM:
+                dtype: torch.dtype, tp: TPGroup = SINGLE) -> CausalLM:
     """An uninitialised model of the checkpoint's architecture (weights come from a loader),
-    holding this rank's share of every split layer; ``weight_types``: the block types the
-    checkpoint stores tensors in (``ArchConfig.weight_types``)."""
-    cfg = arch_config(info)
-    cfg.weight_types = dict(weight_types or {})
-    return resolve(info, "model")(cfg, backend, device, dtype, tp)
+    holding this rank's share of every split layer."""
+    return resolve(info, "model")(arch_config(info), backend, device, dtype, tp)
 
 
 def checkpoint_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:

@@ -1,5 +1,5 @@
-"""Where each checkpoint tensor goes: ``WeightTarget`` (a parameter's rows, or a part of
-kept blocks, and the shard of the checkpoint tensor this rank reads), and the targets of
+"""Where each checkpoint tensor goes: ``WeightTarget`` (a parameter's rows and the shard of
+the checkpoint tensor this rank reads), and the targets of
 the layer shapes every family shares (fused q/k/v and gate/up, row-parallel products,
 the padded vocabulary)."""
 
@@ -10,22 +10,18 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layers.block_weight import BlockWeight
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, Shard
 
 
 @dataclass
 class WeightTarget:
     """Where one checkpoint tensor goes: its part ``shard`` (None: all of it) fills rows
-    ``rows`` of ``param`` (None: all of it), after ``transform``; or, for a weight kept
-    as stored (``blocks``), becomes part ``part`` of those blocks."""
+    ``rows`` of ``param`` (None: all of it), after ``transform``."""
 
-    param: Optional[torch.Tensor]
+    param: torch.Tensor
     rows: Optional[slice] = None
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     shard: Optional[Shard] = None
-    blocks: Optional[BlockWeight] = None
-    part: int = 0
     # The whole checkpoint tensor's shape where ``transform`` reshapes it (a transpose);
     # None: the destination's, with the shard's dimension at full size.
     stored_shape: Optional[tuple[int, ...]] = None
@@ -33,8 +29,6 @@ class WeightTarget:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the destination (this rank's part)."""
-        if self.blocks is not None:
-            return (self.blocks.part_rows[self.part], self.blocks.in_features)
         return tuple(self.param[self.rows].shape if self.rows is not None else self.param.shape)
 
     @property
@@ -52,10 +46,7 @@ class WeightTarget:
         return self.param if self.rows is None else self.param[self.rows]
 
 
-def vocab_target(param: Optional[torch.Tensor], shard: Shard,
-                  blocks: Optional[BlockWeight] = None) -> WeightTarget:
-    if blocks is not None:  # the real rows only
-        return WeightTarget(None, shard=None if shard.whole else shard, blocks=blocks)
+def vocab_target(param: torch.Tensor, shard: Shard) -> WeightTarget:
     # The vocabulary is padded per rank: only the first shard.size rows are real.
     if shard.whole and shard.size == param.shape[0]:
         return WeightTarget(param)
@@ -66,10 +57,8 @@ def stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, .
                      layer: ColumnParallelLinear) -> None:
     """q/k/v or gate/up: each checkpoint matrix fills its rows of the fused parameter."""
     for j, name in enumerate(names):
-        t[f"{prefix}{name}.weight"] = (
-            WeightTarget(layer.weight, layer.out_rows(j), shard=layer.part_shard(j))
-            if layer.blocks is None else
-            WeightTarget(None, shard=layer.part_shard(j), blocks=layer.blocks, part=j))
+        t[f"{prefix}{name}.weight"] = WeightTarget(layer.weight, layer.out_rows(j),
+                                                   shard=layer.part_shard(j))
         if layer.bias is not None:
             t[f"{prefix}{name}.bias"] = WeightTarget(layer.bias, layer.out_rows(j),
                                                      shard=layer.part_shard(j))
@@ -77,7 +66,6 @@ def stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, .
 
 def row_parallel_targets(t: dict[str, WeightTarget], prefix: str,
                           layer: RowParallelLinear) -> None:
-    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard(),
-                                        blocks=layer.blocks)
+    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard())
     if layer.bias is not None:
         t[f"{prefix}bias"] = WeightTarget(layer.bias)  # replicated: added after the sum

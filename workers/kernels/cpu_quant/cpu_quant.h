@@ -1,5 +1,6 @@
-/* PocketLLM CPU quantized kernels: the exported C API (called through ctypes
- * by workers/kernels/cpu_quant.py, which checks every shape and pointer first).
+/* PocketLLM CPU quantized kernels: the exported C API (called through ctypes by
+ * the torch-free worker, workers/lite, bound in workers/kernels/cpu_lib.py; the
+ * worker checks every shape and pointer where it binds them).
  *
  * Weights stay in their GGUF block format; activations are quantized to int16
  * per block of 32 (a float32 scale per block); products are integer dot
@@ -148,19 +149,6 @@ typedef struct {
     pq_layer_experts experts; /* experts.count > 0: routed experts in place of the MLP */
 } pq_layer;
 
-/* M one-token decode rows through layer L: x [M, hidden] and res_in (NULL for the first
- * layer: the residual is x) -> x_out (the layer's output) and res_out (the residual
- * after it), both [M, hidden] contiguous. cos/sin [M, head_dim/2] (row stride lc) rotate
- * q and k; row m's k/v are written to cache slot slots[m] of k_cache/v_cache ([slots,
- * kv_heads, head_dim]), then attend as pq_decode_attention does over gather/Lk/lengths.
- * Computes what the module path computes with the operations above, bit for bit; with
- * routed experts, to float rounding (the router's dots and softmax are the library's own). */
-PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
-                            const float *cos, const float *sin, int64_t lc, float *k_cache,
-                            float *v_cache, const int64_t *slots, const int64_t *gather,
-                            int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
-                            int nthreads);
-
 /* The decoder stack's decode step in one call. Each layer names its KV cache and which
  * of the step's views (a KV cache group's slots, and one window's gather/Lk/lengths) and
  * rope tables it reads, so a step passes a handful of views instead of a call per layer. */
@@ -180,8 +168,9 @@ typedef struct {
     int64_t view, rope; /* indices into the step's views and ropes */
 } pq_stack_layer;
 
-/* x [M, hidden] (the embedded tokens) through layers[0..n-1] as pq_decoder_layer runs
- * each; out [M, hidden] = the last layer's output plus its residual. */
+/* x [M, hidden] (the embedded tokens) through layers[0..n-1], each a pre-norm layer with
+ * the operations above (decoder_layer in layer.c); out [M, hidden] = the last layer's
+ * output plus its residual. */
 PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_step_view *views,
                             const pq_step_rope *ropes, const float *x, int64_t M, float *out,
                             int nthreads);

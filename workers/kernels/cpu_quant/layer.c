@@ -1,11 +1,12 @@
-/* A whole decoder layer's decode step in one call (cpu_quant.h, "layer"): the products
- * and the float work between them run back to back in C, so a decode step makes one
- * library call per layer instead of ~15 Python-level calls, each of which came back to an
- * interpreter whose code and data the weight stream had evicted (docs/cpu_kernels.md).
+/* The decoder stack's step in one call (cpu_quant.h, "layer"): the products and the
+ * float work between them run back to back in C, so a step makes one library call
+ * instead of ~15 Python-level calls a layer, each of which came back to an interpreter
+ * whose code and data the weight stream had evicted (docs/cpu_kernels.md).
  *
  * It composes the library's own exported operations (pq_linear, pq_rms_norm, pq_rotary,
- * pq_act_and_mul, pq_decode_attention) in the order the Python layers call them, so a
- * row computes bit for bit what the module path computes. */
+ * pq_act_and_mul, pq_decode_attention) in the order a pre-norm layer applies them: the
+ * torch-free worker's float path (workers/lite/prefill.py) runs the same operations,
+ * with attention as matrix products instead. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,11 +129,16 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
     return PQ_OK;
 }
 
-PQ_API int pq_decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
-                            const float *cos, const float *sin, int64_t lc, float *k_cache,
-                            float *v_cache, const int64_t *slots, const int64_t *gather,
-                            int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
-                            int nthreads) {
+/* M one-token decode rows through layer L: x [M, hidden] and res_in (NULL for the first
+ * layer: the residual is x) -> x_out (the layer's output) and res_out (the residual
+ * after it), both [M, hidden] contiguous. cos/sin [M, head_dim/2] (row stride lc) rotate
+ * q and k; row m's k/v are written to cache slot slots[m] of k_cache/v_cache ([slots,
+ * kv_heads, head_dim]), then attend as pq_decode_attention does over gather/Lk/lengths. */
+static int decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
+                         const float *cos, const float *sin, int64_t lc, float *k_cache,
+                         float *v_cache, const int64_t *slots, const int64_t *gather,
+                         int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
+                         int nthreads) {
     const int64_t E = L->hidden, H = L->heads, Hkv = L->kv_heads, D = L->head_dim,
                   I = L->inter, qw = H * D, kvw = Hkv * D, qkvw = qw + 2 * kvw;
     if (M <= 0 || E <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || I <= 0 || H % Hkv != 0) return PQ_ERR_ARG;
@@ -198,9 +204,9 @@ PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_st
         const pq_step_view *v = &views[l->view];
         const pq_step_rope *r = &ropes[l->rope];
         float *xo = stream + (i % 2) * 2 * M * E, *ro = xo + M * E;
-        int rc = pq_decoder_layer(l->layer, xi, ri, M, r->cos, r->sin, r->lc, l->k_cache,
-                                  l->v_cache, v->slots, v->gather, v->Lk, v->lengths, xo, ro,
-                                  nthreads);
+        int rc = decoder_layer(l->layer, xi, ri, M, r->cos, r->sin, r->lc, l->k_cache,
+                               l->v_cache, v->slots, v->gather, v->Lk, v->lengths, xo, ro,
+                               nthreads);
         if (rc != PQ_OK) return rc;
         xi = xo, ri = ro;
     }
