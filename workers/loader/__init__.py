@@ -30,7 +30,7 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
         from .dummy import init_dummy_weights
 
         if args.quantization is not None:
-            logger.info("quantization=%s: the torch worker draws float weights of the model's "
+            logger.warning("quantization=%s: the torch worker draws float weights of the model's "
                         "shapes (random blocks are the torch-free CPU worker's)", args.quantization)
 
         init_dummy_weights(model, args.seed)
