@@ -140,16 +140,18 @@ def check_available(nbytes: int, what: str, param: str) -> None:
 
 def populated_zeros(sizes: list[int]) -> list[Union[mmap.mmap, bytearray]]:
     """Zeroed host buffers of ``sizes`` bytes (anonymous mappings) whose pages one
-    background thread backs right away (``MADV_POPULATE_WRITE``: the kernel zeroes them without the GIL), so that their
-    memory is taken once, at start, not request by request as they are first written
-    (the worker's memory stays flat: a leak check can tell a leak from the cache), and
-    start-up does not wait for it: backing the embedded model's 2.4 GB KV cache takes
-    0.8-7 s of a core on the 2-core VM (more where the VM's memory is touched for the
-    first time), ~40% of the worker's start (docs/benchmarks.md). Every mapping is made
-    before the thread starts: a new mapping waits for the address-space lock that a
-    backing call holds, hence ``BACKING_CHUNK``. Where the kernel lacks the call (before
-    Linux 5.14) the pages are backed as they are first written.
-    ``check_available`` has already refused a cache the RAM cannot hold."""
+    background thread backs right away (``MADV_POPULATE_WRITE``: the kernel zeroes them
+    without the GIL) on CPU time nothing else wants (``SCHED_IDLE``), so that their memory
+    is taken once, soon after start, not request by request as they are first written (the
+    worker's memory stays flat: a leak check can tell a leak from the cache), while neither
+    the start-up nor a step shares a core with it: backing the embedded model's 2.4 GB KV
+    cache takes ~0.6 s of a core on the 2-core VM (more where the VM's memory is touched
+    for the first time). At the default priority the thread made ready ~0.25 s later,
+    and started after ready it made the first requests' steps slower (docs/benchmarks.md).
+    Every mapping is made before the thread starts: a new mapping waits for the
+    address-space lock that a backing call holds, hence ``BACKING_CHUNK``. Where the
+    kernel lacks the call (before Linux 5.14) the pages are backed as they are first
+    written. ``check_available`` has already refused a cache the RAM cannot hold."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):
         return [bytearray(n) for n in sizes]
     buffers, spans = [], []
@@ -160,16 +162,22 @@ def populated_zeros(sizes: list[int]) -> list[Union[mmap.mmap, bytearray]]:
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buffers.append(buf)
         spans.append((ctypes.addressof(ctypes.c_char.from_buffer(buf)), nbytes))
-    threading.Thread(target=_back_pages, args=(spans,), daemon=True, name="kv-cache-backing").start()
+    threading.Thread(target=_back_in_idle_time, args=(spans,), daemon=True,
+                     name="kv-cache-backing").start()
     return buffers
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>
-# Bytes backed per call. A call holds the address-space lock for its whole span, and any
-# mapping the worker makes meanwhile (a first request's allocations) waits for it: one
-# call over the 2.4 GB pool kept the first request after ready waiting 2.4-6.8 s on the
-# 2-core VM. A chunk holds it for ~10-50 ms.
-BACKING_CHUNK = 32 << 20
+# Bytes backed per call (~0.25 ms of a core). A call holds the address-space lock for its
+# span, and any mapping the worker makes meanwhile waits for it: one call over the 2.4 GB
+# pool kept the first request after ready waiting 2.4-6.8 s on the 2-core VM.
+BACKING_CHUNK = 1 << 20
+
+
+def _back_in_idle_time(spans: list[tuple[int, int]]) -> None:
+    if hasattr(os, "SCHED_IDLE"):  # this thread only (Linux): below every other one
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _back_pages(spans)
 
 
 def _back_pages(spans: list[tuple[int, int]], madvise=None) -> None:
