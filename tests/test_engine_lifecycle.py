@@ -92,7 +92,7 @@ def test_parent_killed_takes_children(tiny_llama):
     assert_pids_gone(pids)
 
 
-def test_short_starts_wait_for_a_free_core(monkeypatch):
+def test_short_starts_wait_for_a_free_core(monkeypatch, default_model_path):
     """On two cores the tokenizer and the worker start at once; the scheduler, then the
     detokenizer, each once a start has finished (docs/architecture.md, start-up)."""
     class Running:  # a stage process that never exits

@@ -179,9 +179,10 @@ def test_top_p_probe_gives_what_the_full_sort_gives(xp, monkeypatch):
 
 def test_both_backends_pick_the_same_tokens():
     """The backends are thin: greedy, penalised, masked and seeded rows, and logprobs,
-    come out the same from numpy and torch."""
+    come out the same from numpy and torch, also where values tie at a cut."""
     rng = np.random.default_rng(11)
     logits = (rng.standard_normal((6, 4096)) * 3).astype(np.float32)
+    logits[3:] = np.round(logits[3:] * 8) / 8  # bf16-like rows: many exactly equal values
     specs = [SamplingSpec(temperature=0.0, logprobs=3, repetition_penalty=1.3),
              SamplingSpec(temperature=0.7, top_k=20, seed=4, frequency_penalty=0.5,
                           logit_bias={9: 5.0}),

@@ -48,23 +48,31 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return x.logsumexp(-1, keepdim=True)
 
 
+# Extra best values ``top`` takes before it orders equal values by id: its answer is
+# exact unless more than this many tokens share the value at its last rank.
+TIE_MARGIN = 64
+
+
 def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of each row's ``k`` largest, largest first; equal values in id order."""
-    keys = _order_keys(x)
-    if k < x.shape[-1]:
-        ids = keys.topk(k, dim=-1).indices
+    """(values, ids) of each row's ``k`` largest, largest first; equal values in id order.
+    A float32 top-k (fast) picks ``k + TIE_MARGIN`` candidates, in no defined order among
+    equal values; sorting them by (value, id) orders those, and every token equal to the
+    k-th value is among them unless more than TIE_MARGIN share it."""
+    vocab = x.shape[-1]
+    if k + TIE_MARGIN < vocab:
+        values, ids = x.topk(k + TIE_MARGIN, dim=-1)
     else:
-        ids = keys.argsort(dim=-1, descending=True)
+        values, ids = x.sort(dim=-1, descending=True)
+    ids = ids.gather(-1, _order_keys(values, ids).argsort(dim=-1, descending=True)[:, :k])
     return x.gather(-1, ids), ids
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
+def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """int64 keys that sort as (float32 value, then the lower id first): the value's bits
-    made order-preserving in the high half, ``V - 1 - id`` in the low half."""
-    bits = x.float().view(torch.int32).long()
+    made order-preserving in the high half, ``2**31 - 1 - id`` in the low half."""
+    bits = values.float().view(torch.int32).long()
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    ids = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device)
-    return (bits << 32) | ids
+    return (bits << 32) | (0x7FFFFFFF - ids)
 
 
 def argsort(x: torch.Tensor) -> torch.Tensor:
