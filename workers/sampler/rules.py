@@ -1,6 +1,7 @@
 """Token sampling: the one set of rules both workers follow, written once against a thin
-array backend (``numpy_ops.NumpyOps`` for the torch-free CPU worker, ``torch_ops.TorchOps``
-for the torch worker on any device).
+array backend: the module ``numpy_ops`` for the torch-free CPU worker, ``torch_ops`` for
+the torch worker on any device (whose ranking is exact unless more than
+``torch_ops.TIE_MARGIN`` tokens share the value at a cut's edge).
 
 Per row of a step, in this order:
 
@@ -12,12 +13,13 @@ Per row of a step, in this order:
    did. Float32, on the logits in place.
 3. The grammar's mask: forbidden tokens get -inf.
 4. Greedy rows (temperature 0 or top_k 1): the first maximum of the adjusted logits.
-5. Every other row, in float64: ``x = logits / temperature``, then a per-row threshold
-   that only cuts (a token is kept when its ``x`` is at least it):
-   - top-k: the k-th largest ``x`` (tokens equal to it stay, as transformers keeps them);
-   - top-p: over what top-k kept, best first, the shortest prefix whose probability
-     reaches ``top_p`` (probabilities ``exp(x - logsumexp)`` and their running sums in
-     float64, exact to about 1e-16); the threshold is its last value;
+5. Every other row, in float64: ``x = logits / temperature``, its tokens ranked by value
+   and, among equal values, by id (the lower first), then cut:
+   - top-k: the first k ranks stay (transformers keeps every token equal to the k-th;
+     here the ranking decides, so the kept set never depends on a sort's tie order);
+   - top-p: of what top-k kept, a rank stays while the probability of the ranks before
+     it is below ``top_p`` (probabilities ``exp(x - logsumexp)`` and their running sums
+     in float64, exact to about 1e-16);
    - min-p: a token whose probability is below ``min_p`` times the best one's is dropped
      (``exp(x - max) < min_p``: the ratio does not change when the cuts renormalise);
    then one inverse-CDF draw over the kept tokens **in token-id order**: weights
@@ -28,9 +30,9 @@ Per row of a step, in this order:
 Nothing in step 5 looks at another row: no shared sort, width or probe decides how a row's
 mass is laid out, so a seeded row draws the same token whatever shares its step (up to
 float64 rounding of its own sums, ~1e-16, where a device's reduction order differs).
-Top-p first looks for its cut among the best ``NUCLEUS_PROBE`` tokens and sorts the whole
-row only when they hold less than ``top_p``; both give the same prefix sums, so the same
-cut.
+Only the best tokens a cut can keep are looked at: the widest top-k of the step, or the
+best ``NUCLEUS_PROBE`` for a row with top-p alone, whose whole row is ranked only when
+they hold less than ``top_p`` (both give the same prefix sums, so the same cut).
 """
 
 from __future__ import annotations
