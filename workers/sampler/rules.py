@@ -50,7 +50,9 @@ logger = logging.getLogger("pocketllm.worker")
 
 # Top-p over a 262k vocabulary: a full sort costs more than a decode step on CPU, while
 # the nucleus of a real distribution almost always lies within its best few hundred tokens.
-NUCLEUS_PROBE = 1024
+# With torch's tie margin (torch_ops.TIE_MARGIN) the probe's top-k asks for 1,024 values,
+# the most CUDA's top-k takes without sorting the rows (1,088 was 3x slower on an H200).
+NUCLEUS_PROBE = 960
 _MASK64 = (1 << 64) - 1
 
 

@@ -57,12 +57,12 @@ def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) of each row's ``k`` largest, largest first; equal values in id order.
     A float32 top-k (fast) picks ``k + TIE_MARGIN`` candidates, in no defined order among
     equal values; sorting them by (value, id) orders those, and every token equal to the
-    k-th value is among them unless more than TIE_MARGIN share it."""
-    vocab = x.shape[-1]
-    if k + TIE_MARGIN < vocab:
-        values, ids = x.topk(k + TIE_MARGIN, dim=-1)
-    else:
-        values, ids = x.sort(dim=-1, descending=True)
+    k-th value is among them unless more than TIE_MARGIN share it. Near the whole row, a
+    stable sort keeps equal values in id order by itself."""
+    if k + TIE_MARGIN >= x.shape[-1]:
+        values, ids = x.sort(dim=-1, descending=True, stable=True)
+        return values[:, :k], ids[:, :k]
+    values, ids = x.topk(k + TIE_MARGIN, dim=-1)
     ids = ids.gather(-1, _order_keys(values, ids).argsort(dim=-1, descending=True)[:, :k])
     return x.gather(-1, ids), ids
 
