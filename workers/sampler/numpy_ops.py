@@ -19,10 +19,6 @@ def rowmax(x: np.ndarray) -> np.ndarray:
     return x.max(axis=-1, keepdims=True)
 
 
-def count(mask: np.ndarray) -> np.ndarray:
-    return mask.sum(axis=-1, keepdims=True)
-
-
 def argmax(x: np.ndarray) -> np.ndarray:
     return x.argmax(axis=-1)  # each row's first maximum
 

@@ -23,10 +23,6 @@ def rowmax(x: torch.Tensor) -> torch.Tensor:
     return x.amax(-1, keepdim=True)
 
 
-def count(mask: torch.Tensor) -> torch.Tensor:
-    return mask.sum(-1, keepdim=True)
-
-
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum. On the CPU numpy's (0.02 ms a row of 262k, against 0.22
     for torch's argmax: a batch-1 decode step pays it every token); CUDA keeps argmax,
