@@ -231,7 +231,8 @@ class Sampler:
         """(tokens [B] where the logits are, the logprob tables there: [] when no row asked)."""
         xp = self.xp
         asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-        raw = logits[xp.put(np.array(asked), logits)] if asked else None
+        asked_at = xp.put(np.array(asked), logits) if asked else None
+        raw = logits[asked_at] if asked else None
         if histories is not None:
             apply_penalties(xp, logits, specs, histories)
         if token_mask is not None:
@@ -243,8 +244,7 @@ class Sampler:
             tokens[index] = draw_rows(xp, logits[index], [specs[i] for i in random_rows],
                                       self._uniforms([specs[i] for i in random_rows],
                                                      [positions[i] for i in random_rows]))
-        tables = [] if raw is None else logprob_tables(xp, raw, tokens[xp.put(np.array(asked),
-                                                                              logits)],
+        tables = [] if raw is None else logprob_tables(xp, raw, tokens[asked_at],
                                                        max(specs[i].logprobs for i in asked))
         return tokens, tables
 
