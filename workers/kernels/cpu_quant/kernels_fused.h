@@ -234,3 +234,128 @@ static void fused_rows(int id, const uint8_t *w, pq_rows x, int64_t M, float *y,
         m += R;
     }
 }
+
+/* ---- 8-bit activations (pq_mm_args.q8): the weights' unsigned values times int8
+ * activations, 4 products a 32-bit lane (vpdpbusd; AVX2: vpmaddubsw then vpmaddwd, exact
+ * since a pair is at most 2 * 63 * 127). No widening: the bytes multiply as they unpack. */
+
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, const int8_t *q) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)q);
+#if defined(PQ_DOT_VNNI512)
+    return _mm256_dpbusd_epi32(acc, u, x);
+#elif defined(PQ_DOT_AVXVNNI)
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The activation rows of an 8-bit call: row r's values at q + r * K, its block scales at
+ * d + r * K/32, its group sums at gs + r * K/16. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *gs;
+    int64_t K;
+} pq_rows8;
+
+/* Q4_K against 8-bit rows: as q4_k_rows, each 32-byte run's two nibble halves multiplied
+ * as bytes (sub-blocks 2i and 2i+1), one int32 sum a sub-block, scaled in float32. */
+__attribute__((always_inline)) static inline void q4_k_rows8(const uint8_t *w, pq_rows8 x,
+                                                             const int R, float *out) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), z = _mm256_setzero_si256();
+    const int64_t n256 = x.K / 256;
+    __m256 acc[R], acc_hi[R], off[R];
+    float f[R][8];
+    for (int r = 0; r < R; r++) acc[r] = acc_hi[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < n256; sb++) {
+        const uint8_t *blk = w + 144 * sb;
+        uint8_t sc[8], m[8];
+        pq_k_scales_mins(blk + 4, sc, m);
+        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)),
+                     dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_loadu_ps(x.d + r * (x.K / 32) + 8 * sb);
+            _mm256_storeu_ps(f[r], _mm256_mul_ps(dsc, xb));
+            const int32_t *g = x.gs + r * (x.K / 16) + 16 * sb;
+            const __m256i ga = _mm256_loadu_si256((const __m256i *)g),
+                          gb = _mm256_loadu_si256((const __m256i *)(g + 8));
+            const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
+            off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
+            const __m256i lo = _mm256_and_si256(run, lo4),
+                          hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = x.q + r * x.K + 256 * sb + 64 * i;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(z, lo, q)),
+                                         _mm256_set1_ps(f[r][2 * i]), acc[r]);
+                acc_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(z, hi, q + 32)),
+                                            _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[r], acc_hi[r])) - hsum(off[r]);
+}
+
+/* Q6_K against 8-bit rows: a block's unsigned 6-bit values u times the row, less 32 times
+ * the row's sums (u - 32 is the weight), both in int32; lanes 0-3 hold group one of the
+ * block, 4-7 group two, as group_pair_dot's natural order. */
+__attribute__((always_inline)) static inline void q6_k_rows8(const uint8_t *w, pq_rows8 x,
+                                                             const int R, float *out) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30),
+                  c32 = _mm256_set1_epi8(32), z = _mm256_setzero_si256();
+    const int64_t n256 = x.K / 256, n32 = x.K / 32;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < n256; sb++) {
+        const uint8_t *blk = w + 210 * sb;
+        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
+        for (int h = 0; h < 2; h++) {
+            const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int k = 0; k < 4; k++) {
+                const __m256i l = k & 1 ? l1 : l0;
+                const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4)
+                                         : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
+                const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
+                                 : k == 1 ? _mm256_slli_epi16(hb, 2)
+                                 : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                const __m256i u = _mm256_or_si256(lo, _mm256_and_si256(hi, hi2));
+                const __m256 s = _mm256_permutevar8x32_ps(
+                    sc, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
+                const int64_t b = 8 * sb + 4 * h + k;
+                for (int r = 0; r < R; r++) {
+                    const int8_t *q = x.q + r * x.K + 32 * b;
+                    const __m256i p = _mm256_sub_epi32(dot_u8s8(z, u, q), dot_u8s8(z, c32, q));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                             _mm256_mul_ps(s, _mm256_broadcast_ss(x.d + r * n32 + b)), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
+/* y[m*ldy] = 8-bit row m . W's row (a type of pq_has_dot8), in chunks of 8, 4, 2, 1 rows. */
+static void fused_rows8(int id, const uint8_t *w, pq_rows8 x, int64_t M, float *y, int64_t ldy) {
+    float out[8];
+    for (int64_t m = 0; m < M;) {
+        const int R = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        pq_rows8 at = {x.q + m * x.K, x.d + m * (x.K / 32), x.gs + m * (x.K / 16), x.K};
+#define PQ_ROWS8(RR) (id == PQ_Q6_K ? q6_k_rows8(w, at, RR, out) : q4_k_rows8(w, at, RR, out))
+        switch (R) {
+        case 8: PQ_ROWS8(8); break;
+        case 4: PQ_ROWS8(4); break;
+        case 2: PQ_ROWS8(2); break;
+        default: PQ_ROWS8(1);
+        }
+#undef PQ_ROWS8
+        for (int r = 0; r < R; r++) y[(m + r) * ldy] = out[r];
+        m += R;
+    }
+}
