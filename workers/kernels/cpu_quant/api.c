@@ -234,9 +234,13 @@ static int act8_buffers(int64_t elems) {
     return g_act8_elems != 0;
 }
 
-/* The activations of the last product in a lane-order variant's order (one caller thread). */
+/* The activations of the last product in a lane-order variant's order, or as a byte-plane
+ * variant's two planes (one caller thread). */
 static int16_t *g_qp;
 static int64_t g_qp_elems;
+static uint8_t *g_qlo;
+static int8_t *g_qhi;
+static int64_t g_planes_elems;
 
 static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, int64_t ldy,
                        int64_t *total) {
@@ -280,6 +284,17 @@ static int run_parts(const pq_part *parts, const int64_t *ranges, int nparts, in
         pq_lane_order(q, M * K, g_qp);
         qp = g_qp;
     }
+    if (isa->byte_planes) {
+        if (M * K > g_planes_elems) {
+            free(g_qlo);
+            free(g_qhi);
+            g_qlo = aligned((size_t)(M * K));
+            g_qhi = aligned((size_t)(M * K));
+            g_planes_elems = g_qlo != NULL && g_qhi != NULL ? M * K : 0;
+            if (g_planes_elems == 0) return PQ_ERR_NOMEM;
+        }
+        pq_byte_planes(q, M * K, g_qlo, g_qhi);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -296,7 +311,9 @@ static int run_parts(const pq_part *parts, const int64_t *ranges, int nparts, in
             const int64_t r = ranges != NULL ? ranges[2 * j] : 0,
                           m = ranges != NULL ? ranges[2 * j + 1] : M;
             pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q + r * K,
-                            qp != NULL ? qp + r * K : NULL, d + r * (K / 32), gsum + r * (K / 16),
+                            qp != NULL ? qp + r * K : NULL,
+                            isa->byte_planes ? g_qlo + r * K : NULL,
+                            isa->byte_planes ? g_qhi + r * K : NULL, d + r * (K / 32), gsum + r * (K / 16),
                             m, y + r * ldy + p->col, ldy, p->w + p->rows * p->row_bytes,
                             act8 ? g_q8 + r * K : NULL, act8 ? g_d8 + r * (K / 32) : NULL,
                             act8 ? g_gs8 + r * (K / 16) : NULL};

@@ -13,6 +13,8 @@ typedef struct {
     int64_t K, row_bytes;
     const int16_t *q;
     const int16_t *qp; /* q in lane order (pq_lane_order), for a variant that asks for it */
+    const uint8_t *qlo; /* q's byte planes (pq_byte_planes), for a variant that asks: */
+    const int8_t *qhi;  /* q = 256 * qhi + qlo, qlo unsigned */
     const float *d;
     const int32_t *gsum;
     int64_t M;
@@ -66,7 +68,18 @@ typedef struct {
      * widened); 0 where the type takes the canonical decoder instead. NULL: always that. */
     int (*unpack_row)(int id, const uint8_t *w, int64_t K, int16_t *q, float *scale,
                       float *offset);
+    int byte_planes; /* reads pq_mm_args.qlo/qhi as well as q */
 } pq_isa_impl;
+
+/* The int16 activations as two byte planes, q = 256 * hi + lo with lo unsigned: a
+ * variant with an unsigned-by-signed byte dot (vpdpbusd) multiplies 4-bit weights with
+ * each plane and never widens the weights, the same integer sums as the 16-bit dot. */
+static inline void pq_byte_planes(const int16_t *q, int64_t n, uint8_t *lo, int8_t *hi) {
+    for (int64_t i = 0; i < n; i++) {
+        lo[i] = (uint8_t)(q[i] & 0xFF);
+        hi[i] = (int8_t)(q[i] >> 8);
+    }
+}
 
 /* The order in which a lane-order variant reads each block of 32 activations: 0-7, 16-23,
  * 8-15, 24-31, the order in-lane byte unpacks give a 256-bit register's 32 weights. */

@@ -4,6 +4,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define PQ_DOT_VNNI512
+#define PQ_BYTE_PLANES
 #include "kernels_simd.h"
 
 static int cpu_has(void) {
@@ -13,5 +14,5 @@ static int cpu_has(void) {
 }
 #pragma GCC pop_options
 
-const pq_isa_impl pq_isa_avx512vnni = {"avx512vnni", cpu_has, mul_rows, 0, gemm_tile, unpack_row};
+const pq_isa_impl pq_isa_avx512vnni = {"avx512vnni", cpu_has, mul_rows, 0, gemm_tile, unpack_row, 1};
 #endif

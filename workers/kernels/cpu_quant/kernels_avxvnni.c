@@ -3,6 +3,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 #define PQ_DOT_AVXVNNI
+#define PQ_BYTE_PLANES
 #include "kernels_simd.h"
 
 static int cpu_has(void) {
@@ -11,5 +12,5 @@ static int cpu_has(void) {
 }
 #pragma GCC pop_options
 
-const pq_isa_impl pq_isa_avxvnni = {"avxvnni", cpu_has, mul_rows, 0, gemm_tile, unpack_row};
+const pq_isa_impl pq_isa_avxvnni = {"avxvnni", cpu_has, mul_rows, 0, gemm_tile, unpack_row, 1};
 #endif

@@ -42,7 +42,24 @@ typedef struct {
     const float *xd;
     const int32_t *gs;
     int64_t K;
+    const uint8_t *lo; /* q's byte planes (PQ_BYTE_PLANES variants), row r at + r * K */
+    const int8_t *hi;
 } pq_rows;
+
+#if defined(PQ_BYTE_PLANES)
+/* 8 int32 lanes, lane j the sum over elements 4j..4j+3 of u * q, u 32 unsigned bytes
+ * (values < 128) and q = 256 * hi + lo the row's 32 activations at lo/hi: the exact sums
+ * of the 16-bit dot, two vpdpbusd and a shift, no widening of u. */
+static inline __m256i dot_planes(__m256i u, const uint8_t *lo, const int8_t *hi) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)hi),
+                  l = _mm256_loadu_si256((const __m256i *)lo), z = _mm256_setzero_si256();
+#if defined(PQ_DOT_VNNI512)
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(z, u, h), 8), l, u);
+#else
+    return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(_mm256_dpbusd_avx_epi32(z, u, h), 8), l, u);
+#endif
+}
+#endif
 
 /* The legacy 32-element types, f16 d [| f16 m] [| u32 qh] | q[16] (nibbles), and Q8_0,
  * f16 d | int8 q[32]. Each weight block is unpacked once and multiplied with R activation
@@ -122,6 +139,24 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
             const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
             off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
         }
+#if defined(PQ_BYTE_PLANES)
+        if (x.lo != NULL) {
+            for (int i = 0; i < 4; i++) {
+                const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
+                const __m256i lo = _mm256_and_si256(run, lo4),
+                              hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = r * x.K + 256 * sb + 64 * i;
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_planes(lo, x.lo + at, x.hi + at)),
+                                             _mm256_set1_ps(f[r][2 * i]), acc[r]);
+                    acc_hi[r] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(dot_planes(hi, x.lo + at + 32, x.hi + at + 32)),
+                        _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
+                }
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < 4; i++) {
             const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
             __m256i l0, l1, h0, h1;
@@ -223,7 +258,8 @@ static void fused_rows(int id, const uint8_t *w, pq_rows x, int64_t M, float *y,
     float out[8];
     for (int64_t m = 0; m < M;) {
         const int R = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-        pq_rows at = {x.q + m * x.K, x.xd + m * (x.K / 32), x.gs + m * (x.K / 16), x.K};
+        pq_rows at = {x.q + m * x.K, x.xd + m * (x.K / 32), x.gs + m * (x.K / 16), x.K,
+                      x.lo != NULL ? x.lo + m * x.K : NULL, x.hi != NULL ? x.hi + m * x.K : NULL};
         switch (R) {
         case 8: rows_of(id, w, at, 8, out); break;
         case 4: rows_of(id, w, at, 4, out); break;

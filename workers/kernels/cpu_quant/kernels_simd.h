@@ -152,7 +152,7 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
         return;
     }
     if (multi_row_type(t->id)) {
-        const pq_rows x = {qf, a->d, a->gsum, K};
+        const pq_rows x = {qf, a->d, a->gsum, K, a->qlo, a->qhi};
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = a->w + n * a->row_bytes;
             prefetch_ahead(wr, a->row_bytes, end);
