@@ -73,14 +73,13 @@ def linear(k: int, weights: list[tuple[int, np.ndarray, int]], x: np.ndarray, ou
 
 
 def linear_rows(k: int, weights, ranges: list[tuple[int, int]], x: np.ndarray,
-                out: np.ndarray, act8: int = 0) -> int:
-    """``pq_linear_rows``'s return code: part j over x's rows ``ranges[j]`` (first, count),
-    with 8-bit activations where ``act8``."""
+                out: np.ndarray) -> int:
+    """``pq_linear_rows``'s return code: part j over x's rows ``ranges[j]`` (first, count)."""
     bound = parts(k, weights)
     flat = (ctypes.c_int64 * (2 * len(ranges)))(*[v for r in ranges for v in r])
     return lib().pq_linear_rows(ctypes.addressof(bound), flat, len(weights), k,
                                 _f32(x).ctypes.data, x.shape[0], k, _f32(out).ctypes.data,
-                                out.shape[1], act8, 0)
+                                out.shape[1], 0)
 
 
 def dequantize_rows(ggml_type: int, w: np.ndarray, k: int, ids: np.ndarray,

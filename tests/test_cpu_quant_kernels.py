@@ -225,62 +225,6 @@ def test_linear_rows_multiplies_each_part_with_its_own_rows():
                           ) == cpu_lib.ERR_ARG  # out narrower than the parts' columns
 
 
-def quantize8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 8-bit activations pq_linear_rows' act8 multiplies, in numpy: per block of 32,
-    d = amax / 127 and q = x * (127 / amax) rounded half away from zero (float32, as the
-    library computes them). Returns (q * d float64 [M, K], d float32 [M, K/32])."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
-    amax = np.abs(xb).max(axis=2, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    r = xb * inv
-    q = np.clip(np.trunc(r + np.where(r < 0, np.float32(-0.5), np.float32(0.5))), -127, 127)
-    d = (amax / np.float32(127)).astype(np.float32)
-    return (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k), d.reshape(m, k // 32)
-
-
-def test_linear_rows_with_8_bit_activations():
-    """act8: the Q4_K and Q6_K parts multiply the rows quantized to int8 per 32 (exactly
-    those values, to float32 accumulation, within the 8-bit step's bound of the float
-    product), on every variant, in runs of 1 to 9 rows (every fused row count); a Q8_0
-    part in the same call keeps the 16-bit activations, bit for bit; act8 other than 0/1
-    is refused."""
-    k = 512
-    types = (12, 14, 8)  # Q4_K, Q6_K: 8-bit dots; Q8_0: 16-bit in the same call
-    weights = [random_blocks(t, 40, k, seed=100 + t) for t in types]
-    wf = [reference(t, w, k).astype(np.float64) for t, w in zip(types, weights)]
-    x = randn(np.random.default_rng(7), 9, k)
-    xq8, d8 = quantize8(x)
-    runs = [(0, 0, 9), (1, 0, 9), (2, 0, 9), (0, 3, 1), (1, 5, 2)]  # (weight, first, rows)
-    results = {}
-    for isa in cl.supported_isas():
-        with cl.forcing_isa(isa):
-            outs = []
-            for j, first, n in runs:
-                out = np.full((9, 40), np.nan, np.float32)
-                assert cl.linear_rows(k, [(types[j], weights[j], 0)], [(first, n)], x, out,
-                                      act8=1) == cpu_lib.OK
-                outs.append(out[first:first + n].astype(np.float64))
-            q8_0 = cl.mul_mat(8, weights[2], k, cl.quantize(x))
-        for (j, first, n), out in zip(runs, outs):
-            rows = slice(first, first + n)
-            if types[j] == 8:
-                assert np.array_equal(out, q8_0[rows]), isa
-                continue
-            exact = xq8[rows] @ wf[j].T
-            tight = 1e-5 * (np.abs(xq8[rows]) @ np.abs(wf[j]).T) + 1e-30
-            assert (np.abs(out - exact) <= tight).all(), (isa, j, n)
-            bound = (np.repeat(d8[rows].astype(np.float64), 32, axis=1) * STEP_BOUND) @ np.abs(wf[j]).T
-            assert (np.abs(out - x[rows].astype(np.float64) @ wf[j].T) <= bound + tight).all(), (isa, j)
-        results[isa] = outs
-    for isa, outs in results.items():  # the variants agree with the portable one
-        for (j, first, n), a, b in zip(runs, outs, results["scalar"]):
-            tight = 1e-5 * (np.abs(xq8[first:first + n]) @ np.abs(wf[j]).T) + 1e-30
-            assert (np.abs(a - b) <= 2 * tight).all(), isa
-    out = np.empty((9, 40), np.float32)
-    assert cl.linear_rows(k, [(12, weights[0], 0)], [(0, 1)], x, out, act8=2) == cpu_lib.ERR_ARG
-
-
 def test_quantize_activations_scheme():
     x = np.random.default_rng(5).standard_normal((5, 96)).astype(np.float32) * 3
     x[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0

@@ -36,7 +36,7 @@ _SIGNATURES = {
     "pq_quantize_act": (_int, [_p, _i64, _i64, _i64, _p, _p, _p, _int]),
     "pq_mul_mat": (_int, [_int, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int]),
     "pq_linear": (_int, [_p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
-    "pq_linear_rows": (_int, [_p, _p, _int, _i64, _p, _i64, _i64, _p, _i64, _int, _int]),
+    "pq_linear_rows": (_int, [_p, _p, _int, _i64, _p, _i64, _i64, _p, _i64, _int]),
     "pq_gemm_rows": (_i64, [_i64]),
     "pq_dequantize_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "pq_has_kernel": (_int, [_int]),
@@ -131,7 +131,7 @@ class Linear(ctypes.Structure):
 
 class Experts(ctypes.Structure):
     """``pq_layer_experts``: routed experts in place of the MLP (count 0: none)."""
-    _fields_ = [("count", _i64), ("top_k", _i64), ("renormalize", _i64), ("act8", _i64), ("router", _p),
+    _fields_ = [("count", _i64), ("top_k", _i64), ("renormalize", _i64), ("router", _p),
                 ("gate_up", _p), ("down", _p)]
 
 

@@ -31,10 +31,6 @@ from ..kernels.cpu_lib import Experts, Part
 from ..models.config import ACTIVATION_KINDS
 
 MAX_PARTS = 128  # PQ_MAX_PARTS (cpu_quant.h): the most parts one library call takes
-# The experts' row products take 8-bit activations (pq_linear_rows' act8): a decode step's
-# expert weights are most of what it reads, and their Q4_K/Q6_K dots run twice the
-# products an instruction at 8 bits (docs/cpu_kernels.md: the accuracy measured).
-EXPERT_ACT8 = True
 # The families whose experts the library computes, and their routing: layer.c's rule only.
 ROUTING = {"qwen3_moe": "softmax_topk"}
 _PART = ctypes.sizeof(Part)
@@ -59,7 +55,7 @@ class RoutedExperts:
     expert, ``model._Bound`` of [gate, up] and of [down] (block parts, no bias)."""
 
     def __init__(self, lib, router: np.ndarray, gate_up: list, down: list, top_k: int,
-                 renormalize: bool, act: int, name: str, act8: bool = EXPERT_ACT8):
+                 renormalize: bool, act: int, name: str):
         count, hidden = len(down), down[0].width  # down: inter -> hidden
         if router.shape != (count, hidden):
             raise UnsupportedFeatureError(f"{name}: a router of shape {router.shape} for "
@@ -71,13 +67,12 @@ class RoutedExperts:
                 b.width != hidden for b in down):
             raise CheckpointError(f"{name}: experts of unequal shapes")
         self.lib, self.top_k, self.renormalize, self.act = lib, top_k, renormalize, act
-        self.act8 = int(act8)
         self.router = np.ascontiguousarray(router, dtype=np.float32)
         self.hidden, self.inter = hidden, inter
         self._bound = gate_up + down  # the parts' arrays live as long as this
         self.gate_up = (Part * (2 * count))(*[p for b in gate_up for p in b.parts])
         self.down = (Part * count)(*[b.parts[0] for b in down])
-        self.desc = Experts(count, top_k, int(renormalize), self.act8, self.router.ctypes.data,
+        self.desc = Experts(count, top_k, int(renormalize), self.router.ctypes.data,
                             ctypes.addressof(self.gate_up), ctypes.addressof(self.down))
 
     def read_bytes(self) -> int:
@@ -146,6 +141,6 @@ class RoutedExperts:
                                for _ in range(per_run)], dtype=np.int64)
             rc = self.lib.pq_linear_rows(call, ranges.ctypes.data, len(call), K,
                                          x.ctypes.data + lo * K * 4, hi - lo, K,
-                                         y.ctypes.data + lo * N * 4, N, self.act8, threads)
+                                         y.ctypes.data + lo * N * 4, N, threads)
             cpu_lib.raise_for(rc, None, "expert products")
         return y

@@ -119,32 +119,6 @@ static void quantize_row(const float *x, int64_t K, int16_t *q, float *d, int32_
     }
 }
 
-/* 8-bit form of a row (pq_linear_rows' act8): per block of 32, d = amax / 127. */
-PQ_DECODER
-static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, int32_t *gsum) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            float a = xb[i] < 0.0f ? -xb[i] : xb[i];
-            amax = a > amax ? a : amax;
-        }
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
-        for (int h = 0; h < 2; h++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) {
-                float r = xb[16 * h + i] * id;
-                int v = (int)(r + (r < 0.0f ? -0.5f : 0.5f));
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                q[32 * b + 16 * h + i] = (int8_t)v;
-                sum += v;
-            }
-            gsum[2 * b + h] = sum;
-        }
-    }
-}
-
 PQ_API int pq_quantize_act(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *q, float *d,
                            int32_t *gsum, int nthreads) {
     if (M < 0 || K <= 0 || K % 32 != 0 || ldx < K) return PQ_ERR_ARG;
@@ -216,24 +190,6 @@ static int act_buffers(int64_t elems) {
     return g_act_elems != 0;
 }
 
-/* Their 8-bit form, when the call asked for it. */
-static int8_t *g_q8;
-static float *g_d8;
-static int32_t *g_gs8;
-static int64_t g_act8_elems;
-
-static int act8_buffers(int64_t elems) {
-    if (elems <= g_act8_elems) return 1;
-    free(g_q8);
-    free(g_d8);
-    free(g_gs8);
-    g_q8 = aligned((size_t)elems);
-    g_d8 = aligned(sizeof(float) * (size_t)(elems / 32));
-    g_gs8 = aligned(sizeof(int32_t) * (size_t)(elems / 16));
-    g_act8_elems = (g_q8 && g_d8 && g_gs8) ? elems : 0;
-    return g_act8_elems != 0;
-}
-
 /* The activations of the last product in a lane-order variant's order, or as a byte-plane
  * variant's two planes (one caller thread). */
 static int16_t *g_qp;
@@ -262,8 +218,8 @@ static int check_parts(const pq_part *parts, int nparts, int64_t K, int64_t M, i
  * run the engine's other processes, a thread that loses its core for a while no longer
  * holds every other thread at the region's end. */
 static int run_parts(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
-                     const int16_t *q, const float *d, const int32_t *gsum, int act8, int64_t M,
-                     float *y, int64_t ldy, int64_t total, int nthreads) {
+                     const int16_t *q, const float *d, const int32_t *gsum, int64_t M, float *y,
+                     int64_t ldy, int64_t total, int nthreads) {
     const pq_isa_impl *isa = ISAS[g_isa];
     int nt = threads(nthreads);
     if (nt > total) nt = (int)total;
@@ -313,10 +269,9 @@ static int run_parts(const pq_part *parts, const int64_t *ranges, int nparts, in
             pq_mm_args a = {pq_type((int)p->type), p->w, K, p->row_bytes, q + r * K,
                             qp != NULL ? qp + r * K : NULL,
                             isa->byte_planes ? g_qlo + r * K : NULL,
-                            isa->byte_planes ? g_qhi + r * K : NULL, d + r * (K / 32), gsum + r * (K / 16),
-                            m, y + r * ldy + p->col, ldy, p->w + p->rows * p->row_bytes,
-                            act8 ? g_q8 + r * K : NULL, act8 ? g_d8 + r * (K / 32) : NULL,
-                            act8 ? g_gs8 + r * (K / 16) : NULL};
+                            isa->byte_planes ? g_qhi + r * K : NULL, d + r * (K / 32),
+                            gsum + r * (K / 16), m, y + r * ldy + p->col, ldy,
+                            p->w + p->rows * p->row_bytes};
             isa->mul_rows(&a, n0, n1, s);
         }
     }
@@ -333,7 +288,7 @@ PQ_API int pq_mul_mat(int type, const uint8_t *w, int64_t N, int64_t K, int64_t 
     int64_t total;
     int rc = check_parts(&part, 1, K, M, ldy, &total);
     if (rc != PQ_OK || M == 0 || total == 0) return rc;
-    return run_parts(&part, NULL, 1, K, q, d, gsum, 0, M, y, ldy, total, nthreads);
+    return run_parts(&part, NULL, 1, K, q, d, gsum, M, y, ldy, total, nthreads);
 }
 
 static int64_t g_gemm_rows = PQ_GEMM_ROWS;
@@ -344,12 +299,11 @@ PQ_API int64_t pq_gemm_rows(int64_t rows) {
     return before;
 }
 
-/* pq_linear, and with ranges (not NULL) pq_linear_rows: quantize x's M rows once (in 8
- * bits as well with act8), then every part's rows against all of them or against its own
- * run of them. */
+/* pq_linear, and with ranges (not NULL) pq_linear_rows: quantize x's M rows once, then
+ * every part's rows against all of them or against its own run of them. */
 static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                         const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
-                        int act8, int nthreads) {
+                        int nthreads) {
     init_once();
     if (g_isa < 0) return PQ_ERR_ISA;
     if (M > 1 && ldx < K) return PQ_ERR_ARG;
@@ -359,33 +313,28 @@ static int linear_parts(const pq_part *parts, const int64_t *ranges, int nparts,
     for (int j = 0; ranges != NULL && j < nparts; j++)
         if (ranges[2 * j] < 0 || ranges[2 * j + 1] < 1 || ranges[2 * j] + ranges[2 * j + 1] > M)
             return PQ_ERR_ARG;
-    if (!act_buffers(M * K) || (act8 && !act8_buffers(M * K))) return PQ_ERR_NOMEM;
+    if (!act_buffers(M * K)) return PQ_ERR_NOMEM;
     /* a prompt's rows on every thread (a 502-row down projection's are 1 M elements) */
     const int qt = M * K < 65536 ? 1 : threads(nthreads);
 #pragma omp parallel for num_threads(qt) schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, g_q + m * K, g_d + m * (K / 32), g_gsum + m * (K / 16));
-    if (act8) {
-#pragma omp parallel for num_threads(qt) schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quantize_row8(x + m * ldx, K, g_q8 + m * K, g_d8 + m * (K / 32), g_gs8 + m * (K / 16));
-    }
     if (ranges == NULL && M >= g_gemm_rows && ISAS[g_isa]->gemm_tile != NULL)
         return pq_gemm_parts(ISAS[g_isa], parts, nparts, K, g_q, g_d, g_gsum, M, y, ldy,
                              threads(nthreads));
-    return run_parts(parts, ranges, nparts, K, g_q, g_d, g_gsum, act8, M, y, ldy, total, nthreads);
+    return run_parts(parts, ranges, nparts, K, g_q, g_d, g_gsum, M, y, ldy, total, nthreads);
 }
 
 PQ_API int pq_linear(const pq_part *parts, int nparts, int64_t K, const float *x, int64_t M,
                      int64_t ldx, float *y, int64_t ldy, int nthreads) {
-    return linear_parts(parts, NULL, nparts, K, x, M, ldx, y, ldy, 0, nthreads);
+    return linear_parts(parts, NULL, nparts, K, x, M, ldx, y, ldy, nthreads);
 }
 
 PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                           const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
-                          int act8, int nthreads) {
-    if (ranges == NULL || (act8 != 0 && act8 != 1)) return PQ_ERR_ARG;
-    return linear_parts(parts, ranges, nparts, K, x, M, ldx, y, ldy, act8, nthreads);
+                          int nthreads) {
+    if (ranges == NULL) return PQ_ERR_ARG;
+    return linear_parts(parts, ranges, nparts, K, x, M, ldx, y, ldy, nthreads);
 }
 
 PQ_API int pq_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t row_bytes,

@@ -73,12 +73,10 @@ PQ_API int64_t pq_gemm_rows(int64_t rows);
  * y[m*ldy + parts[j].col + n] = x[m] . W_j[n] for ranges[2j] <= m < ranges[2j] + ranges[2j+1]
  * (a run of at least one row inside [0, M)). Routed experts in one call: a part per
  * expert and projection over that expert's rows (rows sorted by expert), or per (token,
- * expert) pair over the pair's row. act8 (0 or 1): the parts of the types that have an
- * 8-bit dot (Q4_K, Q6_K) multiply x quantized to int8 per block of 32 instead of int16
- * (docs/cpu_kernels.md: what it costs in accuracy, what it saves). */
+ * expert) pair over the pair's row. */
 PQ_API int pq_linear_rows(const pq_part *parts, const int64_t *ranges, int nparts, int64_t K,
                           const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
-                          int act8, int nthreads);
+                          int nthreads);
 
 /* out[i*ldo + k] = W[ids[i], k] in float32 for i < n, k < K (bit-exact with
  * ggml's dequantization). The caller checks 0 <= ids[i] < rows. */
@@ -131,10 +129,9 @@ typedef struct {
  * expert), divided by their sum when renormalize; expert e's [gate | up] is the two parts
  * gate_up[2e], gate_up[2e + 1] (columns 0 and inter) and its down the part down[e]; each
  * token's output is the sum over its k experts, in the order chosen, of weight * down(
- * act(gate) * up). inter is the layer's (pq_layer.inter). act8: the products take 8-bit
- * activations (pq_linear_rows' act8). */
+ * act(gate) * up). inter is the layer's (pq_layer.inter). */
 typedef struct {
-    int64_t count, top_k, renormalize, act8;
+    int64_t count, top_k, renormalize;
     const float *router;
     const pq_part *gate_up, *down;
 } pq_layer_experts;

@@ -21,11 +21,6 @@ typedef struct {
     float *y;
     int64_t ldy;
     const uint8_t *w_end; /* the end of the part's rows: how far ahead a variant may prefetch */
-    /* 8-bit activations (pq_linear_rows' act8), NULL when not asked for: int8 values q8,
-     * block scales d8 per 32, sums gs8 per 16; what the types of pq_has_dot8 multiply */
-    const int8_t *q8;
-    const float *d8;
-    const int32_t *gs8;
 } pq_mm_args;
 
 /* Per-thread scratch for decoding one weight row into the canonical form. */
@@ -109,44 +104,6 @@ static inline float pq_offset_term(const float *offset, const int32_t *gsum, con
     float acc = 0.0f;
     for (int64_t g = 0; g < n16; g++) acc += offset[g] * (float)gsum[g] * xd[g >> 1];
     return acc;
-}
-
-/* The types whose products take 8-bit activations when a call asks for them (Q4_K_M's
- * expert types); the others multiply the 16-bit ones in the same call. */
-static inline int pq_has_dot8(int id) { return id == PQ_Q4_K || id == PQ_Q6_K; }
-
-/* The generic 8-bit dot of one decoded row (canonical form) with one activation row:
- * sum over blocks b of d8[b] * sum over its groups g of (scale[g] * sum(v*q8) + offset[g] *
- * gs8[g]). The reference the SIMD forms are tested against. */
-static inline float pq_dot8_decoded(const int8_t *v, const float *scale, const float *offset,
-                                    const int8_t *q8, const float *d8, const int32_t *gs8,
-                                    int64_t n32) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < n32; b++) {
-        float f = 0.0f;
-        for (int h = 0; h < 2; h++) {
-            int32_t s = 0;
-            for (int i = 16 * h; i < 16 * h + 16; i++) s += (int32_t)v[32 * b + i] * q8[32 * b + i];
-            f += scale[2 * b + h] * (float)s;
-            if (offset != NULL) f += offset[2 * b + h] * (float)gs8[2 * b + h];
-        }
-        acc += d8[b] * f;
-    }
-    return acc;
-}
-
-/* Rows n0..n1-1 by the generic 8-bit dot (a variant without its own form of a type). */
-static inline void pq_mul_rows8_decoded(const pq_mm_args *a, int64_t n0, int64_t n1,
-                                        pq_scratch *s) {
-    const pq_type_info *t = a->t;
-    const int64_t K = a->K, n32 = K / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        t->decode(a->w + n * a->row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
-        for (int64_t m = 0; m < a->M; m++)
-            a->y[m * a->ldy + n] = pq_dot8_decoded(s->v, s->scale, t->has_offset ? s->offset : NULL,
-                                                   a->q8 + m * K, a->d8 + m * n32,
-                                                   a->gs8 + m * (K / 16), n32);
-    }
 }
 
 #endif

@@ -343,10 +343,6 @@ PQ_INLINE void prefetch_ahead(const uint8_t *row, int64_t row_bytes, const uint8
 static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s) {
     const pq_type_info *t = a->t;
     const int64_t K = a->K, n32 = K / 32;
-    if (a->q8 != NULL && pq_has_dot8(t->id)) { /* the generic form: no NEON one written yet */
-        pq_mul_rows8_decoded(a, n0, n1, s);
-        return;
-    }
     if (multi_row_type(t->id)) {
         const pq_rows x = {a->q, a->d, a->gsum, K};
         for (int64_t n = n0; n < n1; n++) {

@@ -17,10 +17,6 @@ static float dot_decoded(const int8_t *v, const float *scale, const int16_t *q, 
 static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s) {
     const pq_type_info *t = a->t;
     int64_t K = a->K, n32 = K / 32;
-    if (a->q8 != NULL && pq_has_dot8(t->id)) {
-        pq_mul_rows8_decoded(a, n0, n1, s);
-        return;
-    }
     for (int64_t n = n0; n < n1; n++) {
         t->decode(a->w + n * a->row_bytes, K / t->block_elems, s->v, s->scale, s->offset);
         for (int64_t m = 0; m < a->M; m++) {

@@ -132,15 +132,6 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
 #else
     const int16_t *qf = a->q;
 #endif
-    if (a->q8 != NULL && pq_has_dot8(t->id)) {
-        const pq_rows8 x = {a->q8, a->d8, a->gs8, K};
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *wr = a->w + n * a->row_bytes;
-            prefetch_ahead(wr, a->row_bytes, end);
-            fused_rows8(t->id, wr, x, a->M, a->y + n, a->ldy);
-        }
-        return;
-    }
     /* one Q8_0 row (the LM head of a decode step) pairs its blocks in two accumulators with
      * loads that sign-extend in one instruction: 40% less time than the row form in cache */
     if (t->id == PQ_Q8_0 && a->M == 1) {

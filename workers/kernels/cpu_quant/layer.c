@@ -108,13 +108,13 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
             rows[4 * p + 1] = rows[4 * p + 3] = 1;
         }
         rc = pq_linear_rows(parts, rows, (int)(2 * n), E, xp + p0 * E, n, E, gu + p0 * 2 * I,
-                            2 * I, (int)X->act8, nthreads);
+                            2 * I, nthreads);
         if (rc == PQ_OK) rc = pq_act_and_mul(L->act, gu + p0 * 2 * I, n, I, 2 * I, act + p0 * I);
         for (int64_t p = 0; p < n; p++)
             parts[p] = X->down[ids[p0 + p]], rows[2 * p] = p, rows[2 * p + 1] = 1;
         if (rc == PQ_OK)
             rc = pq_linear_rows(parts, rows, (int)n, I, act + p0 * I, n, I, y + p0 * E, E,
-                                (int)X->act8, nthreads);
+                                nthreads);
     }
     free(ids);
     if (rc != PQ_OK) return rc;
