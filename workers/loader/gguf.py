@@ -19,7 +19,6 @@ copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
 from __future__ import annotations
 
 import logging
-import mmap
 import re
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -112,22 +111,6 @@ def _unpermuted(w: "np.ndarray | BlockTensor", n_heads: int) -> "np.ndarray | Bl
     return unpermute_rope_rows(w, n_heads)
 
 
-def _advise_huge_pages(data: np.memmap) -> None:
-    """Ask for the map's pages in 2 MiB entries (MADV_HUGEPAGE), before anything touches
-    them: the kernel then maps the page cache's large folios whole. A decode step streams
-    its weights from this map, and each 4 KiB page cost a TLB miss (two page-table walks in
-    a VM): on the 2-core Sapphire Rapids VM, one Qwen3-30B-A3B layer's expert products took
-    1.3-2.0 ms through 4 KiB pages and 1.0-1.2 ms through 2 MiB ones (docs/benchmarks.md,
-    session 21). Where the kernel has no transparent huge pages this does nothing."""
-    m = getattr(data, "_mmap", None)
-    if m is None or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        pass
-
-
 def load_gguf_weights(path: str, info: "ModelInfo"
                       ) -> Iterator[tuple[str, "np.ndarray | BlockTensor"]]:
     """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
@@ -139,7 +122,6 @@ def load_gguf_weights(path: str, info: "ModelInfo"
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
     # copy-on-write: the views are writable for torch.from_numpy, and nothing writes them
     data = np.memmap(path, dtype=np.uint8, mode="c")
-    _advise_huge_pages(data)
     for gguf_name, t in header.tensors.items():
         if gguf_name in GGUF_DERIVED_TENSORS:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
