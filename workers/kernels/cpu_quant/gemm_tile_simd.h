@@ -216,7 +216,7 @@ static void q6_k_unpack(const uint8_t *w, int64_t n256, int16_t *q, float *scale
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
             for (int k = 0; k < 4; k++) {
                 __m256i w0, w1;
-                q6_k_block(l0, l1, hb, k, &w0, &w1);
+                widen_u8(q6_k_values(l0, l1, hb, k), 32, &w0, &w1);
                 store_natural(q + 256 * sb + 128 * h + 32 * k, w0, w1);
             }
         }

@@ -187,72 +187,34 @@ static inline __m256i group_pair_dot(__m256i w0, __m256i w1, const int16_t *q) {
 #endif
 }
 
-/* Block k (0..3) of one half of a Q6_K super-block as int16 values q - 32 (widen_u8's order),
- * from the half's two 32-byte runs of low nibbles and its run of high bit pairs. */
-static inline void q6_k_block(__m256i l0, __m256i l1, __m256i hb, int k, __m256i *w0, __m256i *w1) {
+/* Block k (0..3) of one half of a Q6_K super-block as its 32 unsigned values q + 32
+ * (0..63, element order), from the half's two 32-byte runs of low nibbles and its run of
+ * high bit pairs. */
+static inline __m256i q6_k_values(__m256i l0, __m256i l1, __m256i hb, int k) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const __m256i l = k & 1 ? l1 : l0;
     const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
     const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
                      : k == 1 ? _mm256_slli_epi16(hb, 2)
                      : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
-    widen_u8(_mm256_or_si256(lo, _mm256_and_si256(hi, hi2)), 32, w0, w1);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, hi2));
 }
 
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
  * nibble k>>1 of ql[64h + 32(k&1) + j] with bits 2k..2k+1 of qh[32h + j] above it, minus 32;
- * one scale per 16, so block 4h+k's two groups take scales 8h+2k and 8h+2k+1. */
+ * one scale per 16, so block 4h+k's two groups take scales 8h+2k and 8h+2k+1. The byte-plane
+ * variants multiply the unsigned values and take 32 times the scaled group sums off. */
 __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq_rows x,
                                                             const int R, float *out) {
     const int64_t n256 = x.K / 256, n32 = x.K / 32;
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
 #if defined(PQ_BYTE_PLANES)
-    if (x.lo != NULL) { /* the unsigned values u = q + 32 by planes; the 32s by group sums */
-        const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
-        const __m256i pairs = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-        __m256 off[R];
-        for (int r = 0; r < R; r++) off[r] = _mm256_setzero_ps();
-        for (int64_t sb = 0; sb < n256; sb++) {
-            const uint8_t *blk = w + 210 * sb;
-            const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
-            for (int h = 0; h < 2; h++) {
-                const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                       _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const int64_t b0 = 8 * sb + 4 * h; /* the half's first block of 32 */
-                for (int r = 0; r < R; r++) { /* 32 * sum over its 8 groups of scale * sum * xd */
-                    const __m256 g = _mm256_cvtepi32_ps(
-                        _mm256_loadu_si256((const __m256i *)(x.gs + r * (x.K / 16) + 2 * b0)));
-                    const __m256 xd = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_loadu_ps(x.xd + r * n32 + b0)), pairs);
-                    off[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, g), xd, off[r]);
-                }
-                for (int k = 0; k < 4; k++) {
-                    const __m256i l = k & 1 ? l1 : l0;
-                    const __m256i lo = k < 2 ? _mm256_and_si256(l, lo4)
-                                             : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
-                    const __m256i hi = k == 0 ? _mm256_slli_epi16(hb, 4)
-                                     : k == 1 ? _mm256_slli_epi16(hb, 2)
-                                     : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
-                    const __m256i u = _mm256_or_si256(lo, _mm256_and_si256(hi, hi2));
-                    const __m256 s = _mm256_permutevar8x32_ps(
-                        sc, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
-                    const int64_t b = b0 + k;
-                    for (int r = 0; r < R; r++) {
-                        const int64_t at = r * x.K + 32 * b;
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_planes(u, x.lo + at, x.hi + at)),
-                                                 _mm256_mul_ps(s, _mm256_broadcast_ss(x.xd + r * n32 + b)), acc[r]);
-                    }
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - 32.0f * hsum(off[r]);
-        return;
-    }
+    const int planes = x.lo != NULL; /* u = q + 32 by planes, the 32s through the group sums */
+#else
+    const int planes = 0;
 #endif
+    const __m256i pairs = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    __m256 acc[R], off[R];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 210 * sb;
         const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
@@ -263,21 +225,36 @@ __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const int64_t b0 = 8 * sb + 4 * h; /* the half's first block of 32 */
+            for (int r = 0; planes && r < R; r++) { /* sum over its 8 groups of scale * sum * xd */
+                const __m256 g = _mm256_cvtepi32_ps(
+                    _mm256_loadu_si256((const __m256i *)(x.gs + r * (x.K / 16) + 2 * b0)));
+                const __m256 xd = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_loadu_ps(x.xd + r * n32 + b0)), pairs);
+                off[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, g), xd, off[r]);
+            }
             for (int k = 0; k < 4; k++) {
-                __m256i w0, w1;
-                q6_k_block(l0, l1, hb, k, &w0, &w1);
+                const __m256i u = q6_k_values(l0, l1, hb, k);
+                __m256i w0 = u, w1 = u;
+                if (!planes) widen_u8(u, 32, &w0, &w1);
                 const __m256 s = _mm256_permutevar8x32_ps(
                     sc, _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k));
-                const int64_t b = 8 * sb + 4 * h + k;
+                const int64_t b = b0 + k;
                 for (int r = 0; r < R; r++) {
+#if defined(PQ_BYTE_PLANES)
+                    const int64_t at = r * x.K + 32 * b;
+                    const __m256i p = planes ? dot_planes(u, x.lo + at, x.hi + at)
+                                             : group_pair_dot(w0, w1, x.q + at);
+#else
                     const __m256i p = group_pair_dot(w0, w1, x.q + r * x.K + 32 * b);
+#endif
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                              _mm256_mul_ps(s, _mm256_broadcast_ss(x.xd + r * n32 + b)), acc[r]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - 32.0f * hsum(off[r]);
 }
 
 /* R rows (1, 2, 4 or 8) of the types whose weight blocks are unpacked once for all of them. */
