@@ -61,6 +61,16 @@ static inline __m256i dot_planes(__m256i u, const uint8_t *lo, const int8_t *hi)
 }
 #endif
 
+/* Whether this call's rows come with byte planes (only a PQ_BYTE_PLANES variant asks). */
+static inline int has_planes(pq_rows x) {
+#if defined(PQ_BYTE_PLANES)
+    return x.lo != NULL;
+#else
+    (void)x;
+    return 0;
+#endif
+}
+
 /* The legacy 32-element types, f16 d [| f16 m] [| u32 qh] | q[16] (nibbles), and Q8_0,
  * f16 d | int8 q[32]. Each weight block is unpacked once and multiplied with R activation
  * rows (R a constant at each call site, so that the accumulators stay in registers),
@@ -120,6 +130,7 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
                                                             const int R, float *out) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const int64_t n256 = x.K / 256;
+    const int planes = has_planes(x);
     __m256 acc[R], acc_hi[R], off[R]; /* two chains of dependent adds, not one */
     float f[R][8];
     for (int r = 0; r < R; r++) acc[r] = acc_hi[r] = off[r] = _mm256_setzero_ps();
@@ -139,35 +150,29 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
             const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
             off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
         }
-#if defined(PQ_BYTE_PLANES)
-        if (x.lo != NULL) {
-            for (int i = 0; i < 4; i++) {
-                const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
-                const __m256i lo = _mm256_and_si256(run, lo4),
-                              hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
-                for (int r = 0; r < R; r++) {
-                    const int64_t at = r * x.K + 256 * sb + 64 * i;
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_planes(lo, x.lo + at, x.hi + at)),
-                                             _mm256_set1_ps(f[r][2 * i]), acc[r]);
-                    acc_hi[r] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot_planes(hi, x.lo + at + 32, x.hi + at + 32)),
-                        _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
-                }
-            }
-            continue;
-        }
-#endif
         for (int i = 0; i < 4; i++) {
             const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
-            __m256i l0, l1, h0, h1;
-            widen_u8(_mm256_and_si256(run, lo4), 0, &l0, &l1);
-            widen_u8(_mm256_and_si256(_mm256_srli_epi16(run, 4), lo4), 0, &h0, &h1);
+            const __m256i lo = _mm256_and_si256(run, lo4),
+                          hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), lo4);
+            __m256i l0 = lo, l1 = lo, h0 = hi, h1 = hi;
+            if (!planes) {
+                widen_u8(lo, 0, &l0, &l1);
+                widen_u8(hi, 0, &h0, &h1);
+            }
             for (int r = 0; r < R; r++) {
-                const int16_t *q = x.q + r * x.K + 256 * sb + 64 * i;
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(l0, q), l1, q + 16)),
-                                         _mm256_set1_ps(f[r][2 * i]), acc[r]);
-                acc_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_acc(dot16(h0, q + 32), h1, q + 48)),
-                                            _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
+                const int64_t at = r * x.K + 256 * sb + 64 * i;
+                const int16_t *q = x.q + at;
+#if defined(PQ_BYTE_PLANES)
+                const __m256i pl = planes ? dot_planes(lo, x.lo + at, x.hi + at)
+                                          : dot16_acc(dot16(l0, q), l1, q + 16),
+                              ph = planes ? dot_planes(hi, x.lo + at + 32, x.hi + at + 32)
+                                          : dot16_acc(dot16(h0, q + 32), h1, q + 48);
+#else
+                const __m256i pl = dot16_acc(dot16(l0, q), l1, q + 16),
+                              ph = dot16_acc(dot16(h0, q + 32), h1, q + 48);
+#endif
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_set1_ps(f[r][2 * i]), acc[r]);
+                acc_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_set1_ps(f[r][2 * i + 1]), acc_hi[r]);
             }
         }
     }
@@ -207,11 +212,7 @@ static inline __m256i q6_k_values(__m256i l0, __m256i l1, __m256i hb, int k) {
 __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq_rows x,
                                                             const int R, float *out) {
     const int64_t n256 = x.K / 256, n32 = x.K / 32;
-#if defined(PQ_BYTE_PLANES)
-    const int planes = x.lo != NULL; /* u = q + 32 by planes, the 32s through the group sums */
-#else
-    const int planes = 0;
-#endif
+    const int planes = has_planes(x); /* u = q + 32 by planes, the 32s through the group sums */
     const __m256i pairs = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
     __m256 acc[R], off[R];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
