@@ -258,9 +258,20 @@ __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - 32.0f * hsum(off[r]);
 }
 
+#if defined(PQ_DOT_VNNI512)
+#include "kernels_zmm.h"
+#endif
+
 /* R rows (1, 2, 4 or 8) of the types whose weight blocks are unpacked once for all of them. */
 __attribute__((always_inline)) static inline void rows_of(int id, const uint8_t *w, pq_rows x,
                                                           const int R, float *out) {
+#if defined(PQ_DOT_VNNI512)
+    if (has_planes(x) && (id == PQ_Q4_K || id == PQ_Q6_K)) {
+        if (id == PQ_Q4_K) q4_k_rows512(w, x, R, out);
+        else q6_k_rows512(w, x, R, out);
+        return;
+    }
+#endif
     switch (id) {
     case PQ_Q4_0: legacy_rows(PQ_Q4_0, w, x, R, out); break;
     case PQ_Q4_1: legacy_rows(PQ_Q4_1, w, x, R, out); break;

@@ -8,6 +8,9 @@
  * torch-free worker's float path (workers/lite/prefill.py) runs the same operations,
  * with attention as matrix products instead. */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,6 +71,27 @@ static void route(const float *logits, int64_t n, int64_t k, int renormalize, fl
         for (int64_t j = 0; j < k; j++) w[j] /= total;
 }
 
+/* logits [M, n] = h [M, E] . router [n, E]^T: float32 dots in 16 lanes (E % 32 == 0), the
+ * experts split over the threads (a Qwen3-30B-A3B router is 1 MiB a layer, ~3% of a decode
+ * step on one thread); each dot adds in the same order whatever the split. */
+static void router_logits(const float *router, int64_t n, const float *h, int64_t M, int64_t E,
+                          float *logits, int nthreads) {
+#ifdef _OPENMP
+    const int nt = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(static) collapse(2)
+#endif
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t e = 0; e < n; e++) {
+            const float *r = router + e * E, *x = h + m * E;
+            float acc[16] = {0};
+            for (int64_t c = 0; c < E; c += 16)
+                for (int l = 0; l < 16; l++) acc[l] += r[c + l] * x[c + l];
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            logits[m * n + e] = sum;
+        }
+}
+
 /* h [M, E] (the normed rows) through the routed experts into out [M, E]. Each (token,
  * choice) pair is a row of the scratch rows: one pq_linear_rows call for every pair's
  * [gate | up] and one for their down products, at most PQ_MAX_PARTS parts a call. */
@@ -82,16 +106,8 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
     }
     float *logits = buf, *w = logits + M * X->count, *xp = w + P, *gu = xp + P * E,
           *act = gu + P * 2 * I, *y = act + P * I;
-    for (int64_t m = 0; m < M; m++) { /* the router: float32 dots in 16 lanes (E % 32 == 0) */
-        for (int64_t e = 0; e < X->count; e++) {
-            const float *r = X->router + e * E, *x = h + m * E;
-            float acc[16] = {0};
-            for (int64_t c = 0; c < E; c += 16)
-                for (int l = 0; l < 16; l++) acc[l] += r[c + l] * x[c + l];
-            float sum = 0.0f;
-            for (int l = 0; l < 16; l++) sum += acc[l];
-            logits[m * X->count + e] = sum;
-        }
+    router_logits(X->router, X->count, h, M, E, logits, nthreads);
+    for (int64_t m = 0; m < M; m++) {
         route(logits + m * X->count, X->count, k, (int)X->renormalize, w + m * k, ids + m * k);
         for (int64_t j = 0; j < k; j++)
             memcpy(xp + (m * k + j) * E, h + m * E, sizeof(float) * (size_t)E);
