@@ -48,10 +48,10 @@ def _torch_greedy(path: str, prompt: list[int], steps: int):
     return tokens, [lp.logprob for lp in driver.reqs["r"].logprobs]
 
 
-def _lite_greedy(path, prompt: list[int], steps: int, stack_rows: int = 0):
+def _lite_greedy(path, prompt: list[int], steps: int, stack_rows: int = 0, before_step=None):
     """One sequence in blocks 0, 1, 2... of one pool (every layer's), the pad block last;
     ``path``: a GGUF file or a ``LiteModel``; ``stack_rows``: from how many rows a step
-    attends by matrix products (0: the model's)."""
+    attends by matrix products (0: the model's); ``before_step(i)`` is called before step i."""
     model = (path if isinstance(path, LiteModel)
              else LiteModel(load_model_info(EngineArgs(model=path, device="cpu"))))
     model.stack_rows = stack_rows or model.stack_rows
@@ -63,7 +63,9 @@ def _lite_greedy(path, prompt: list[int], steps: int, stack_rows: int = 0):
     model.bind(caches, [(0, w) for w in cfg.layer_windows])
     tokens, logprobs, ids = [], [], list(prompt)
     start = 0
-    for _ in range(steps):
+    for i in range(steps):
+        if before_step is not None:
+            before_step(i)
         n = len(ids) - start
         seq = ScheduledSeq(table, start, n, 0)
         views = {(0, w): step_view([seq], w, bs, pad, n) for w in set(cfg.layer_windows)}
@@ -126,3 +128,45 @@ def test_dummy_shapes_are_the_torch_models(family, tmp_path):
 
     info = load_model_info(EngineArgs(model=make_tiny_checkpoint(family, str(tmp_path))))
     assert checkpoint_shapes(arch_config(info), info.family) == torch_shapes(info)
+
+
+def _parts(model: LiteModel) -> list:
+    return [p for bound in model.bound for b in bound for p in b.parts] + list(model.head.parts)
+
+
+def test_dense_weights_move_onto_copies_between_steps(tmp_path, monkeypatch):
+    """resident.py: each dense part is copied off the file's mapping in the background and
+    adopted between steps; the copies are byte-for-byte the blocks, so the greedy tokens
+    and log probabilities are bit-identical whether a step reads the mapping, the copies,
+    or (mid-sequence) some of each. Without room in memory nothing is copied."""
+    from pocketllm.workers.lite import resident
+
+    path = _all_block_gguf(tmp_path, "qwen3")
+    prompt = [5, 6, 7, 8, 9, 40, 41, 3]
+    info = load_model_info(EngineArgs(model=path, device="cpu"))
+    mapped = LiteModel(info)
+    monkeypatch.setattr(resident, "HEADROOM_BYTES", 1 << 60)  # no room: stays mapped
+    assert not mapped.resident.start()
+    file_ptrs = [p.w for p in _parts(mapped)]
+    want = _lite_greedy(mapped, prompt, 12)
+    assert [p.w for p in _parts(mapped)] == file_ptrs and mapped.resident.adopted == 0
+
+    monkeypatch.setattr(resident, "HEADROOM_BYTES", 0)
+    copied = LiteModel(info)
+    assert copied.resident.start()
+    copied.resident.join()
+    assert _lite_greedy(copied, prompt, 12) == want
+    assert copied.resident.adopted == len(file_ptrs)
+    assert not set(p.w for p in _parts(copied)) & set(file_ptrs)
+
+    # adopted mid-sequence: the prompt and 3 decode steps on the mapping, the rest on the copies
+    late = LiteModel(info)
+    late.resident.start()
+    late.resident.join()
+    late.resident.adopt = lambda: None  # held back until step 4
+
+    def release(i):
+        if i == 4:
+            del late.resident.adopt
+    assert _lite_greedy(late, prompt, 12, before_step=release) == want
+    assert late.resident.adopted == len(file_ptrs)

@@ -36,6 +36,7 @@ from ..loader.gguf_quants import GGML_TYPES, type_name
 from ..models.config import ACTIVATION_KINDS, MoeArchConfig, arch_config
 from .experts import RoutedExperts, experts_refusal
 from .prefill import FloatLayers
+from .resident import ResidentCopies
 
 # The norms each family applies around its MLP (post-attention, pre-MLP, post-MLP), by
 # HF name under ``model.layers.N.``.
@@ -280,6 +281,8 @@ class LiteModel:
         self.final_norm = norm("model.norm.weight")
         head = w.get("lm_head.weight", embed) if not cfg.tie_word_embeddings else embed
         self.head = _Bound(E, [head], None, "lm_head")
+        # the file's dense weights onto huge pages, in the background (resident.py)
+        self.resident = ResidentCopies([b for bound in self.bound for b in bound] + [self.head])
         self.inv_freq = {kind: rope_inv_freq(D, params) for kind, params in cfg.rope.items()}
         self.rope_keys = sorted(self.inv_freq)
         self.view_keys: list = []
@@ -335,6 +338,7 @@ class LiteModel:
         float32 logits [len(sample_rows), vocab] of the rows that sample."""
         if self._caches is None:
             raise RuntimeError("bind the KV caches first")
+        self.resident.adopt()
         m, E = len(ids), self.cfg.hidden_size
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         x = np.empty((m, E), dtype=np.float32)

@@ -65,6 +65,7 @@ class LiteRunner:
         sizes = [slots[g] * row * 4 for g in layout.layer_group for _ in (0, 1)]
         check_available(sum(sizes), "KV cache", "kv_cache_memory_gb")
         buffers = populated_zeros(sizes)
+        self.model.resident.start(reserved=sum(sizes))
         shape = (cfg.num_kv_heads, cfg.head_dim)
         arrays = [np.frombuffer(b, dtype=np.float32).reshape(-1, *shape) if len(b)
                   else np.zeros((0, *shape), np.float32) for b in buffers]
