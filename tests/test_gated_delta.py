@@ -1,0 +1,110 @@
+"""Gated DeltaNet's operations (workers/layers/gated_delta.py, issue 35) against
+transformers' own torch forms of them, and against each other: the chunked prefill form
+equals the token-by-token decode form, a prompt split at any token equals one call, and a
+whole Qwen3.5 linear-attention layer composed from them equals transformers'
+``Qwen3_5GatedDeltaNet`` on a tiny random config, prefill and decode."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+from pocketllm.workers.layers import gated_delta as gd  # noqa: E402
+
+K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8
+
+
+def _inputs(T: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = r(T, K_HEADS, K_DIM), r(T, K_HEADS, K_DIM), r(T, V_HEADS, V_DIM)
+    g = -torch.rand(T, V_HEADS, generator=gen) * 2  # decays exp(g) in (0.13, 1]
+    beta = torch.rand(T, V_HEADS, generator=gen)
+    state = r(V_HEADS, K_DIM, V_DIM) * 0.1
+    return q, k, v, g, beta, state
+
+
+def _reference(fn, q, k, v, g, beta, state, **kw):
+    out, s = fn(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
+                output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    return out[0], s[0]
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 150])
+def test_both_forms_equal_the_reference(T):
+    args = _inputs(T, seed=T)
+    want_out, want_state = _reference(q35.torch_recurrent_gated_delta_rule, *args)
+    chunk_out, chunk_state = _reference(q35.torch_chunk_gated_delta_rule, *args)
+    for out, state in (gd.recurrent(*args), gd.chunked(*args), gd.chunked(*args, chunk=16)):
+        torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(state, want_state, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(chunk_out, want_out, atol=2e-5, rtol=1e-4)  # theirs agree too
+
+
+@pytest.mark.parametrize("cut", [1, 30, 64, 100])
+def test_a_prompt_split_anywhere_equals_one_call(cut):
+    q, k, v, g, beta, state = _inputs(130, seed=3)
+    whole_out, whole_state = gd.chunked(q, k, v, g, beta, state)
+    first, s = gd.chunked(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state)
+    second, s = gd.chunked(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], s)
+    torch.testing.assert_close(torch.cat([first, second]), whole_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, whole_state, atol=2e-5, rtol=1e-4)
+
+
+def test_causal_conv_carries_its_state():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(20, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    whole, state = gd.causal_conv(x, w, torch.zeros(6, 3))
+    want = q35.causal_conv1d_fn(x.t()[None], w, activation="silu")[0].t()
+    torch.testing.assert_close(whole, want)
+    a, s = gd.causal_conv(x[:13], w, torch.zeros(6, 3))
+    b, s = gd.causal_conv(x[13:14], w, s)  # one decode token
+    c, s = gd.causal_conv(x[14:], w, s)
+    torch.testing.assert_close(torch.cat([a, b, c]), whole)
+    torch.testing.assert_close(s, state)
+    torch.testing.assert_close(state, x[-3:].t())
+
+
+def _layer():
+    cfg = q35.Qwen3_5TextConfig(
+        hidden_size=32, linear_num_key_heads=K_HEADS, linear_num_value_heads=V_HEADS,
+        linear_key_head_dim=K_DIM, linear_value_head_dim=V_DIM, linear_conv_kernel_dim=4,
+        num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    layer = q35.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)  # not all ones
+    return layer
+
+
+def _ours(layer, h, conv_state, state):
+    """The layer from gated_delta's operations and the layer's weights (one sequence)."""
+    kd, vd = K_HEADS * K_DIM, V_HEADS * V_DIM
+    mixed, conv_state = gd.causal_conv(h @ layer.in_proj_qkv.weight.t(),
+                                       layer.conv1d.weight[:, 0], conv_state)
+    q, k, v = mixed.split([kd, kd, vd], dim=-1)
+    g, beta = gd.decay_and_beta(h @ layer.in_proj_a.weight.t(), h @ layer.in_proj_b.weight.t(),
+                                layer.A_log, layer.dt_bias)
+    form = gd.chunked if len(h) > 1 else gd.recurrent
+    out, state = form(q.reshape(-1, K_HEADS, K_DIM), k.reshape(-1, K_HEADS, K_DIM),
+                      v.reshape(-1, V_HEADS, V_DIM), g, beta, state)
+    z = (h @ layer.in_proj_z.weight.t()).reshape(-1, V_HEADS, V_DIM)
+    normed = gd.gated_rms_norm(out, z, layer.norm.weight, layer.layer_norm_epsilon)
+    return normed.reshape(len(h), vd) @ layer.out_proj.weight.t(), conv_state, state
+
+
+def test_a_qwen3_5_linear_attention_layer_prefill_then_decode():
+    layer = _layer()
+    h = torch.randn(90, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = layer(h[None])[0]
+        conv, state = torch.zeros(2 * K_HEADS * K_DIM + V_HEADS * V_DIM, 3), torch.zeros(
+            V_HEADS, K_DIM, V_DIM)
+        out, conv, state = _ours(layer, h[:70], conv, state)  # a prompt across a chunk edge
+        rows = [out]
+        for t in range(70, 90):  # then decode, a token a step
+            out, conv, state = _ours(layer, h[t:t + 1], conv, state)
+            rows.append(out)
+    torch.testing.assert_close(torch.cat(rows), want, atol=1e-5, rtol=1e-4)
