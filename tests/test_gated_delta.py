@@ -108,3 +108,53 @@ def test_a_qwen3_5_linear_attention_layer_prefill_then_decode():
             out, conv, state = _ours(layer, h[t:t + 1], conv, state)
             rows.append(out)
     torch.testing.assert_close(torch.cat(rows), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 16, 8), (1, 2, 128, 128)])
+def test_the_c_decode_step_equals_the_recurrent_form(dims):
+    """gated_delta.c's step (the CPU worker's decode) on three sequences whose states lie
+    at scattered slots of one pool, six tokens each, against ``recurrent``."""
+    import numpy as np
+    from pocketllm.workers.kernels import cpu_lib
+
+    if not cpu_lib.available():
+        pytest.skip(f"CPU kernels: {cpu_lib.unavailable_reason()}")
+    hk, hv, dk, dv = dims
+    gen = torch.Generator().manual_seed(5)
+    M, T, slots = 3, 6, np.array([4, 0, 2], dtype=np.int64)
+    pool = (torch.randn(5, hv, dk, dv, generator=gen) * 0.1).numpy()
+    before = pool.copy()
+    want_states = [torch.from_numpy(pool[s].copy()) for s in slots]
+    lib = cpu_lib.lib()
+    for _ in range(T):
+        q, k = torch.randn(M, hk, dk, generator=gen), torch.randn(M, hk, dk, generator=gen)
+        v = torch.randn(M, hv, dv, generator=gen)
+        g, beta = -torch.rand(M, hv, generator=gen), torch.rand(M, hv, generator=gen)
+        qn, kn, vn, gn, bn = (np.ascontiguousarray(x.numpy()) for x in (q, k, v, g, beta))
+        out = np.empty((M, hv, dv), np.float32)
+        assert lib.pq_gated_delta_step(qn.ctypes.data, kn.ctypes.data, hk * dk, vn.ctypes.data,
+                                       hv * dv, gn.ctypes.data, bn.ctypes.data, hv, M, hk, hv,
+                                       dk, dv, pool.ctypes.data, slots.ctypes.data,
+                                       out.ctypes.data, 0) == 0
+        for m in range(M):
+            want, want_states[m] = gd.recurrent(q[m:m + 1], k[m:m + 1], v[m:m + 1],
+                                                g[m:m + 1], beta[m:m + 1], want_states[m])
+            np.testing.assert_allclose(out[m], want[0].numpy(), rtol=1e-4, atol=1e-5)
+    for m in range(M):
+        np.testing.assert_allclose(pool[slots[m]], want_states[m].numpy(), rtol=1e-4, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(5), slots)
+    assert np.array_equal(pool[untouched], before[untouched])  # other sequences' states
+
+
+def test_the_c_decode_step_refuses_bad_shapes():
+    from pocketllm.workers.kernels import cpu_lib
+
+    if not cpu_lib.available():
+        pytest.skip(f"CPU kernels: {cpu_lib.unavailable_reason()}")
+    step = cpu_lib.lib().pq_gated_delta_step
+    ok = dict(sqk=32, sv=32, sgb=4, M=1, Hk=2, Hv=4, Dk=16, Dv=8)
+    for bad in (dict(Hv=3), dict(Dk=1024, sqk=2048), dict(sqk=8), dict(M=-1), dict(Hk=0)):
+        a = {**ok, **bad}
+        # the shapes are checked before any pointer is read
+        assert step(None, None, a["sqk"], None, a["sv"], None, None, a["sgb"], a["M"], a["Hk"],
+                    a["Hv"], a["Dk"], a["Dv"], None, None, None, 0) == cpu_lib.ERR_ARG, bad

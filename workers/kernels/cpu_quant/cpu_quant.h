@@ -115,6 +115,18 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
                                const int64_t *lengths, float scale, float softcap, float *out,
                                int nthreads);
 
+/* ---- gated_delta.c: Gated DeltaNet's decode step ---- */
+
+/* One token of each of M sequences through the gated delta rule: row m's q, k [Hk, Dk]
+ * (row stride sqk; L2-normalised here, q also scaled by Dk^-1/2), v [Hv, Dv] (stride sv),
+ * decay g and strength beta [Hv] (stride sgb) update its state states[slots[m]]
+ * ([Hv, Dk, Dv] float32, in place); value head h reads q/k head h / (Hv / Hk).
+ * out [M, Hv, Dv] contiguous. Dk, Dv <= 512; the slots are the caller's to keep in range. */
+PQ_API int pq_gated_delta_step(const float *q, const float *k, int64_t sqk, const float *v,
+                               int64_t sv, const float *g, const float *beta, int64_t sgb,
+                               int64_t M, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                               float *states, const int64_t *slots, float *out, int nthreads);
+
 /* ---- layer.c: a decoder layer's decode step in one call ---- */
 
 /* A linear layer of block parts (pq_linear's), with an optional bias [N]. */
