@@ -112,7 +112,7 @@ def test_a_qwen3_5_linear_attention_layer_prefill_then_decode():
 
 @pytest.mark.parametrize("dims", [(2, 4, 16, 8), (1, 2, 128, 128)])
 def test_the_c_decode_step_equals_the_recurrent_form(dims):
-    """gated_delta.c's step (the CPU worker's decode) on three sequences whose states lie
+    """ops.c's step (the CPU worker's decode) on three sequences whose states lie
     at scattered slots of one pool, six tokens each, against ``recurrent``."""
     import numpy as np
     from pocketllm.workers.kernels import cpu_lib

@@ -46,7 +46,7 @@ _SIGNATURES = {
     "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
     "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
                                    _p, _f32, _f32, _p, _int]),
-    # gated_delta.c
+    # ops.c: Gated DeltaNet
     "pq_gated_delta_step": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                    _i64, _p, _p, _p, _int]),
     # layer.c

@@ -115,7 +115,7 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
                                const int64_t *lengths, float scale, float softcap, float *out,
                                int nthreads);
 
-/* ---- gated_delta.c: Gated DeltaNet's decode step ---- */
+/* ---- ops.c: Gated DeltaNet's decode step ---- */
 
 /* One token of each of M sequences through the gated delta rule: row m's q, k [Hk, Dk]
  * (row stride sqk; L2-normalised here, q also scaled by Dk^-1/2), v [Hv, Dv] (stride sv),

@@ -122,6 +122,28 @@ __attribute__((always_inline)) static inline void legacy_rows(int id, const uint
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + off[r];
 }
 
+/* A Q4_K super-block's sub-block scales d*sc and mins dmin*m (8 floats each, sub-block
+ * order), and row r's share of it: the factors d*sc*xd (returned) and the mins' term,
+ * dmin*m * (group sums of 32) * xd, added to *off. */
+static inline void q4_k_scales(const uint8_t *blk, __m256 *dsc, __m256 *dmin) {
+    uint8_t sc[8], m[8];
+    pq_k_scales_mins(blk + 4, sc, m);
+    *dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc));
+    *dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
+}
+
+static inline __m256 q4_k_row_factors(__m256 dsc, __m256 dmin, pq_rows x, int r, int64_t sb,
+                                      __m256 *off) {
+    const __m256 xb = _mm256_loadu_ps(x.xd + r * (x.K / 32) + 8 * sb);
+    /* group sums of 16 -> of 32: (g0+g1, g2+g3, ...) in sub-block order */
+    const int32_t *g = x.gs + r * (x.K / 16) + 16 * sb;
+    const __m256i ga = _mm256_loadu_si256((const __m256i *)g),
+                  gb = _mm256_loadu_si256((const __m256i *)(g + 8));
+    const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
+    *off = _mm256_add_ps(*off, _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
+    return _mm256_mul_ps(dsc, xb);
+}
+
 /* Q4_K: f16 d | f16 dmin | scales[12] | q[128]; sub-block j of 32 has scale d*sc_j, min
  * dmin*m_j; 32-byte run i holds sub-blocks 2i (low nibbles) and 2i+1 (high). The eight
  * sub-blocks' factors are formed as vectors once per super-block: their scalar forms
@@ -136,20 +158,9 @@ __attribute__((always_inline)) static inline void q4_k_rows(const uint8_t *w, pq
     for (int r = 0; r < R; r++) acc[r] = acc_hi[r] = off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 144 * sb;
-        uint8_t sc[8], m[8];
-        pq_k_scales_mins(blk + 4, sc, m);
-        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)),
-                     dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
-        for (int r = 0; r < R; r++) {
-            const __m256 xb = _mm256_loadu_ps(x.xd + r * (x.K / 32) + 8 * sb);
-            _mm256_storeu_ps(f[r], _mm256_mul_ps(dsc, xb));
-            /* group sums of 16 -> of 32: (g0+g1, g2+g3, ...) in sub-block order */
-            const int32_t *g = x.gs + r * (x.K / 16) + 16 * sb;
-            const __m256i ga = _mm256_loadu_si256((const __m256i *)g),
-                          gb = _mm256_loadu_si256((const __m256i *)(g + 8));
-            const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
-            off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
-        }
+        __m256 dsc, dmin;
+        q4_k_scales(blk, &dsc, &dmin);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(f[r], q4_k_row_factors(dsc, dmin, x, r, sb, &off[r]));
         for (int i = 0; i < 4; i++) {
             const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
             const __m256i lo = _mm256_and_si256(run, lo4),
@@ -205,6 +216,12 @@ static inline __m256i q6_k_values(__m256i l0, __m256i l1, __m256i hb, int k) {
     return _mm256_or_si256(lo, _mm256_and_si256(hi, hi2));
 }
 
+/* A Q6_K super-block's half h's 8 scales (one per 16) times d, as floats. */
+static inline __m256 q6_k_half_scales(const uint8_t *blk, int h) {
+    return _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 208)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+}
+
 /* Q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d; in half h, block k (0..3) of 32 is
  * nibble k>>1 of ql[64h + 32(k&1) + j] with bits 2k..2k+1 of qh[32h + j] above it, minus 32;
  * one scale per 16, so block 4h+k's two groups take scales 8h+2k and 8h+2k+1. The byte-plane
@@ -218,11 +235,9 @@ __attribute__((always_inline)) static inline void q6_k_rows(const uint8_t *w, pq
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 210 * sb;
-        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         for (int h = 0; h < 2; h++) {
-            /* this half's 8 scales times d; block k's pair spread as [s_2k x4 | s_2k+1 x4] */
-            const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                   _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+            /* block k's pair of scales spread as [s_2k x4 | s_2k+1 x4] below */
+            const __m256 sc = q6_k_half_scales(blk, h);
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));

@@ -28,20 +28,11 @@ __attribute__((always_inline)) static inline void q4_k_rows512(const uint8_t *w,
     for (int r = 0; r < R; r++) acc[r] = acc_odd[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 144 * sb;
-        uint8_t sc[8], m[8];
-        pq_k_scales_mins(blk + 4, sc, m);
-        const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), u8x8_ps(sc)),
-                     dmin = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), u8x8_ps(m));
+        __m256 dsc, dmin;
+        q4_k_scales(blk, &dsc, &dmin);
         __m512 f[R]; /* the 8 sub-blocks' d * sc * xd, low half */
-        for (int r = 0; r < R; r++) {
-            const __m256 xb = _mm256_loadu_ps(x.xd + r * (x.K / 32) + 8 * sb);
-            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, xb));
-            const int32_t *g = x.gs + r * (x.K / 16) + 16 * sb;
-            const __m256i ga = _mm256_loadu_si256((const __m256i *)g),
-                          gb = _mm256_loadu_si256((const __m256i *)(g + 8));
-            const __m256 g32 = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(ga, gb), 0xD8));
-            off[r] = _mm256_add_ps(off[r], _mm256_mul_ps(_mm256_mul_ps(dmin, g32), xb));
-        }
+        for (int r = 0; r < R; r++)
+            f[r] = _mm512_castps256_ps512(q4_k_row_factors(dsc, dmin, x, r, sb, &off[r]));
         for (int i = 0; i < 4; i++) {
             const __m512i run = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
             const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(run, halves), lo4);
@@ -74,10 +65,8 @@ __attribute__((always_inline)) static inline void q6_k_rows512(const uint8_t *w,
     for (int r = 0; r < R; r++) acc[r] = acc23[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < n256; sb++) {
         const uint8_t *blk = w + 210 * sb;
-        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         for (int h = 0; h < 2; h++) {
-            const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                   _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+            const __m256 sc = q6_k_half_scales(blk, h);
             const __m512i l = _mm512_loadu_si512(blk + 64 * h);
             const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
             /* A | (B & C): the low nibbles or'ed with the masked bit pairs, one instruction */
