@@ -146,15 +146,55 @@ def test_the_c_decode_step_equals_the_recurrent_form(dims):
     assert np.array_equal(pool[untouched], before[untouched])  # other sequences' states
 
 
-def test_the_c_decode_step_refuses_bad_shapes():
+@pytest.mark.parametrize("dims", [(2, 4, 16, 8), (1, 2, 128, 128)])
+@pytest.mark.parametrize("T", [1, 5, 64, 150])
+def test_the_c_prefill_equals_the_chunked_form(dims, T):
+    """ops.c's prompt form (the CPU worker's prefill), in two calls split mid-chunk, against
+    ``chunked`` in one; then a C step from the state it left, against ``recurrent``."""
+    import numpy as np
     from pocketllm.workers.kernels import cpu_lib
 
     if not cpu_lib.available():
         pytest.skip(f"CPU kernels: {cpu_lib.unavailable_reason()}")
-    step = cpu_lib.lib().pq_gated_delta_step
+    hk, hv, dk, dv = dims
+    gen = torch.Generator().manual_seed(T)
+    q, k = torch.randn(T + 1, hk, dk, generator=gen), torch.randn(T + 1, hk, dk, generator=gen)
+    v = torch.randn(T + 1, hv, dv, generator=gen)
+    g, beta = -torch.rand(T + 1, hv, generator=gen) * 2, torch.rand(T + 1, hv, generator=gen)
+    state0 = torch.randn(hv, dk, dv, generator=gen) * 0.1
+    want, want_state = gd.chunked(q[:T], k[:T], v[:T], g[:T], beta[:T], state0)
+    qn, kn, vn, gn, bn = (np.ascontiguousarray(x.numpy()) for x in (q, k, v, g, beta))
+    state = np.ascontiguousarray(state0.numpy().copy())
+    out = np.empty((T, hv, dv), np.float32)
+    lib = cpu_lib.lib()
+    cut = T // 3
+    for a, b in ((0, cut), (cut, T)):
+        assert lib.pq_gated_delta_prefill(
+            qn[a:].ctypes.data, kn[a:].ctypes.data, hk * dk, vn[a:].ctypes.data, hv * dv,
+            gn[a:].ctypes.data, bn[a:].ctypes.data, hv, b - a, hk, hv, dk, dv, state.ctypes.data,
+            out[a:].ctypes.data, 0) == 0
+    np.testing.assert_allclose(out, want.numpy(), rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(state, want_state.numpy(), rtol=1e-4, atol=2e-5)
+    step_out, slot = np.empty((1, hv, dv), np.float32), np.zeros(1, np.int64)
+    assert lib.pq_gated_delta_step(qn[T:].ctypes.data, kn[T:].ctypes.data, hk * dk,
+                                   vn[T:].ctypes.data, hv * dv, gn[T:].ctypes.data,
+                                   bn[T:].ctypes.data, hv, 1, hk, hv, dk, dv, state.ctypes.data,
+                                   slot.ctypes.data, step_out.ctypes.data, 0) == 0
+    want_step, _ = gd.recurrent(q[T:], k[T:], v[T:], g[T:], beta[T:], want_state)
+    np.testing.assert_allclose(step_out, want_step.numpy(), rtol=1e-4, atol=2e-5)
+
+
+def test_the_c_forms_refuse_bad_shapes():
+    from pocketllm.workers.kernels import cpu_lib
+
+    if not cpu_lib.available():
+        pytest.skip(f"CPU kernels: {cpu_lib.unavailable_reason()}")
+    lib = cpu_lib.lib()
     ok = dict(sqk=32, sv=32, sgb=4, M=1, Hk=2, Hv=4, Dk=16, Dv=8)
     for bad in (dict(Hv=3), dict(Dk=1024, sqk=2048), dict(sqk=8), dict(M=-1), dict(Hk=0)):
         a = {**ok, **bad}
+        shape = (a["sqk"], None, a["sv"], None, None, a["sgb"], a["M"], a["Hk"], a["Hv"],
+                 a["Dk"], a["Dv"])
         # the shapes are checked before any pointer is read
-        assert step(None, None, a["sqk"], None, a["sv"], None, None, a["sgb"], a["M"], a["Hk"],
-                    a["Hv"], a["Dk"], a["Dv"], None, None, None, 0) == cpu_lib.ERR_ARG, bad
+        assert lib.pq_gated_delta_step(None, None, *shape, None, None, None, 0) == cpu_lib.ERR_ARG
+        assert lib.pq_gated_delta_prefill(None, None, *shape, None, None, 0) == cpu_lib.ERR_ARG

@@ -49,6 +49,8 @@ _SIGNATURES = {
     # ops.c: Gated DeltaNet
     "pq_gated_delta_step": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                    _i64, _p, _p, _p, _int]),
+    "pq_gated_delta_prefill": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
+                                      _i64, _i64, _p, _p, _int]),
     # layer.c
     "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),

@@ -127,6 +127,14 @@ PQ_API int pq_gated_delta_step(const float *q, const float *k, int64_t sqk, cons
                                int64_t M, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
                                float *states, const int64_t *slots, float *out, int nthreads);
 
+/* T tokens of one sequence (a prompt, or its next chunk) through the same rule, with the
+ * same argument layout (row t of q/k/v/g/beta at its stride), from and into its state
+ * [Hv, Dk, Dv]; out [T, Hv, Dv] contiguous. Equal to T steps to float rounding. */
+PQ_API int pq_gated_delta_prefill(const float *q, const float *k, int64_t sqk, const float *v,
+                                  int64_t sv, const float *g, const float *beta, int64_t sgb,
+                                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                                  float *state, float *out, int nthreads);
+
 /* ---- layer.c: a decoder layer's decode step in one call ---- */
 
 /* A linear layer of block parts (pq_linear's), with an optional bias [N]. */
