@@ -240,8 +240,9 @@ class CacheSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     ``kind``: "full" (every position, for the whole sequence) or "sliding" (only the last
     ``window`` positions are ever read: blocks wholly before them can be freed) or "mla"
     (multi-head latent attention: one compressed latent + rope key per position, a pool
-    of its own width with full attention's block rules). A kind to come slots in beside
-    them: "state" (a recurrent state of fixed size per sequence, not per position)."""
+    of its own width with full attention's block rules) or "state" (a recurrent state of
+    fixed size per sequence, not per position: one slot of the group's pool per request,
+    pocketllm/scheduler/kv_groups.py)."""
 
     kind: str = "full"
     window: int = 0  # sliding: the positions one query attends to (its own included)

@@ -51,11 +51,18 @@ def sliding_config(window: int, sliding_blocks: Optional[int] = None, **kw) -> S
     return cfg
 
 
+STATE = "state"  # FakeWorker's mark of a recurrent-state group
+
+
 class FakeWorker:
     def __init__(self, block_size: int, windows: tuple = (None,)):
         self.block_size = block_size
-        self.windows = windows  # per cache group: None = full attention
+        # per cache group: None = full attention, an int = a sliding window, STATE = one
+        # recurrent-state slot per request
+        self.windows = windows
         self.kv: dict[tuple[int, int, int], tuple[int, int]] = {}  # (group, block, offset)
+        # (group, slot) -> hash of the tokens its state has taken in, in order
+        self.states: dict[tuple[int, int], int] = {}
         self.reqs: dict[str, dict] = {}
         self.computed = Counter()  # request id -> tokens computed over its life
         self.fail_next = False
@@ -72,8 +79,26 @@ class FakeWorker:
         window = self.windows[group]
         return 0 if window is None else max(0, start - window + 1)
 
+    def _positional(self) -> list[int]:
+        return [g for g, w in enumerate(self.windows) if w != STATE]
+
+    def _advance_states(self, rid: str, state: dict, start: int, n: int) -> None:
+        """A chunk through each state group: from zeros at position 0, else from exactly
+        the state the request's own earlier tokens left in its slot."""
+        tokens = state["tokens"]
+        for g, w in enumerate(self.windows):
+            if w != STATE:
+                continue
+            assert len(state["blocks"][g]) == 1, f"{rid}: group {g} table {state['blocks'][g]}"
+            slot = (g, state["blocks"][g][0])
+            if start == 0:
+                self.states[slot] = hash(())
+            assert self.states.get(slot) == hash(tuple(tokens[:start])), \
+                f"{rid}: the state in slot {slot} is not its first {start} tokens'"
+            self.states[slot] = hash(tuple(tokens[:start + n]))
+
     def _check_reads(self, rid: str, state: dict, start: int, end: int) -> None:
-        for g in range(len(self.windows)):
+        for g in self._positional():
             for pos in range(self._first_read(g, start), end):
                 assert self.kv.get(self._slot(state, pos, g)) == self._expected(
                     state["tokens"], pos), f"{rid}: group {g} KV corrupt at {pos}"
@@ -111,11 +136,12 @@ class FakeWorker:
             state = self.reqs[rid]
             start, tokens = state["computed"], state["tokens"]
             assert 1 <= n and start + n <= len(tokens), f"{rid}: {start}+{n} of {len(tokens)}"
-            for table in state["blocks"]:
-                assert len(table) * self.block_size >= start + n, f"{rid}: too few blocks"
+            for g in self._positional():
+                assert len(state["blocks"][g]) * self.block_size >= start + n, f"{rid}: too few blocks"
             self._check_reads(rid, state, start, start)  # the cached KV the chunk attends to
+            self._advance_states(rid, state, start, n)
             for pos in range(start, start + n):
-                for g in range(len(self.windows)):
+                for g in self._positional():
                     self.kv[self._slot(state, pos, g)] = self._expected(tokens, pos)
             state["computed"] += n
             self.computed[rid] += n
@@ -152,7 +178,8 @@ class Driver:
     def __init__(self, cfg: SchedulerConfig):
         self.sched = Scheduler(cfg)
         self.worker = FakeWorker(cfg.block_size, tuple(
-            g.spec.window if g.spec.kind == "sliding" else None for g in cfg.cache_groups))
+            g.spec.window if g.spec.kind == "sliding" else STATE if g.spec.kind == "state"
+            else None for g in cfg.cache_groups))
         self.outcomes: dict[str, Outcome] = {}
         self.plans: list[StepPlan] = []
 

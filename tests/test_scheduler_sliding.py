@@ -182,8 +182,8 @@ def test_a_request_the_sliding_pool_cannot_hold_is_refused():
 
 def test_an_unknown_cache_kind_is_refused():
     cfg = config()
-    cfg.cache_groups = [CacheGroup(CacheSpec("state"), 8)]
-    with pytest.raises(UnsupportedFeatureError, match="'state'"):
+    cfg.cache_groups = [CacheGroup(CacheSpec("bogus"), 8)]
+    with pytest.raises(UnsupportedFeatureError, match="'bogus'"):
         Scheduler(cfg)
 
 

@@ -16,6 +16,15 @@ differs is which entries hold a block:
   result arrived), so it stays reusable as a cached prefix block; with overlapped
   scheduling that keeps the blocks of the one step in flight a step longer.
 
+A recurrent-state group (``kind="state"``: Gated DeltaNet's layers) holds no positions: a
+request's table there is one entry, a slot of the group's pool holding its recurrent and
+conv states, taken at admission and freed with the request (preemption frees it, and the
+recompute rebuilds the state from position 0). The worker starts a slot from zeros when a
+request's first chunk starts at position 0. The positional groups alone decide how many
+blocks a request holds, what fits and the tables' length (``positional``). A request is
+never given a prefix hit while a state group exists: the state at the hit's boundary is not
+kept (snapshots of it are issue 35's last item), and a fresh slot would compute from zeros.
+
 Prefix caching is per group (each pool keys its blocks by the same chained hashes). A hit
 of ``k`` blocks (the next token computed is at position ``k * block_size``) is usable when
 every full group caches blocks ``0 .. k-1`` and every sliding group caches the blocks
@@ -33,7 +42,7 @@ from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
 
 from .block_manager import BlockManager, blocks_for
 
-SUPPORTED_KINDS = ("full", "sliding", "mla")
+SUPPORTED_KINDS = ("full", "sliding", "mla", "state")
 
 
 class GroupRule:
@@ -49,6 +58,7 @@ class GroupRule:
                                           f"window, got {spec.window}")
         self.spec, self.block_size = spec, block_size
         self.window = spec.window if spec.kind == "sliding" else None
+        self.state = spec.kind == "state"  # one slot per request, not a block per positions
 
     def first_needed(self, start: int) -> int:
         """The first table entry a chunk computed from position ``start`` reads."""
@@ -60,6 +70,8 @@ class GroupRule:
         """The most blocks a request growing to ``limit`` tokens may hold at once here, when
         a step computes at most ``chunk`` of its tokens: its window's blocks, the chunk's,
         and (prefix caching with overlap) the previous chunk's not freed yet."""
+        if self.state:
+            return 1
         whole = blocks_for(limit, self.block_size)
         if self.window is None:
             return whole
@@ -78,7 +90,17 @@ class CacheGroups:
         self.rules = [GroupRule(g.spec, block_size) for g in groups]
         self.pools = [BlockManager(g.num_blocks, block_size, prefix_caching) for g in groups]
         self._sliding = [i for i, r in enumerate(self.rules) if r.window is not None]
-        self._full = [i for i, r in enumerate(self.rules) if r.window is None]
+        self._state = [i for i, r in enumerate(self.rules) if r.state]
+        self._full = [i for i, r in enumerate(self.rules) if r.window is None and not r.state]
+        self._positional = [i for i, r in enumerate(self.rules) if not r.state]
+        if not self._positional:
+            raise ValueError("at least one cache group must hold positions")
+        self._ref = self._positional[0]
+
+    def positional(self, req) -> list[int]:
+        """The request's table in the first positional group: one entry per ``block_size``
+        positions, as every positional group's."""
+        return req.block_ids[self._ref]
 
     def empty_tables(self) -> list[list[int]]:
         return [[] for _ in self.pools]
@@ -89,18 +111,18 @@ class CacheGroups:
         """Free blocks in the scarcest pool (every group grows by the same entries)."""
         if len(self.pools) == 1:  # most models: asked per request per step
             return self.pools[0].num_free_blocks
-        return min(p.num_free_blocks for p in self.pools)
+        return min(self.pools[g].num_free_blocks for g in self._positional)
 
     def fit_tokens(self, req) -> int:
         """How many more tokens ``req`` could compute with the blocks free now."""
-        held = len(req.block_ids[0])
+        held = len(self.positional(req))
         return (held + self.min_free()) * self.block_size - req.num_computed_tokens
 
     def refusal(self, limit: int, chunk: int) -> Optional[str]:
         """Why a request growing to ``limit`` tokens can never fit one of the pools."""
         for group, rule in zip(self.groups, self.rules):
             need = rule.max_blocks(limit, chunk)
-            if need > group.num_blocks:
+            if need > group.num_blocks:  # never a state group: its pool has a slot
                 where = "" if len(self.groups) == 1 else f" ({group.spec.kind} attention layers)"
                 return (f"needing {need} KV blocks of {self.block_size} tokens{where}, but "
                         f"the KV cache has only {group.num_blocks}")
@@ -126,10 +148,10 @@ class CacheGroups:
     def grow(self, req, num_tokens: int) -> None:
         """Blocks for the request's first ``num_tokens`` tokens, in every group (check
         ``min_free`` first)."""
-        need = blocks_for(num_tokens, self.block_size) - len(req.block_ids[0])
+        need = blocks_for(num_tokens, self.block_size) - len(self.positional(req))
         if need > 0:
-            for pool, table in zip(self.pools, req.block_ids):
-                table += pool.allocate(need)
+            for g in self._positional:
+                req.block_ids[g] += self.pools[g].allocate(need)
 
     def free_all(self, req) -> None:
         for pool, table in zip(self.pools, req.block_ids):
@@ -138,8 +160,10 @@ class CacheGroups:
         req.num_dropped = [0] * len(self.pools)
 
     def publish(self, req, first: int, end: int) -> None:
-        """Publish table entries [first, end), full of computed KV, in every group."""
-        for pool, table in zip(self.pools, req.block_ids):
+        """Publish table entries [first, end), full of computed KV, in every positional
+        group."""
+        for g in self._positional:
+            pool, table = self.pools[g], req.block_ids[g]
             for i in range(first, end):
                 if table[i] != NULL_BLOCK:
                     pool.cache_block(table[i], req.block_hashes[i])
@@ -149,13 +173,16 @@ class CacheGroups:
     def match_prefix(self, hashes: Sequence[bytes]) -> list[list[int]]:
         """Per group, the table of the longest usable prefix hit among these chained block
         hashes (the rule in the module docstring); every table has the hit's length."""
-        k = len(hashes)
+        k = 0 if self._state else len(hashes)  # no state at a hit's boundary (docstring)
         for g in self._full:
             k = min(k, len(self.pools[g].match_prefix(hashes[:k])))
         while k > 0 and not self._sliding_hit(hashes, k):
             k -= 1
         tables = []
         for g, (pool, rule) in enumerate(zip(self.pools, self.rules)):
+            if rule.state:
+                tables.append([])
+                continue
             first = rule.first_needed(k * self.block_size)
             tables.append([NULL_BLOCK] * first
                           + [pool.cached_block(h) for h in hashes[first:k]])
@@ -170,10 +197,11 @@ class CacheGroups:
         return True
 
     def can_admit(self, tables: list[list[int]], need: int) -> bool:
-        """Whether every pool has ``need`` fresh blocks beyond the cached ones it revives."""
-        for pool, table in zip(self.pools, tables):
+        """Whether every pool has ``need`` fresh blocks beyond the cached ones it revives
+        (a state pool: one slot)."""
+        for pool, table, rule in zip(self.pools, tables, self.rules):
             hit = [b for b in table if b != NULL_BLOCK]
-            if need > pool.num_free_blocks - pool.num_unreferenced(hit):
+            if (1 if rule.state else need) > pool.num_free_blocks - pool.num_unreferenced(hit):
                 return False
         return True
 
@@ -181,6 +209,9 @@ class CacheGroups:
         """Give an admitted request the hit's blocks (referenced) and ``need`` fresh ones."""
         req.num_dropped = [0] * len(self.pools)
         for g, (pool, table) in enumerate(zip(self.pools, tables)):
+            if self.rules[g].state:
+                table += pool.allocate(1)
+                continue
             hit = [b for b in table if b != NULL_BLOCK]
             pool.acquire(hit)
             req.num_dropped[g] = len(table) - len(hit)  # the leading NULL entries
@@ -190,10 +221,11 @@ class CacheGroups:
     # ------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
-        """Blocks over all pools."""
-        return {"kv_blocks_used": sum(p.num_used_blocks for p in self.pools),
-                "kv_blocks_total": sum(p.num_blocks for p in self.pools),
-                "kv_blocks_cached_free": sum(p.num_cached_free_blocks for p in self.pools)}
+        """Blocks over the positional pools (state slots are not KV blocks)."""
+        pools = [self.pools[g] for g in self._positional]
+        return {"kv_blocks_used": sum(p.num_used_blocks for p in pools),
+                "kv_blocks_total": sum(p.num_blocks for p in pools),
+                "kv_blocks_cached_free": sum(p.num_cached_free_blocks for p in pools)}
 
     def check_invariants(self, running) -> None:
         refs: list[dict[int, int]] = [{} for _ in self.pools]
@@ -201,6 +233,10 @@ class CacheGroups:
             assert len(req.block_ids) == len(self.pools), f"{req} has a table per group"
             length = blocks_for(req.num_computed_tokens, self.block_size)
             for g, (rule, table) in enumerate(zip(self.rules, req.block_ids)):
+                if rule.state:
+                    assert len(table) == 1, f"{req} holds {len(table)} state slots in group {g}"
+                    refs[g][table[0]] = refs[g].get(table[0], 0) + 1
+                    continue
                 assert len(table) == length, f"{req} group {g} holds blocks it has not filled"
                 real = [b for b in table if b != NULL_BLOCK]
                 assert len(set(real)) == len(real), f"{req} repeats a block in group {g}"

@@ -201,7 +201,7 @@ class Scheduler:
         kv, bs = self.kv, self.config.block_size
         kv.drop_out_of_window(req, req.num_computed_tokens)
         while True:
-            need = blocks_for(req.num_computed_tokens + n, bs) - len(req.block_ids[0])
+            need = blocks_for(req.num_computed_tokens + n, bs) - len(kv.positional(req))
             if need <= 0 or need <= kv.min_free():  # most decode steps need no block
                 break
             if self.config.enable_chunked_prefill:
@@ -311,7 +311,7 @@ class Scheduler:
                                                 [t[req.worker_num_blocks:] for t in req.block_ids],
                                                 req.num_computed_tokens))
                 cached_entries.append((req, n, samples))
-            req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(req.block_ids[0])
+            req.worker_num_tokens, req.worker_num_blocks = req.num_tokens, len(self.kv.positional(req))
         entries = new_entries + cached_entries  # the plan's order
         for req, n, samples in entries:
             req.num_computed_tokens += n
