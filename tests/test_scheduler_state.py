@@ -9,8 +9,11 @@ holds exactly the request's own earlier tokens (zeros at position 0)."""
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pocketllm.proto.messages import CacheGroup, CacheSpec
+from pocketllm.scheduler.block_manager import blocks_for
 from pocketllm.scheduler.kv_groups import CacheGroups
 from pocketllm.scheduler.scheduler import Scheduler
 from test_scheduler_harness import Driver, config, make_request, solo
@@ -89,3 +92,34 @@ def test_a_layout_without_a_slot_or_without_positions_is_an_error():
         Scheduler(state_config(0))
     with pytest.raises(ValueError, match="positions"):
         CacheGroups([CacheGroup(CacheSpec("state"), 4)], 4, False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 2, 4, 8]),
+       slots=st.integers(1, 5), num_reqs=st.integers(1, 8), budget=st.integers(1, 40),
+       max_seqs=st.integers(1, 6), caching=st.booleans(), chunked=st.booleans(),
+       overlap=st.booleans())
+def test_random_workloads_with_a_state_group_match_solo_runs(
+        seed, block_size, slots, num_reqs, budget, max_seqs, caching, chunked, overlap):
+    """Tight pools (preemption is common), shared prefixes, every switch: each answer is
+    the one its request gets alone, and every slot holds its own request's state."""
+    rng = random.Random(seed)
+    max_model_len = 64
+    base = [rng.randrange(50) for _ in range(30)]
+    reqs = [make_request(f"q{i}", base[:rng.randrange(0, 30)]
+                         + [rng.randrange(50) for _ in range(rng.randrange(1, 10))],
+                         max_tokens=rng.randrange(1, 30)) for i in range(num_reqs)]
+    full = max(blocks_for(min(len(r.prompt_token_ids) + r.sampling.max_tokens, max_model_len),
+                          block_size) for r in reqs)
+    d = Driver(state_config(slots, block_size=block_size, num_kv_blocks=full + rng.randrange(0, full),
+                            max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                            max_model_len=max_model_len, enable_prefix_caching=caching,
+                            enable_chunked_prefill=chunked, overlap=overlap and chunked))
+    arrivals = {0: reqs[:num_reqs // 2 + 1]}
+    for r in reqs[num_reqs // 2 + 1:]:
+        arrivals.setdefault(rng.randrange(1, 20), []).append(r)
+    outs = d.run_overlapped(arrivals=arrivals)
+    for r in reqs:
+        assert outs[r.request_id].tokens == solo(r, max_model_len=max_model_len).tokens
+        assert outs[r.request_id].cached == 0
+    assert d.sched.kv.pools[1].num_free_blocks == slots
