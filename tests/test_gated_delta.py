@@ -27,6 +27,9 @@ def _inputs(T: int, seed: int = 0):
 
 
 def _reference(fn, q, k, v, g, beta, state, **kw):
+    # q/k repeated to the value heads here: older transformers' forms do not group them
+    group = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     out, s = fn(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
                 output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
     return out[0], s[0]
