@@ -270,3 +270,29 @@ def solo(req: TokenizedRequest, **cfg) -> Outcome:
     d = Driver(config(**{"num_kv_blocks": 512, "max_model_len": 256, **cfg}))
     d.add(req)
     return d.run()[req.request_id]
+
+
+def run_matching_solo(d: Driver, reqs: list) -> dict[str, Outcome]:
+    """Add every request, run to the end, and check each answer is the one it gets alone."""
+    for r in reqs:
+        d.add(r)
+    outs = d.run()
+    for r in reqs:
+        assert outs[r.request_id].tokens == solo(r).tokens, r.request_id
+    return outs
+
+
+def random_requests(rng, num_reqs: int) -> list:
+    """Requests of a random workload: prompts that share random prefixes of one base."""
+    base = [rng.randrange(50) for _ in range(30)]
+    return [make_request(f"q{i}", base[:rng.randrange(0, 30)]
+                         + [rng.randrange(50) for _ in range(rng.randrange(1, 10))],
+                         max_tokens=rng.randrange(1, 30)) for i in range(num_reqs)]
+
+
+def staggered(rng, reqs: list) -> dict[int, list]:
+    """Arrivals for ``Driver.run_overlapped``: half at once, the rest over 20 turns."""
+    arrivals = {0: reqs[:len(reqs) // 2 + 1]}
+    for r in reqs[len(reqs) // 2 + 1:]:
+        arrivals.setdefault(rng.randrange(1, 20), []).append(r)
+    return arrivals

@@ -13,7 +13,8 @@ from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
 from pocketllm.scheduler.kv_groups import CacheGroups
 from pocketllm.scheduler.scheduler import Scheduler
-from test_scheduler_harness import Driver, config, make_request, sliding_config, solo
+from test_scheduler_harness import (Driver, config, make_request, random_requests,
+                                    run_matching_solo, sliding_config, solo, staggered)
 
 
 def held(req, group=1):
@@ -148,12 +149,8 @@ def test_preemption_with_a_sliding_group_keeps_every_answer(caching, chunked):
     d = Driver(sliding_config(6, sliding_blocks=16, block_size=4, num_kv_blocks=20,
                               max_num_seqs=8, max_num_batched_tokens=24,
                               enable_prefix_caching=caching, enable_chunked_prefill=chunked))
-    for r in reqs:
-        d.add(r)
-    outs = d.run()
+    run_matching_solo(d, reqs)
     assert d.sched.stats()["preemptions"] > 0
-    for r in reqs:
-        assert outs[r.request_id].tokens == solo(r).tokens, r.request_id
     assert d.sched.stats()["kv_blocks_used"] == 0
 
 
@@ -198,10 +195,7 @@ def test_random_workloads_with_a_sliding_group_match_solo_runs(
     the one its request gets alone, and the fake worker finds every window's KV intact."""
     rng = random.Random(seed)
     max_model_len = 64
-    base = [rng.randrange(50) for _ in range(30)]
-    reqs = [make_request(f"q{i}", base[:rng.randrange(0, 30)]
-                         + [rng.randrange(50) for _ in range(rng.randrange(1, 10))],
-                         max_tokens=rng.randrange(1, 30)) for i in range(num_reqs)]
+    reqs = random_requests(rng, num_reqs)
     probe = CacheGroups([CacheGroup(CacheSpec(), 1), CacheGroup(CacheSpec("sliding", window), 1)],
                         block_size, caching)
     chunk = budget if chunked else max_model_len
@@ -213,10 +207,7 @@ def test_random_workloads_with_a_sliding_group_match_solo_runs(
                               max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                               max_model_len=max_model_len, enable_prefix_caching=caching,
                               enable_chunked_prefill=chunked, overlap=overlap and chunked))
-    arrivals = {0: reqs[:num_reqs // 2 + 1]}
-    for i, r in enumerate(reqs[num_reqs // 2 + 1:]):
-        arrivals.setdefault(rng.randrange(1, 20), []).append(r)
-    outs = d.run_overlapped(arrivals=arrivals)
+    outs = d.run_overlapped(arrivals=staggered(rng, reqs))
     for r in reqs:
         assert outs[r.request_id].tokens == solo(r, max_model_len=max_model_len).tokens
     assert d.sched.stats()["kv_blocks_used"] == 0

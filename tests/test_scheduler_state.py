@@ -16,7 +16,8 @@ from pocketllm.proto.messages import CacheGroup, CacheSpec
 from pocketllm.scheduler.block_manager import blocks_for
 from pocketllm.scheduler.kv_groups import CacheGroups
 from pocketllm.scheduler.scheduler import Scheduler
-from test_scheduler_harness import Driver, config, make_request, solo
+from test_scheduler_harness import (Driver, config, make_request, random_requests,
+                                    run_matching_solo, solo, staggered)
 
 
 def state_config(slots: int, **kw):
@@ -52,12 +53,8 @@ def test_preemption_frees_the_slot_and_the_recompute_starts_from_zero(chunked):
                          max_tokens=40) for i in range(6)]
     d = Driver(state_config(4, block_size=4, num_kv_blocks=20, max_num_batched_tokens=12,
                             enable_chunked_prefill=chunked))
-    for r in reqs:
-        d.add(r)
-    outs = d.run()
+    run_matching_solo(d, reqs)
     assert d.sched.stats()["preemptions"] > 0
-    for r in reqs:
-        assert outs[r.request_id].tokens == solo(r).tokens, r.request_id
 
 
 def test_a_shared_prefix_is_computed_again_with_a_state_group():
@@ -105,20 +102,14 @@ def test_random_workloads_with_a_state_group_match_solo_runs(
     the one its request gets alone, and every slot holds its own request's state."""
     rng = random.Random(seed)
     max_model_len = 64
-    base = [rng.randrange(50) for _ in range(30)]
-    reqs = [make_request(f"q{i}", base[:rng.randrange(0, 30)]
-                         + [rng.randrange(50) for _ in range(rng.randrange(1, 10))],
-                         max_tokens=rng.randrange(1, 30)) for i in range(num_reqs)]
+    reqs = random_requests(rng, num_reqs)
     full = max(blocks_for(min(len(r.prompt_token_ids) + r.sampling.max_tokens, max_model_len),
                           block_size) for r in reqs)
     d = Driver(state_config(slots, block_size=block_size, num_kv_blocks=full + rng.randrange(0, full),
                             max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, enable_prefix_caching=caching,
                             enable_chunked_prefill=chunked, overlap=overlap and chunked))
-    arrivals = {0: reqs[:num_reqs // 2 + 1]}
-    for r in reqs[num_reqs // 2 + 1:]:
-        arrivals.setdefault(rng.randrange(1, 20), []).append(r)
-    outs = d.run_overlapped(arrivals=arrivals)
+    outs = d.run_overlapped(arrivals=staggered(rng, reqs))
     for r in reqs:
         assert outs[r.request_id].tokens == solo(r, max_model_len=max_model_len).tokens
         assert outs[r.request_id].cached == 0
