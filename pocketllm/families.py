@@ -109,6 +109,14 @@ FAMILIES = (
     # (workers/models/gpt_oss.py); safetensors only (no GGUF gpt-oss reader here).
     Family("gpt_oss", ("GptOssForCausalLM",), f"{_MODELS}.gpt_oss:GptOssForCausalLM",
            f"{_MODELS}.gpt_oss:gpt_oss_arch_config"),
+    # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet linear attention in three of every
+    # four layers, gated full attention in the rest (workers/models/qwen3_5.py);
+    # safetensors here (their GGUF files are refused until the CPU worker runs them).
+    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                       "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                       "Qwen3NextForCausalLM"),
+           f"{_MODELS}.qwen3_5:Qwen3_5ForCausalLM", f"{_MODELS}.qwen3_5_config:qwen3_5_arch_config",
+           text_tower=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")),
     # DeepSeek-V2/V3: multi-head latent attention (workers/layers/mla.py) + DeepSeek MoE.
     Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
            f"{_MODELS}.deepseek:DeepseekForCausalLM", f"{_MODELS}.deepseek:deepseek_arch_config",

@@ -2,7 +2,7 @@
 
 ``make_tiny_checkpoint(family, path)`` writes a transformers model of the family
 ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "deepseek_v3",
-"deepseek_v2") with random weights, a byte-level BPE
+"deepseek_v2", "qwen3_5", "qwen3_5_moe", "qwen3_next") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
 
@@ -43,6 +43,11 @@ def main():\n    print("hello, world")\n    return 0\n
 Rain falls softly on quiet streets; bright lights blink, travellers hurry, trains depart.
 Mathematics, physics, chemistry and biology explain patterns found throughout nature.
 """
+
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.25})
 
 FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2,
@@ -91,6 +96,21 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1,
                         routed_scaling_factor=1.5, rope_theta=10000.0,
                         tie_word_embeddings=False),
+    # Hybrid Gated DeltaNet: linear attention (2 q/k heads of 16, 4 value heads of 16, conv
+    # kernel 4) with gated full attention every fourth layer (every second in the MoE
+    # one), a quarter of each 32-wide head rotated. Qwen3.5-MoE: 8 experts, top 2, a shared
+    # expert; Qwen3-Next: its interleaved in_proj_qkvz / in_proj_ba, every layer routed.
+    "qwen3_5": dict(architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=4, head_dim=32,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    **_GDN, tie_word_embeddings=False),
+    "qwen3_5_moe": dict(architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=4,
+                        head_dim=32, layer_types=["linear_attention", "full_attention"] * 2,
+                        **_GDN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, tie_word_embeddings=False),
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4, head_dim=32,
+                       **_GDN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=True,
+                       tie_word_embeddings=False),
     # Two sliding layers (window 8) and one global layer, with Gemma's own scalars.
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -142,7 +162,8 @@ def _build(family: str, path: str, overrides: dict) -> None:
         cfg_dict.pop("swiglu_limit")  # the reference would clamp at 7.0 whatever it says
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                   "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3",
-                  "deepseek_v2": "deepseek_v2"}
+                  "deepseek_v2": "deepseek_v2", "qwen3_5": "qwen3_5_text",
+                  "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
     config = AutoConfig.for_model(model_type[family], **cfg_dict)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -192,9 +213,14 @@ def _write_tokenizer(path: str) -> None:
 # ---------------------------------------------------------------------- a hand scheduler
 
 
-def tables(runner, block_ids: list[int]) -> list[list[int]]:
-    """The same block ids in every KV cache group's table (a plan built by hand)."""
-    return [list(block_ids) for _ in runner.kv.num_blocks]
+def tables(runner, block_ids: list[int], slot: int = 0) -> list[list[int]]:
+    """The same block ids in every KV cache group's table (a plan built by hand); a state
+    group's table is the one ``slot``."""
+    return [[slot] if state else list(block_ids) for state in _state_groups(runner)]
+
+
+def _state_groups(runner) -> list[bool]:
+    return list(getattr(runner, "state_groups", None) or [False] * len(runner.kv.num_blocks))
 
 
 def run_step(runner, plan):
@@ -209,6 +235,7 @@ class _Req:
     max_new: int
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    slot: Optional[int] = None  # its recurrent-state slot (models with a state group)
     sent_tokens: int = 0  # how many tokens the runner holds
     sent_blocks: int = 0
     known: bool = False  # the runner holds its state
@@ -221,9 +248,13 @@ class PlanDriver:
 
     def __init__(self, runner, chunk: Optional[int] = None, shuffle_blocks: Optional[int] = None):
         self.runner, self.chunk, self.step = runner, chunk, 0
-        # The same block ids in every KV cache group's pool (each at least this large).
-        self.free = list(range(min(runner.kv.num_blocks)))
-        self.groups = len(runner.kv.num_blocks)
+        # The same block ids in every KV cache group's pool (each at least this large); a
+        # state group's slots apart, one per request.
+        self.state = _state_groups(runner)
+        counts = runner.kv.num_blocks
+        self.free = list(range(min(n for n, s in zip(counts, self.state) if not s)))
+        self.free_slots = list(range(min((n for n, s in zip(counts, self.state) if s),
+                                         default=0)))
         if shuffle_blocks is not None:
             random.Random(shuffle_blocks).shuffle(self.free)
         self.reqs: dict[str, _Req] = {}
@@ -235,7 +266,7 @@ class PlanDriver:
     def preempt(self, rid: str) -> None:
         """Drop the request's KV; it comes back as a new request with all its tokens."""
         req = self.reqs[rid]
-        self.free.extend(req.blocks)
+        self._release(req)
         req.blocks, req.computed, req.known, req.sent_blocks = [], 0, False, 0
         self.finished.append(rid)
 
@@ -255,14 +286,16 @@ class PlanDriver:
                 n = min(n, self.chunk)
             while len(req.blocks) * bs < req.computed + n:
                 req.blocks.append(self.free.pop(0))
+            if req.slot is None and any(self.state):
+                req.slot = self.free_slots.pop(0)
             if not req.known:
-                new.append(NewRequestData(rid, list(req.tokens), [list(req.blocks)] * self.groups,
+                new.append(NewRequestData(rid, list(req.tokens), self._tables(req.blocks, req.slot),
                                           req.computed, req.spec))
                 n_new.append(n)
                 req.known = True
             else:
                 cached.append(CachedRequestData(rid, req.tokens[req.sent_tokens:],
-                                                [req.blocks[req.sent_blocks:]] * self.groups,
+                                                self._tables(req.blocks[req.sent_blocks:]),
                                                 req.computed))
                 n_cached.append(n)
             req.sent_tokens, req.sent_blocks = len(req.tokens), len(req.blocks)
@@ -279,10 +312,21 @@ class PlanDriver:
             req.generated.append(token)
             req.logprobs.append(lp)
             if len(req.generated) >= req.max_new:
-                self.free.extend(req.blocks)
+                self._release(req)
                 self.finished.append(rid)
         self.step += 1
         return result
+
+    def _tables(self, blocks: list[int], slot: Optional[int] = None) -> list[list[int]]:
+        """Per group: the blocks, or a state group's slot (new requests) / nothing."""
+        return [([] if slot is None else [slot]) if state else list(blocks)
+                for state in self.state]
+
+    def _release(self, req: _Req) -> None:
+        self.free.extend(req.blocks)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
 
     def run(self) -> dict[str, list[int]]:
         while any(len(r.generated) < r.max_new for r in self.reqs.values()):

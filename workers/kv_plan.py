@@ -23,9 +23,13 @@ CPU_KV_CAP_BYTES = 4 << 30  # the CPU KV budget never exceeds 4 GiB
 EXTRA_BLOCKS = 4  # slack above the most any set of sequences can hold
 
 
-def layer_spec(window: Optional[int], max_model_len: int, latent: bool = False) -> CacheSpec:
+def layer_spec(window: Optional[int], max_model_len: int, latent: bool = False,
+               state: bool = False) -> CacheSpec:
     """What a layer caches: a window at least as long as any sequence is full attention;
-    ``latent``: an MLA layer's compressed latent (always over the whole context)."""
+    ``latent``: an MLA layer's compressed latent (always over the whole context);
+    ``state``: a linear-attention layer's recurrent state (a slot per sequence)."""
+    if state:
+        return CacheSpec("state")
     if latent:
         if window is not None:
             raise ValueError("an MLA layer attends to the whole context: no sliding window")
@@ -46,17 +50,24 @@ class CacheLayout:
     def num_layers(self, group: int) -> int:
         return self.layer_group.count(group)
 
+    def is_state(self, group: int) -> bool:
+        return self.specs[group].kind == "state"
+
     def window(self, group: int) -> Optional[int]:
         spec = self.specs[group]
         return spec.window if spec.kind == "sliding" else None
 
 
 def cache_layout(layer_windows: list[Optional[int]], max_model_len: int,
-                 latent: bool = False) -> CacheLayout:
+                 latent: bool = False, state_layers: Optional[list[bool]] = None) -> CacheLayout:
     """The groups of a model whose layer ``i`` attends within ``layer_windows[i]``
-    (``latent``: every layer caches an MLA latent)."""
-    per_layer = [layer_spec(w, max_model_len, latent) for w in layer_windows]
-    specs = sorted(set(per_layer), key=lambda s: (s.kind == "sliding", s.window))
+    (``latent``: every layer caches an MLA latent; ``state_layers[i]``: layer i keeps a
+    recurrent state instead). Full attention's group comes first, a state group last."""
+    state_layers = state_layers or [False] * len(layer_windows)
+    per_layer = [layer_spec(w, max_model_len, latent, s)
+                 for w, s in zip(layer_windows, state_layers)]
+    specs = sorted(set(per_layer), key=lambda s: (s.kind == "state", s.kind == "sliding",
+                                                  s.window))
     groups = [specs.index(s) for s in per_layer]
     windows = [sorted({w for w, g in zip(layer_windows, groups) if g == group},
                       key=lambda w: -1 if w is None else w) for group in range(len(specs))]
@@ -73,19 +84,47 @@ def sliding_cap(window: int, args: EngineArgs, max_model_len: int) -> int:
 
 
 def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
-                bytes_per_layer_block: int, gpu_free_bytes: Optional[int] = None) -> list[int]:
-    """Each group's pool size (the module docstring says how the budget is split)."""
+                bytes_per_layer_block: int, gpu_free_bytes: Optional[int] = None,
+                state_slot_bytes: int = 0) -> list[int]:
+    """Each group's pool size (the module docstring says how the budget is split); a state
+    group's is its slots (``state_slots``; ``state_slot_bytes``: one slot of all its
+    layers), taken from the budget first."""
+    groups = range(len(layout.specs))
     caps = [None if layout.window(g) is None else sliding_cap(layout.window(g), args, max_model_len)
-            for g in range(len(layout.specs))]
-    layers = [layout.num_layers(g) for g in range(len(layout.specs))]
+            for g in groups]
+    layers = [0 if layout.is_state(g) else layout.num_layers(g) for g in groups]
+    has_state = any(layout.is_state(g) for g in groups)
+    slots = 0
+    if has_state:
+        slots = state_slots(args, state_slot_bytes,
+                            sum(k * bytes_per_layer_block for k in layers),
+                            kv_budget_bytes(args, gpu_free_bytes))
 
     def counts(n: int) -> list[int]:
-        return [n if cap is None else min(n, cap) for cap in caps]
+        return [slots if layout.is_state(g) else n if cap is None else min(n, cap)
+                for g, cap in zip(groups, caps)]
 
     def cost(n: int) -> int:
-        return sum(c * k * bytes_per_layer_block for c, k in zip(counts(n), layers))
+        return slots * state_slot_bytes + sum(c * k * bytes_per_layer_block
+                                              for c, k in zip(counts(n), layers))
 
     return counts(num_kv_blocks(args, max_model_len, cost, gpu_free_bytes))
+
+
+def state_slots(args: EngineArgs, slot_bytes: int, block_bytes: int, budget: int) -> int:
+    """Recurrent-state slots (one per running sequence): ``max_num_seqs``, or as many as
+    half the budget holds when it holds fewer (the rest stays for the KV blocks); at
+    least one, with a KV block beside it, or the engine cannot start (and says what one
+    sequence needs)."""
+    if slot_bytes + block_bytes > budget and args.num_kv_blocks is None:
+        raise InvalidRequestError(
+            f"the recurrent state of one sequence needs {slot_bytes / (1 << 20):.1f} MiB (and "
+            f"a KV block {block_bytes / (1 << 20):.2f} MiB) but the cache budget is "
+            f"{budget / (1 << 20):.1f} MiB; raise kv_cache_memory_gb / gpu_memory_utilization",
+            "kv_cache_memory_gb")
+    if args.num_kv_blocks is not None:  # an explicit KV size: states for every sequence
+        return args.max_num_seqs
+    return max(1, min(args.max_num_seqs, (budget // 2) // slot_bytes))
 
 
 def num_kv_blocks(args: EngineArgs, max_model_len: int,
@@ -104,15 +143,7 @@ def num_kv_blocks(args: EngineArgs, max_model_len: int,
     if isinstance(cost, int):
         per_block = cost
         cost = lambda n: n * per_block  # noqa: E731
-    if args.kv_cache_memory_gb is not None:
-        budget = int(args.kv_cache_memory_gb * (1 << 30))
-    elif gpu_free_bytes is not None:  # a GPU's pools: a share of its free memory
-        budget = int(args.gpu_memory_utilization * gpu_free_bytes)
-    else:
-        import psutil
-
-        budget = min(int(args.cpu_kv_cache_fraction * psutil.virtual_memory().available),
-                     CPU_KV_CAP_BYTES)
+    budget = kv_budget_bytes(args, gpu_free_bytes)
     useful = args.max_num_seqs * math.ceil(max_model_len / args.block_size) + EXTRA_BLOCKS
     if cost(1) > budget:
         raise InvalidRequestError(
@@ -124,6 +155,19 @@ def num_kv_blocks(args: EngineArgs, max_model_len: int,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
     return int(lo)
+
+
+def kv_budget_bytes(args: EngineArgs, gpu_free_bytes: Optional[int] = None) -> int:
+    """The cache's budget: ``kv_cache_memory_gb``, else a share of the GPU's free memory,
+    else of the host's available memory (capped)."""
+    if args.kv_cache_memory_gb is not None:
+        return int(args.kv_cache_memory_gb * (1 << 30))
+    if gpu_free_bytes is not None:  # a GPU's pools: a share of its free memory
+        return int(args.gpu_memory_utilization * gpu_free_bytes)
+    import psutil
+
+    return min(int(args.cpu_kv_cache_fraction * psutil.virtual_memory().available),
+               CPU_KV_CAP_BYTES)
 
 
 def check_available(nbytes: int, what: str, param: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,7 @@ from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import build_metadata
+from .layers.linear_attention import build_state_metadata
 from .loader import load_model_weights
 from .sampler import torch_ops
 from .sampler.rules import Sampler, TokenHistory, structured_token_mask
@@ -85,27 +87,34 @@ class ModelRunner:
         # Layers of one cache spec (full attention, a sliding window) share a pool: kv_cache.py.
         # An MLA model caches one latent row per position (kv_cache.py).
         latent = self.model.latent_cache_width
-        layout = cache_layout(cfg.layer_windows, self.max_model_len, latent is not None)
+        # A linear-attention layer keeps a recurrent state per sequence: a state group.
+        layout = cache_layout(cfg.layer_windows, self.max_model_len, latent is not None,
+                              cfg.linear_layers or None)
         self.model.layer_group = tuple(layout.layer_group)
+        state_shapes, slot_bytes = self._state_shapes(layout)
         per_layer_block = (kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
                                               self.dtype) if latent is None
                            else self.block_size * latent * self.dtype.itemsize)
         if self.device.type == "cpu":  # the ranks of a host share one RAM budget
             per_layer_block *= ranks_on_this_host(args)
+            slot_bytes *= ranks_on_this_host(args)
         # Every rank must hold what rank 0 declares: the smallest count wins.
         counts = [self.tp.min_int(n, self.device) for n in plan_blocks(
-            layout, args, self.max_model_len, per_layer_block, gpu_free_bytes(self.device))]
+            layout, args, self.max_model_len, per_layer_block, gpu_free_bytes(self.device),
+            slot_bytes)]
         self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
-                               self.dtype, self.device, latent)
+                               self.dtype, self.device, latent, state_shapes)
         self.kv_caches = self.kv.layer_caches
         self.num_kv_blocks = counts[0]
         self.group_windows = layout.layer_windows
         # per group: the sliding window whose table entries behind it point at the pad block
         self.group_slide = [layout.window(g) for g in range(len(counts))]
+        self.state_groups = [layout.is_state(g) for g in range(len(counts))]
         self._warm_up_attention()
         self.sampler = Sampler(torch_ops, args.seed)
         self.book = RequestBook(self.kv.num_blocks, self.kv.pad_blocks, self.group_slide,
-                                self.block_size, args.max_num_seqs, self._history)
+                                self.block_size, args.max_num_seqs, self._history,
+                                self.state_groups)
         # The last launched step's sampled tokens, still on the device: a PENDING input of
         # the next plan is read from here (overlapped scheduling).
         self._last_tokens: Optional[torch.Tensor] = None
@@ -119,13 +128,27 @@ class ModelRunner:
                     self.kv.capacity_tokens(), self._describe_groups(), self.block_size,
                     self.load_seconds)
 
+    def _state_shapes(self, layout) -> tuple[Optional[tuple], int]:
+        """One slot's (conv, recurrent) state shapes of a linear-attention layer and the
+        bytes of a slot over all of them; (None, 0) without such layers."""
+        mixers = [layer.self_attn for layer, g in zip(self.model.layers, layout.layer_group)
+                  if layout.is_state(g)]
+        if not mixers:
+            return None, 0
+        conv, state = mixers[0].state_shapes()
+        per_layer = math.prod(conv) * self.dtype.itemsize + math.prod(state) * 4  # float32
+        return (conv, state), per_layer * len(mixers)
+
     def _describe_groups(self) -> str:
         return ", ".join(
+            f"{g.num_blocks} state slots x {g.num_layers} linear-attention layers "
+            f"({self.kv.state_slot_bytes(i) / (1 << 20):.1f} MiB a sequence)"
+            if g.spec.kind == "state" else
             f"{g.num_blocks} blocks x {g.num_layers} "
             + ("full-attention layers" if g.spec.kind == "full"
                else "latent-attention (MLA) layers" if g.spec.kind == "mla"
                else f"sliding-window layers (window {g.spec.window})")
-            for g in self.kv.groups())
+            for i, g in enumerate(self.kv.groups()))
 
     @property
     def pad_slot(self) -> int:
@@ -138,9 +161,11 @@ class ModelRunner:
         if warm_up is None:
             return
         started = time.perf_counter()
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.layer_group.index(0)].self_attn  # group 0: attention
         with torch.inference_mode():
             for g, pad_block in enumerate(self.kv.pad_blocks):  # each pool, its layers' kinds
+                if self.state_groups[g]:
+                    continue
                 layers = [layer for layer, lg in zip(self.model.layers, self.model.layer_group)
                           if lg == g]
                 kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
@@ -166,6 +191,10 @@ class ModelRunner:
     def _capture_graphs(self):
         """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA
         graphs need the Triton kernels on a GPU, and the flags must allow them."""
+        if self.args.cuda_graphs and self.device.type == "cuda" and any(self.state_groups):
+            logger.warning("CUDA graphs are not captured for linear-attention (hybrid) models "
+                           "yet: every step runs eagerly")
+            return None, None
         if not (self.args.cuda_graphs and self.device.type == "cuda" and self.policy.triton):
             if self.args.cuda_graph_max_tokens:
                 logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
@@ -302,6 +331,9 @@ class ModelRunner:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
             return self._sample(plan, samplers, logits, "graph")
         meta = self.metadata(seqs)
+        for g, is_state in enumerate(self.state_groups):
+            if is_state and meta[g].fresh:
+                self.kv.start_states(g, meta[g].fresh)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
             if mixed_rung:
@@ -328,7 +360,8 @@ class ModelRunner:
     def metadata(self, seqs: list[list[ScheduledSeq]]) -> list:
         """A step's attention metadata per KV cache group (``seqs``: each group's tables)."""
         tables = getattr(self.backend, "kernel_tables", False)
-        return [build_metadata(group, self.block_size, windows, self.device, self.kv.pad_slot(g),
+        return [build_state_metadata(group, self.device) if self.state_groups[g] else
+                build_metadata(group, self.block_size, windows, self.device, self.kv.pad_slot(g),
                                kernel_tables=tables)
                 for g, (group, windows) in enumerate(zip(seqs, self.group_windows))]
 

@@ -58,8 +58,12 @@ class RequestBook:
 
     def __init__(self, num_blocks: Sequence[int], pad_blocks: Sequence[int],
                  slide_windows: Sequence[Optional[int]], block_size: int, max_num_seqs: int,
-                 make_history: Callable[[SamplingSpec, list[int], list[int]], Any]):
+                 make_history: Callable[[SamplingSpec, list[int], list[int]], Any],
+                 state_groups: Sequence[bool] = ()):
+        """``state_groups[g]``: group g holds a recurrent-state slot per request, not blocks
+        of positions (its table is that one slot)."""
         self.num_blocks, self.pad_blocks = list(num_blocks), list(pad_blocks)
+        self.positional = [not s for s in state_groups] or [True] * len(self.num_blocks)
         self.slide_windows = list(slide_windows)  # per group: its window, None if full
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.make_history = make_history
@@ -79,6 +83,9 @@ class RequestBook:
         entries = []
         for new in plan.new_requests:  # new, or back after preemption: replaces any old state
             self.check_blocks(new.request_id, new.block_ids)
+            if any(len(t) != 1 for t, p in zip(new.block_ids, self.positional) if not p):
+                raise StepError(f"request {new.request_id!r}: a state group's table must be "
+                                "one slot")
             state = RequestState(list(new.token_ids), self.tables(new.block_ids), new.sampling,
                                  padded=[0] * len(new.block_ids))
             if uses_penalties(new.sampling):
@@ -121,6 +128,8 @@ class RequestBook:
             raise StepError(f"request {rid!r}: {len(tables)} block tables for "
                             f"{len(self.num_blocks)} KV cache groups")
         for g, (table, n) in enumerate(zip(tables, self.num_blocks)):
+            if not self.positional[g] and len(table) > 1:
+                raise StepError(f"request {rid!r}: {len(table)} slots in state group {g}")
             real = [b for b in table if b != NULL_BLOCK]
             if real and not (0 <= min(real) and max(real) < n):
                 raise StepError(f"request {rid!r}: block ids of group {g} outside [0, {n})")
@@ -153,7 +162,8 @@ class RequestBook:
             if start < 0 or n < 0 or end > len(state.token_ids):
                 raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
                                 f"{len(state.token_ids)} known")
-            if any(end > len(table) * self.block_size for table in state.block_ids):
+            if any(end > len(table) * self.block_size
+                   for table, positional in zip(state.block_ids, self.positional) if positional):
                 raise StepError(f"request {rid!r}: {end} tokens need more than its "
                                 f"{min(map(len, state.block_ids))} blocks")
             self.behind_window(state, start)

@@ -120,3 +120,24 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return ((weight * normed.to(x.dtype)).float() * F.silu(gate.float())).to(x.dtype)
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, k_heads, k_dim], v [B, v_heads, v_dim],
+    g/beta [B, v_heads], state [B, v_heads, k_dim, v_dim] float32 -> (out [B, v_heads,
+    v_dim] float32, new states): ``recurrent``'s update, batched over the sequences."""
+    qh, kh = (x.transpose(0, 1) for x in _prepare(q, k, v.shape[1]))  # [B, H, k_dim]
+    s = state.float() * g.float().exp()[:, :, None, None]
+    u = beta.float()[:, :, None] * (v.float() - torch.einsum("bhkv,bhk->bhv", s, kh))
+    s = s + kh[:, :, :, None] * u[:, :, None, :]
+    return torch.einsum("bhkv,bhk->bhv", s, qh), s
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv`` for one token of each of B sequences: x [B, channels], state
+    [B, channels, kernel - 1] -> (out [B, channels], new states)."""
+    seq = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, channels, kernel]
+    y = (seq.to(weight.dtype) * weight).sum(-1)
+    return F.silu(y).to(x.dtype), seq[:, :, 1:]

@@ -1,5 +1,9 @@
 """Rotary position embeddings (the "rotate half" layout HF checkpoints use).
 
+A ``partial_rotary_factor`` below 1 (Qwen3-Next, Qwen3.5: 0.25) rotates only the first
+``int(head_dim * factor)`` dimensions of each head and passes the rest through; the
+frequencies are those of a head that wide, as transformers computes them.
+
 ``RotaryTable`` precomputes cos/sin per position once; each step looks up the
 rows of the step's positions once and every layer of that rope kind reuses them.
 """
@@ -16,16 +20,27 @@ from pocketllm.errors import UnsupportedFeatureError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many leading dimensions of a head rotate (all but a partial rotary's rest)."""
+    factor = float(params.get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if not 0.0 < factor <= 1.0 or dim < 2 or dim % 2:
+        raise UnsupportedFeatureError(
+            f"partial_rotary_factor={factor} of head_dim={head_dim} rotates {dim} dimensions; "
+            "an even count from 2 to head_dim is needed")
+    return dim
+
+
 def rope_inv_freq(head_dim: int, params: dict, max_position_embeddings: int
                   ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale for one rope parameter set (HF semantics)."""
+    """Inverse frequencies and the cos/sin scale for one rope parameter set (HF semantics):
+    ``head_dim // 2`` of them, or fewer under a partial rotary (``rotary_dim``)."""
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedFeatureError(
             f"rope type {rope_type!r} is not supported; PocketLLM implements "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedFeatureError("partial_rotary_factor != 1 is not supported")
+    head_dim = rotary_dim(head_dim, params)
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (base ** exponents)
@@ -109,6 +124,10 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotates the two halves of the head dimension."""
+    """x: [T, heads, head_dim]; rotates the two halves of the head dimension (of its first
+    ``2 * cos.shape[-1]`` dimensions under a partial rotary; the rest pass through)."""
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :2 * half], cos, sin), x[..., 2 * half:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

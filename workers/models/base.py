@@ -24,7 +24,7 @@ from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryTable, apply_rotary
+from ..layers.rotary import RotaryTable, apply_rotary, rotary_dim
 from .config import ArchConfig
 from .weight_targets import WeightTarget, row_parallel_targets, stacked_targets, vocab_target
 
@@ -68,7 +68,11 @@ def kv_head_range(cfg: ArchConfig, tp: TPGroup) -> tuple[int, int]:
 
 
 class Attention(nn.Module):
-    """Query heads split evenly across ranks (column-parallel q/k/v, row-parallel o_proj)."""
+    """Query heads split evenly across ranks (column-parallel q/k/v, row-parallel o_proj).
+    ``q_per_head``: q_proj's rows per query-head dimension (2: a gate beside each query,
+    ``models/qwen3_5.GatedAttention``)."""
+
+    q_per_head = 1
 
     def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
@@ -76,7 +80,7 @@ class Attention(nn.Module):
         d = cfg.head_dim
         kv_first, self.num_kv_heads = kv_head_range(cfg, tp)
         self.num_heads, self.head_dim = cfg.num_heads // tp.world, d
-        q_shard = even_shard(cfg.num_heads * d, tp)
+        q_shard = even_shard(cfg.num_heads * d * self.q_per_head, tp)
         kv_shard = Shard(0, kv_first * d, (kv_first + self.num_kv_heads) * d, cfg.num_kv_heads * d)
         self.split = [q_shard.size, kv_shard.size, kv_shard.size]
         self.qkv_proj = ColumnParallelLinear(
@@ -92,7 +96,9 @@ class Attention(nn.Module):
         self.sinks = (nn.Parameter(torch.empty(self.num_heads, device=device, dtype=torch.float32),
                                    requires_grad=False) if cfg.attn_sinks else None)
         self.backend = backend
-        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")  # in place, q and k
+        # in place, q and k; a partial rotary (part of each head) takes the torch form
+        partial = rotary_dim(d, cfg.rope[cfg.layer_rope[layer]]) < d
+        self.rotary_kernel = None if partial else fused_kernel(device, "rotary", "apply_rotary_qk")
         # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
         self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
@@ -200,8 +206,9 @@ class DecoderLayer(nn.Module):
     input_layernorm: RMSNorm
 
     def pre_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: RopeCosSin
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> q, k, v, residual."""
+                      ) -> tuple[torch.Tensor, ...]:
+        """-> the inputs of the attention call (q, k, v for ``Attention``), then the
+        residual."""
         return self.self_attn.project(self.input_layernorm, x, residual, rope)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor
@@ -235,12 +242,13 @@ class PreNormDecoderLayer(DecoderLayer):
 
 @dataclass
 class Segment:
-    """What one piece between two attention calls hands on: the next layer's q/k/v and the
-    residual, or (after the last layer) the hidden states; plus the rotary rows."""
+    """What one piece between two attention calls hands on: the next layer's attention
+    inputs (q/k/v; whatever its token mixer's ``attend`` takes) and the residual, or (after
+    the last layer) the hidden states; plus the rotary rows."""
 
     rope: dict[str, RopeCosSin]
     residual: Optional[torch.Tensor] = None
-    qkv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    qkv: Optional[tuple[torch.Tensor, ...]] = None
     hidden: Optional[torch.Tensor] = None
 
 
@@ -323,9 +331,9 @@ class CausalLM(nn.Module):
 
     def _enter(self, index: int, x: torch.Tensor, residual: Optional[torch.Tensor],
                rope: dict[str, RopeCosSin]) -> Segment:
-        q, k, v, residual = self._layer_at[index].pre_attention(
+        *inputs, residual = self._layer_at[index].pre_attention(
             x, residual, rope[self.cfg.layer_rope[index]])
-        return Segment(rope, residual, (q, k, v))
+        return Segment(rope, residual, tuple(inputs))
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Float32 logits for the rows that sample (the norm is row-wise, so it runs here);

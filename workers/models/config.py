@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pocketllm.model_info import ModelInfo
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+LINEAR = "linear_attention"  # a Gated DeltaNet layer (qwen3_5_config.py): a recurrent state
 
 # HF ``hidden_act`` name -> the function it names: the one table of activation names (the
 # torch, Triton and CPU kernels key their own forms on these kinds).
@@ -51,6 +52,8 @@ class ArchConfig:
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator
     final_softcap: Optional[float] = None
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's 1 + w
+    # per layer: it is Gated DeltaNet linear attention (a recurrent state, no KV); empty: none
+    linear_layers: list[bool] = field(default_factory=list)
 
     def tp_splits(self) -> dict[str, int]:
         """Config key -> an MLP width that tensor parallelism splits evenly across ranks."""
@@ -86,11 +89,14 @@ def as_int(hf: dict, key: str, default: Any) -> int:
         raise CheckpointError(f"config: {key}={value!r} is not an integer") from None
 
 
-def layer_kinds(hf: dict, num_layers: int, default: list[str]) -> list[str]:
+def layer_kinds(hf: dict, num_layers: int, default: list[str],
+                allowed: tuple[str, ...] = (FULL, SLIDING)) -> list[str]:
     kinds = hf.get("layer_types") or default
-    bad = [k for k in kinds if k not in (FULL, SLIDING)]
+    if not isinstance(kinds, list):
+        raise CheckpointError(f"config: layer_types={kinds!r} must be a list")
+    bad = [k for k in kinds if k not in allowed]
     if bad:
-        raise CheckpointError(f"config: unsupported layer_types {sorted(set(bad))}")
+        raise CheckpointError(f"config: unsupported layer_types {sorted(set(map(str, bad)))}")
     if len(kinds) != num_layers:
         raise CheckpointError(f"config: layer_types has {len(kinds)} entries, "
                               f"expected num_hidden_layers={num_layers}")

@@ -1,0 +1,223 @@
+"""Gated DeltaNet as a decoder layer's token mixer (Qwen3.5, Qwen3-Next): the projections,
+the causal convolution and the delta rule (``gated_delta.py``) over per-sequence states
+held in the worker's state pools (``kv_cache.PagedKVCache``, a ``CacheSpec("state")``
+group: one slot per running request, the scheduler's ``kv_groups``).
+
+A step's one-token sequences (decodes) update their states together, batched; each
+longer chunk (a prompt, or a chunk of one) runs the chunked form from its slot's state, so
+a prompt split across steps at any token computes what one step does. A slot whose
+request starts at position 0 is zeroed by the runner before the step (``fresh``).
+
+The mixer follows the segment protocol of ``models/base.Attention``: ``project`` (the
+fused input projection, norm and residual add included), ``attend`` (the recurrent part,
+reading and writing the state), ``output`` (the out projection).
+
+Tensor parallelism splits the heads: each rank holds ``num_k_heads / world`` query/key
+heads and the value heads that read them, so the state never crosses ranks; the out
+projection is row-parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..device import to_device
+from ..distributed import SINGLE, TPGroup
+from ..step_rows import ScheduledSeq
+from .gated_delta import (causal_conv, chunked, conv_step, decay_and_beta, decode_step,
+                          gated_rms_norm)
+from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
+from .norm import RMSNorm
+
+Rows = Union[slice, torch.Tensor]
+
+
+@dataclass
+class StateMetadata:
+    """A step's sequences as the recurrent layers read them."""
+
+    decode_rows: Optional[Rows]  # rows of the one-token sequences (None: none)
+    decode_slots: Optional[torch.Tensor]  # [B] their slots
+    prefills: tuple[tuple[int, int, int], ...]  # (first row, rows, slot) of each longer chunk
+    fresh: list[int]  # slots of requests starting at position 0: zeroed before the step
+
+
+def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> StateMetadata:
+    """``seqs``: the state group's view of the step (each table is one slot)."""
+    decodes = [s for s in seqs if s.num_tokens == 1]
+    rows: Optional[Rows] = None
+    slots = None
+    if decodes:
+        first = decodes[0].row
+        if [s.row for s in decodes] == list(range(first, first + len(decodes))):
+            rows = slice(first, first + len(decodes))
+        else:
+            rows = to_device([s.row for s in decodes], device)
+        slots = to_device([s.block_ids[0] for s in decodes], device)
+    return StateMetadata(rows, slots,
+                         tuple((s.row, s.num_tokens, s.block_ids[0]) for s in seqs
+                               if s.num_tokens > 1),
+                         [s.block_ids[0] for s in seqs if s.start == 0])
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer: ``in_proj`` stacks this rank's q, k, v, z (the output
+    gate), b (write strength) and a (decay) rows, in that order."""
+
+    def __init__(self, hidden_size: int, spec, eps: float, device: torch.device,
+                 dtype: torch.dtype, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.spec, self.tp, self.eps = spec, tp, eps
+        self.k_heads = spec.num_k_heads // tp.world
+        self.v_heads = spec.num_v_heads // tp.world
+        self.k_dim, self.v_dim = spec.k_head_dim, spec.v_head_dim
+        key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.channels = 2 * key + value  # the convolution's: q, k, v
+        self.widths = [self.channels, value, self.v_heads, self.v_heads]
+        self.in_proj = ColumnParallelLinear(hidden_size, [Shard(0, 0, n, n) for n in self.widths],
+                                            False, device, dtype)
+        self.conv_weight = nn.Parameter(torch.empty(self.channels, spec.conv_kernel,
+                                                    device=device, dtype=dtype),
+                                        requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads, device=device), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(self.v_dim, device=device, dtype=dtype),
+                                        requires_grad=False)
+        self.out_proj = RowParallelLinear(even_shard(spec.num_v_heads * self.v_dim, tp, dim=1),
+                                          hidden_size, False, device, dtype, tp)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's conv state (model dtype) and recurrent state (float32)."""
+        return ((self.channels, self.spec.conv_kernel - 1),
+                (self.v_heads, self.k_dim, self.v_dim))
+
+    # ------------------------------------------------------------------ forward
+
+    def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
+                rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the stacked projection of ``norm(x + residual)``, and the new residual."""
+        return self.in_proj.normed(norm, x, residual)
+
+    def attend(self, proj: torch.Tensor, meta: StateMetadata,
+               cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """The recurrent part, reading and writing each sequence's slot in ``cache`` (conv
+        states [slots, channels, kernel - 1], states [slots, v_heads, k_dim, v_dim]):
+        -> gated, normed outputs [T, v_heads * v_dim]."""
+        conv_states, states = cache
+        mixed, z, b, a = proj.split(self.widths, dim=-1)
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+        core = torch.empty(proj.shape[0], self.v_heads, self.v_dim, dtype=proj.dtype,
+                           device=proj.device)
+        if meta.decode_rows is not None:
+            rows, slots = meta.decode_rows, meta.decode_slots
+            y, conv_new = conv_step(_take(mixed, rows), self.conv_weight,
+                                    conv_states.index_select(0, slots))
+            conv_states.index_copy_(0, slots, conv_new)
+            o, s = decode_step(*self._heads(y), _take(g, rows), _take(beta, rows),
+                               states.index_select(0, slots))
+            states.index_copy_(0, slots, s)
+            if isinstance(rows, slice):
+                core[rows] = o
+            else:
+                core.index_copy_(0, rows, o.to(core.dtype))
+        for row, n, slot in meta.prefills:
+            r = slice(row, row + n)
+            y, conv_states[slot] = causal_conv(mixed[r], self.conv_weight, conv_states[slot])
+            core[r], states[slot] = chunked(*self._heads(y), g[r], beta[r], states[slot])
+        gate = z.reshape(-1, self.v_heads, self.v_dim)
+        return gated_rms_norm(core, gate, self.norm_weight, self.eps).flatten(1)
+
+    def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, key = y.shape[0], self.k_heads * self.k_dim
+        q, k, v = y.split([key, key, self.v_heads * self.v_dim], dim=-1)
+        return (q.reshape(t, self.k_heads, self.k_dim), k.reshape(t, self.k_heads, self.k_dim),
+                v.reshape(t, self.v_heads, self.v_dim))
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(attn)
+
+    # ------------------------------------------------------------------ weights
+
+    def _global_rows(self) -> dict[str, list[int]]:
+        """Per stacked part: the indices, within that part over all heads, this rank holds."""
+        r, s = self.tp.rank, self.spec
+        def heads(count: int, dim: int) -> list[int]:
+            return list(range(r * count * dim, (r + 1) * count * dim))
+        return {"q": heads(self.k_heads, self.k_dim), "k": heads(self.k_heads, self.k_dim),
+                "v": heads(self.v_heads, self.v_dim), "z": heads(self.v_heads, self.v_dim),
+                "b": heads(self.v_heads, 1), "a": heads(self.v_heads, 1)}
+
+    def _row_of(self, part: str, i: int) -> int:
+        """Row of part ``part``'s index ``i`` in its checkpoint tensor (Qwen3.5: in_proj_qkv
+        holds q, k, v one after another; Qwen3-Next: in_proj_qkvz / in_proj_ba hold one
+        block per key head, [q, k, v, z] and [b, a] of the value heads that read it)."""
+        s = self.spec
+        key = s.num_k_heads * s.k_head_dim
+        if not s.interleaved:
+            return {"q": 0, "k": key, "v": 2 * key}.get(part, 0) + i
+        per = s.num_v_heads // s.num_k_heads  # value heads per key head
+        if part in ("b", "a"):
+            group, within = divmod(i, per)
+            return group * 2 * per + (per if part == "a" else 0) + within
+        block = 2 * s.k_head_dim + 2 * per * s.v_head_dim
+        if part in ("q", "k"):
+            group, d = divmod(i, s.k_head_dim)
+            return group * block + (s.k_head_dim if part == "k" else 0) + d
+        head, d = divmod(i, s.v_head_dim)
+        group, within = divmod(head, per)
+        offset = 2 * s.k_head_dim + (per * s.v_head_dim if part == "z" else 0)
+        return group * block + offset + within * s.v_head_dim + d
+
+    def weight_targets(self, prefix: str) -> dict:
+        """HF names under ``prefix`` (``model.layers.{i}.linear_attn.``) -> their places."""
+        from ..models.weight_targets import WeightTarget, row_parallel_targets
+
+        s, rows = self.spec, self._global_rows()
+        hidden = self.in_proj.in_features
+        key, value = s.num_k_heads * s.k_head_dim, s.num_v_heads * s.v_head_dim
+        stacked = (("in_proj_qkvz", "qkvz", 2 * key + 2 * value),
+                   ("in_proj_ba", "ba", 2 * s.num_v_heads)) if s.interleaved else (
+            ("in_proj_qkv", "qkv", 2 * key + value), ("in_proj_z", "z", value),
+            ("in_proj_b", "b", s.num_v_heads), ("in_proj_a", "a", s.num_v_heads))
+        t: dict[str, WeightTarget] = {}
+        start = 0
+        for name, parts, full in stacked:
+            index = [self._row_of(p, i) for p in parts for i in rows[p]]
+            t[f"{prefix}{name}.weight"] = _selected(self.in_proj.weight,
+                                                     slice(start, start + len(index)), index,
+                                                     (full, hidden))
+            start += len(index)
+        # the convolution's channels are q, k, v in plain head order in both families
+        conv = [{"q": 0, "k": key, "v": 2 * key}[p] + i for p in "qkv" for i in rows[p]]
+        t[f"{prefix}conv1d.weight"] = _selected(self.conv_weight, None, conv,
+                                                 (s.conv_channels, 1, s.conv_kernel), squeeze=1)
+        heads = even_shard(s.num_v_heads, self.tp)
+        for name in ("A_log", "dt_bias"):
+            t[f"{prefix}{name}"] = WeightTarget(getattr(self, name),
+                                                shard=None if heads.whole else heads)
+        t[f"{prefix}norm.weight"] = WeightTarget(self.norm_weight)
+        row_parallel_targets(t, f"{prefix}out_proj.", self.out_proj)
+        return t
+
+
+def _selected(param: torch.Tensor, rows: Optional[slice], index: list[int],
+              stored_shape: tuple[int, ...], squeeze: Optional[int] = None):
+    """A target filled from the checkpoint rows ``index`` (in order), read whole."""
+    from ..models.weight_targets import WeightTarget
+
+    def pick(w: torch.Tensor) -> torch.Tensor:
+        if squeeze is not None:
+            w = w.squeeze(squeeze)
+        if index == list(range(w.shape[0])):
+            return w
+        return w.index_select(0, torch.tensor(index, dtype=torch.long, device=w.device))
+    return WeightTarget(param, rows, transform=pick, stored_shape=stored_shape)
