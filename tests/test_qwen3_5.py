@@ -185,3 +185,29 @@ BASE = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hid
 def test_bad_configs_are_refused(overrides, match):
     with pytest.raises(CheckpointError, match=match):
         qwen3_5_arch_config({**BASE, **overrides}, "Qwen3_5ForCausalLM").validate()
+
+
+def test_multimodal_checkpoint_serves_its_text_tower(tmp_path):
+    """Qwen3_5ForConditionalGeneration: the language model's tensors under
+    ``model.language_model.``, a vision tower skipped; text generation equals transformers'
+    multimodal model given text alone."""
+    import shutil
+
+    text = make_tiny_checkpoint("qwen3_5")
+    config = transformers.AutoConfig.from_pretrained(text)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64)
+    torch.manual_seed(3)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=config.to_dict(), vision_config=vision, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.15)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{text}/{name}", tmp_path / name)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    runner = make_runner(str(tmp_path))
+    assert run(runner, {"r": PROMPT}, new_tokens=12)[0]["r"] == out[0, len(PROMPT):].tolist()

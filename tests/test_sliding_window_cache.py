@@ -27,9 +27,10 @@ from tiny_checkpoints import make_tiny_checkpoint, run_step  # noqa: E402
 WINDOW, BS = 8, 4
 
 
-def one_pool_layout(windows: list, _max_model_len: int, latent: bool = False) -> CacheLayout:
+def one_pool_layout(windows: list, _max_model_len: int, latent: bool = False,
+                    state_layers=None) -> CacheLayout:
     """Every layer in one full-attention pool: the layout before cache groups."""
-    assert not latent  # Gemma 3 caches K and V
+    assert not latent and not state_layers  # Gemma 3 caches K and V
     return CacheLayout([CacheSpec()], [0] * len(windows),
                        [sorted(set(windows), key=lambda w: -1 if w is None else w)])
 
