@@ -16,7 +16,10 @@ from pocketllm.tokenizer.tokenizer import load_tokenizer
                                                 ("qwen3-8b", "Qwen3ForCausalLM", 36),
                                                 ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 48),
                                                 ("gpt-oss-20b", "GptOssForCausalLM", 24),
-                                                ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 27)])
+                                                ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 27),
+                                                ("qwen3.5-0.8b", "Qwen3_5ForCausalLM", 24),
+                                                ("qwen3.5-9b", "Qwen3_5ForCausalLM", 32),
+                                                ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM", 40)])
 def test_shipped_shapes_for_dummy_benchmarks(name, arch, layers):
     info = load_model_info(EngineArgs(model=name, load_format="dummy"))
     assert info.architecture == arch and info.hf_config["num_hidden_layers"] == layers
