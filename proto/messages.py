@@ -278,6 +278,8 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     cuda_graph_batch_sizes: list[int] = []  # decode batches replayed as CUDA graphs
     batch_invariant: bool = False  # logits independent of the rest of the batch (CUDA)
     weight_bytes: int = 0  # rank 0's weights one decode step reads (CausalLM.step_read_bytes)
+    # a sequence's recurrent state (linear-attention layers) a decode step reads and writes
+    state_step_bytes: int = 0
     # The KV cache groups, full attention first; empty: one full group of num_kv_blocks.
     cache_groups: list[CacheGroup] = []
 

@@ -16,13 +16,14 @@ from pocketllm.workers.layers import gated_delta as gd  # noqa: E402
 K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8
 
 
-def _inputs(T: int, seed: int = 0):
+def _inputs(T: int, seed: int = 0, dims=(K_HEADS, V_HEADS, K_DIM, V_DIM)):
+    k_heads, v_heads, k_dim, v_dim = dims
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k, v = r(T, K_HEADS, K_DIM), r(T, K_HEADS, K_DIM), r(T, V_HEADS, V_DIM)
-    g = -torch.rand(T, V_HEADS, generator=gen) * 2  # decays exp(g) in (0.13, 1]
-    beta = torch.rand(T, V_HEADS, generator=gen)
-    state = r(V_HEADS, K_DIM, V_DIM) * 0.1
+    q, k, v = r(T, k_heads, k_dim), r(T, k_heads, k_dim), r(T, v_heads, v_dim)
+    g = -torch.rand(T, v_heads, generator=gen) * 2  # decays exp(g) in (0.13, 1]
+    beta = torch.rand(T, v_heads, generator=gen)
+    state = r(v_heads, k_dim, v_dim) * 0.1
     return q, k, v, g, beta, state
 
 
@@ -201,3 +202,40 @@ def test_the_c_forms_refuse_bad_shapes():
         # the shapes are checked before any pointer is read
         assert lib.pq_gated_delta_step(None, None, *shape, None, None, None, 0) == cpu_lib.ERR_ARG
         assert lib.pq_gated_delta_prefill(None, None, *shape, None, None, 0) == cpu_lib.ERR_ARG
+
+
+def test_the_batched_decode_step_equals_the_recurrent_form():
+    """Three sequences' tokens in one ``decode_step``: each as ``recurrent`` alone."""
+    seqs = [_inputs(1, seed=40 + i) for i in range(3)]
+    out, states = gd.decode_step(*(torch.cat([s[i] for s in seqs]) for i in range(5)),
+                                 torch.stack([s[5] for s in seqs]))
+    for i, args in enumerate(seqs):
+        want_out, want_state = gd.recurrent(*args)
+        torch.testing.assert_close(out[i], want_out[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(states[i], want_state, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton forms need a GPU")
+@pytest.mark.parametrize("dims", [(K_HEADS, V_HEADS, K_DIM, V_DIM), (16, 32, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
+    """flash-linear-attention's kernels (``kernels/gated_delta.py``) against the torch forms
+    in float32: a 150-token chunk from a state (value heads grouped over the q/k heads,
+    Qwen3.5-9B's 128 x 128 heads), and a decode step of three sequences."""
+    from pocketllm.workers.kernels import gated_delta as fla_forms
+
+    q, k, v, g, beta, state = _inputs(150, seed=9, dims=dims)
+    batch = [_inputs(1, seed=50 + i, dims=dims) for i in range(3)]
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=6e-2, rtol=5e-2)
+    cuda = lambda x: x.cuda().to(dtype)  # noqa: E731
+    want_out, want_state = gd.chunked(q, k, v, g, beta, state)
+    out, s = fla_forms.chunked(cuda(q), cuda(k), cuda(v), g.cuda(), beta.cuda(), state.cuda())
+    torch.testing.assert_close(out.float().cpu(), want_out, **tol)
+    torch.testing.assert_close(s.float().cpu(), want_state, **tol)
+    args = [torch.cat([b[i] for b in batch]) for i in range(5)]
+    states = torch.stack([b[5] for b in batch])
+    want_out, want_states = gd.decode_step(*args, states)
+    out, s = fla_forms.decode_step(*(cuda(a) for a in args[:3]), args[3].cuda(), args[4].cuda(),
+                                   states.cuda())
+    torch.testing.assert_close(out.float().cpu(), want_out, **tol)
+    torch.testing.assert_close(s.float().cpu(), want_states, **tol)

@@ -138,6 +138,7 @@ def test_state_slots_shrink_to_half_the_budget_and_refuse_below_one():
     runner = runner_with(5 * slot)
     assert runner.kv.num_blocks[1] == 2  # half of 5 slots' bytes, below max_num_seqs=4
     assert runner.kv.state_slot_bytes(1) == slot
+    assert runner.capabilities().state_step_bytes == 2 * slot  # read and written a step
     with pytest.raises(InvalidRequestError, match="recurrent state of one sequence needs"):
         runner_with(slot)
 

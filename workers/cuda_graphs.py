@@ -11,7 +11,9 @@ so they read finite values and touch no real sequence. Rows never mix, so a padd
 row's output is simply dropped.
 
 Each cache group (full attention, a sliding window: ``kv_cache.py``) has its own static
-block table and slot buffers, and each layer's attention reads its own group's.
+block table and slot buffers, and each layer's attention reads its own group's. A state
+group (linear attention) has a static buffer of state slots instead; padding rows update
+the spare slot past the pool's end.
 
 The attention kernels size their launch grid from the longest sequence; the
 graphs are captured at ``max_model_len`` and a replay skips the splits past
@@ -28,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .layers.attention import AttentionMetadata, PagedSeqs, ScheduledSeq
+from .layers.linear_attention import StateMetadata
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -86,9 +89,12 @@ def capture_ladder(rungs: Sequence[int], capture: Callable, started: float, budg
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int,
-                 pad_blocks: Sequence[int], device: torch.device, max_batch: int):
-        """``pad_blocks``: each cache group's spare block (the groups' order)."""
+                 pad_blocks: Sequence[int], device: torch.device, max_batch: int,
+                 state_groups: Sequence[bool] = ()):
+        """``pad_blocks``: each cache group's spare block (the groups' order); a state
+        group's (``state_groups[g]``) is its spare slot."""
         self.model, self.kv_caches = model, kv_caches
+        self.state_groups = list(state_groups) or [False] * len(pad_blocks)
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.pad_blocks = list(pad_blocks)
         self.width = -(-max_model_len // block_size)
@@ -100,7 +106,9 @@ class DecodeGraphs:
         self.q_start = torch.arange(g, dtype=torch.int32, device=device)
         self.q_lens = torch.ones(g, dtype=torch.int32, device=device)
         # per cache group: the new tokens' slots and the block tables
-        self.slots = [torch.zeros(g, dtype=torch.int32, device=device) for _ in self.pad_blocks]
+        # (a state group's: its rows' state slots, int64 for index_select / index_copy_)
+        self.slots = [torch.zeros(g, dtype=torch.long if state else torch.int32, device=device)
+                      for state in self.state_groups]
         self.tables = [torch.full((g, self.width), pad, dtype=torch.int32, device=device)
                        for pad in self.pad_blocks]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -111,9 +119,11 @@ class DecodeGraphs:
         return sorted(self.graphs)
 
     def _forward(self, b: int) -> torch.Tensor:
-        metas = [AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
-            tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
-            self.max_model_len, 1)) for slots, tables in zip(self.slots, self.tables)]
+        metas = [StateMetadata(slice(0, b), slots[:b], ()) if state else
+                 AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
+                     tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
+                     self.max_model_len, 1))
+                 for slots, tables, state in zip(self.slots, self.tables, self.state_groups)]
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1,
                             metas, self.kv_caches)
         return self.model.compute_logits(hidden)
@@ -143,8 +153,9 @@ class DecodeGraphs:
 
     def _reset_padding(self, start: int, stop: int) -> None:
         rows = slice(start, stop)
-        for slots, tables, pad in zip(self.slots, self.tables, self.pad_blocks):
-            slots[rows].fill_(pad * self.block_size)
+        for slots, tables, pad, state in zip(self.slots, self.tables, self.pad_blocks,
+                                             self.state_groups):
+            slots[rows].fill_(pad if state else pad * self.block_size)
             tables[rows, 0].fill_(pad)
         self.seq_lens[rows].fill_(1)
         self.input_ids[rows].zero_()
@@ -165,7 +176,12 @@ class DecodeGraphs:
         width = max(-(-(p + 1) // bs) for p in positions)
         flat = array.array("i")
         flat.extend(p + 1 for p in positions)  # seq_lens once the token is written
-        for group, pad in zip(seqs, self.pad_blocks):  # per group: slots, then tables
+        for group, pad, state in zip(seqs, self.pad_blocks, self.state_groups):
+            # per group: slots, then tables (a state group: each sequence's state slot)
+            if state:
+                flat.extend(s.block_ids[0] for s in group)
+                flat.extend([pad] * (len(group) * width))  # unread: keeps the layout
+                continue
             for s, p in zip(group, positions):  # slot of the one new token per sequence
                 flat.append(s.block_ids[p // bs] * bs + p % bs)
             for s in group:

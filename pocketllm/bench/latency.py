@@ -27,6 +27,7 @@ class LatencyResult:
     device: str = ""
     dtype: str = "float32"
     weight_bytes: int = 0  # per rank: what one decode step reads
+    state_bytes: int = 0  # per rank: a sequence's recurrent state read and written a step
     cached_prompt_tokens: int = 0  # of the batch-1 runs, served from the prefix cache (~0)
     prompt_tokens: int = 0
 
@@ -77,6 +78,7 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
                            statistics.median(tps), runs)
     result.batched = batched
     result.device, result.dtype, result.weight_bytes = caps.device, caps.dtype, caps.weight_bytes
+    result.state_bytes = caps.state_step_bytes
     result.cached_prompt_tokens = cached
     result.prompt_tokens = len(ids)
     return result, ids
@@ -150,17 +152,19 @@ def synthetic_ids(n: int, vocab_size: int, skip: set) -> list[int]:
 
 def roofline(result: LatencyResult) -> str:
     """Decode speed as a share of the memory roofline: the device's copy bandwidth
-    (measured now, in this process) over the bytes of weights one step reads."""
+    (measured now, in this process) over the bytes one step moves: the weights it reads,
+    and a linear-attention model's recurrent state, read and written."""
     from pocketllm.workers.device import copy_bandwidth  # the bench may import torch
 
     import torch
 
     device = torch.device(result.device)
     bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (256 << 20))
-    limit = bw / result.weight_bytes
+    limit = bw / (result.weight_bytes + result.state_bytes)
+    state = (f" + state {result.state_bytes / 1e6:,.1f} MB" if result.state_bytes else "")
     return (f"roofline: copy bandwidth {bw / 1e9:,.0f} GB/s (read + write) / weights "
-            f"{result.weight_bytes / 1e9:.2f} GB per rank = {limit:,.1f} tok/s at batch 1; "
-            f"decode reaches {result.decode_tps / limit:.0%} of it")
+            f"{result.weight_bytes / 1e9:.2f} GB{state} per rank = {limit:,.1f} tok/s at "
+            f"batch 1; decode reaches {result.decode_tps / limit:.0%} of it")
 
 
 def report(results: list[LatencyResult], output_len: int, threads: int | None = None) -> str:

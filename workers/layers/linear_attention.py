@@ -6,7 +6,7 @@ group: one slot per running request, the scheduler's ``kv_groups``).
 A step's one-token sequences (decodes) update their states together, batched; each
 longer chunk (a prompt, or a chunk of one) runs the chunked form from its slot's state, so
 a prompt split across steps at any token computes what one step does. A slot whose
-request starts at position 0 is zeroed by the runner before the step (``fresh``).
+request starts at position 0 is zeroed by the runner before the step.
 
 The mixer follows the segment protocol of ``models/base.Attention``: ``project`` (the
 fused input projection, norm and residual add included), ``attend`` (the recurrent part,
@@ -19,17 +19,19 @@ projection is row-parallel.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from .. import kernels
 from ..device import to_device
 from ..distributed import SINGLE, TPGroup
 from ..step_rows import ScheduledSeq
-from .gated_delta import (causal_conv, chunked, conv_step, decay_and_beta, decode_step,
-                          gated_rms_norm)
+from . import gated_delta
+from .gated_delta import causal_conv, conv_step, decay_and_beta, gated_rms_norm
 from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
 from .norm import RMSNorm
 
@@ -43,7 +45,6 @@ class StateMetadata:
     decode_rows: Optional[Rows]  # rows of the one-token sequences (None: none)
     decode_slots: Optional[torch.Tensor]  # [B] their slots
     prefills: tuple[tuple[int, int, int], ...]  # (first row, rows, slot) of each longer chunk
-    fresh: list[int]  # slots of requests starting at position 0: zeroed before the step
 
 
 def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> StateMetadata:
@@ -60,8 +61,7 @@ def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> 
         slots = to_device([s.block_ids[0] for s in decodes], device)
     return StateMetadata(rows, slots,
                          tuple((s.row, s.num_tokens, s.block_ids[0]) for s in seqs
-                               if s.num_tokens > 1),
-                         [s.block_ids[0] for s in seqs if s.start == 0])
+                               if s.num_tokens > 1))
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -93,6 +93,10 @@ class GatedDeltaNet(nn.Module):
                                         requires_grad=False)
         self.out_proj = RowParallelLinear(even_shard(spec.num_v_heads * self.v_dim, tp, dim=1),
                                           hidden_size, False, device, dtype, tp)
+        # the delta rule's forms: flash-linear-attention's Triton kernels on CUDA
+        forms = (importlib.import_module(f"{kernels.__name__}.gated_delta")
+                 if kernels.kernels_usable(device) else gated_delta)
+        self.chunked, self.decode_step = forms.chunked, forms.decode_step
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's conv state (model dtype) and recurrent state (float32)."""
@@ -122,8 +126,8 @@ class GatedDeltaNet(nn.Module):
             y, conv_new = conv_step(_take(mixed, rows), self.conv_weight,
                                     conv_states.index_select(0, slots))
             conv_states.index_copy_(0, slots, conv_new)
-            o, s = decode_step(*self._heads(y), _take(g, rows), _take(beta, rows),
-                               states.index_select(0, slots))
+            o, s = self.decode_step(*self._heads(y), _take(g, rows), _take(beta, rows),
+                                    states.index_select(0, slots))
             states.index_copy_(0, slots, s)
             if isinstance(rows, slice):
                 core[rows] = o
@@ -132,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         for row, n, slot in meta.prefills:
             r = slice(row, row + n)
             y, conv_states[slot] = causal_conv(mixed[r], self.conv_weight, conv_states[slot])
-            core[r], states[slot] = chunked(*self._heads(y), g[r], beta[r], states[slot])
+            core[r], states[slot] = self.chunked(*self._heads(y), g[r], beta[r], states[slot])
         gate = z.reshape(-1, self.v_heads, self.v_dim)
         return gated_rms_norm(core, gate, self.norm_weight, self.eps).flatten(1)
 

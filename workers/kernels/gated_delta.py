@@ -1,0 +1,35 @@
+"""The Gated DeltaNet forms on CUDA: flash-linear-attention's Triton kernels (``fla-core``,
+the kernels vLLM and SGLang carry), called with the torch forms' signatures
+(``layers/gated_delta.chunked`` and ``decode_step``), so ``layers/linear_attention.py``
+swaps one for the other. Both normalise q and k in the kernel (``use_qk_l2norm_in_kernel``,
+the same eps) and scale q by k_dim^-1/2; the states stay float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's chunk: q, k [T, k_heads, k_dim], v [T, v_heads, v_dim], g/beta
+    [T, v_heads], state [v_heads, k_dim, v_dim] -> (out [T, v_heads, v_dim], new state)."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g.float()[None], beta.to(v.dtype)[None],
+        initial_state=state[None].float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    return out[0], final[0]
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, k_heads, k_dim], v [B, v_heads, v_dim],
+    g/beta [B, v_heads], state [B, v_heads, k_dim, v_dim] -> (out [B, v_heads, v_dim],
+    new states)."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, final = fused_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g.float()[:, None], beta.to(v.dtype)[:, None],
+        initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out[:, 0], final
