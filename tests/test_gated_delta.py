@@ -6,6 +6,8 @@ whole Qwen3.5 linear-attention layer composed from them equals transformers'
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,7 +30,10 @@ def _inputs(T: int, seed: int = 0, dims=(K_HEADS, V_HEADS, K_DIM, V_DIM)):
 
 
 def _reference(fn, q, k, v, g, beta, state, **kw):
-    # q/k repeated to the value heads here: older transformers' forms do not group them
+    # q/k repeated to the value heads here: older transformers' forms do not group them;
+    # unwrapped: older transformers call flash-linear-attention, where installed, whatever
+    # the tensors' device
+    fn = inspect.unwrap(fn)
     group = v.shape[1] // q.shape[1]
     q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     out, s = fn(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
@@ -222,6 +227,7 @@ def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
     """flash-linear-attention's kernels (``kernels/gated_delta.py``) against the torch forms
     in float32: a 150-token chunk from a state (value heads grouped over the q/k heads,
     Qwen3.5-9B's 128 x 128 heads), and a decode step of three sequences."""
+    pytest.importorskip("fla")
     from pocketllm.workers.kernels import gated_delta as fla_forms
 
     q, k, v, g, beta, state = _inputs(150, seed=9, dims=dims)

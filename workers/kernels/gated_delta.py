@@ -17,7 +17,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     [T, v_heads], state [v_heads, k_dim, v_dim] -> (out [T, v_heads, v_dim], new state)."""
     q, k, v = (x.contiguous() for x in (q, k, v))
     out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g.float()[None], beta.to(v.dtype)[None],
+        q[None], k[None], v[None], g=g.float()[None], beta=beta.to(v.dtype)[None],
         initial_state=state[None].float(), output_final_state=True,
         use_qk_l2norm_in_kernel=True)
     return out[0], final[0]
@@ -30,6 +30,6 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     new states)."""
     q, k, v = (x.contiguous() for x in (q, k, v))
     out, final = fused_recurrent_gated_delta_rule(
-        q[:, None], k[:, None], v[:, None], g.float()[:, None], beta.to(v.dtype)[:, None],
+        q[:, None], k[:, None], v[:, None], g=g.float()[:, None], beta=beta.to(v.dtype)[:, None],
         initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True)
     return out[:, 0], final

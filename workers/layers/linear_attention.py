@@ -19,7 +19,9 @@ projection is row-parallel.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -36,6 +38,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
 from .norm import RMSNorm
 
 Rows = Union[slice, torch.Tensor]
+logger = logging.getLogger("pocketllm.worker")
 
 
 @dataclass
@@ -62,6 +65,18 @@ def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> 
     return StateMetadata(rows, slots,
                          tuple((s.row, s.num_tokens, s.block_ids[0]) for s in seqs
                                if s.num_tokens > 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_forms():
+    """The delta rule's forms on CUDA: flash-linear-attention's Triton kernels (a
+    dependency on Linux x86_64); without it, the torch forms, said once."""
+    try:
+        return importlib.import_module(f"{kernels.__name__}.gated_delta")
+    except ImportError as e:
+        logger.warning("flash-linear-attention (fla-core) cannot be imported (%s): the "
+                       "linear-attention layers run their torch forms on the GPU, slower", e)
+        return gated_delta
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -93,9 +108,7 @@ class GatedDeltaNet(nn.Module):
                                         requires_grad=False)
         self.out_proj = RowParallelLinear(even_shard(spec.num_v_heads * self.v_dim, tp, dim=1),
                                           hidden_size, False, device, dtype, tp)
-        # the delta rule's forms: flash-linear-attention's Triton kernels on CUDA
-        forms = (importlib.import_module(f"{kernels.__name__}.gated_delta")
-                 if kernels.kernels_usable(device) else gated_delta)
+        forms = _triton_forms() if kernels.kernels_usable(device) else gated_delta
         self.chunked, self.decode_step = forms.chunked, forms.decode_step
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
