@@ -19,7 +19,8 @@ import types
 import pytest
 
 MODULES = ("kv_write", "paged_decode_attention", "prefill_attention", "rmsnorm", "rotary",
-           "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv", "pdl")
+           "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv", "pdl",
+           "gated_delta_decode")
 
 
 def load_kernels() -> tuple[types.SimpleNamespace, "object"]:

@@ -339,3 +339,36 @@ def test_pdl_is_on_for_hopper_gpus_only_and_can_be_turned_off(monkeypatch):
     assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setenv("POCKETLLM_PDL", "0")
     assert pdl.launch_options(cuda) == {"PDL": False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 8), (4, 8, 32, 64)])
+def test_gated_delta_decode_kernel_matches_the_torch_step(dtype, dims):
+    """The two-launch decode step (``gated_delta_decode``) against the layer's torch step:
+    three steps of three sequences at scattered slots, outputs and both states; the
+    other slots untouched."""
+    from pocketllm.workers.layers.linear_attention import GatedDeltaNet
+    from pocketllm.workers.models.qwen3_5_config import GdnSpec
+
+    k_heads, v_heads, k_dim, v_dim = dims
+    layer = GatedDeltaNet(48, GdnSpec(k_heads, v_heads, k_dim, v_dim, 4), 1e-6, DEVICE, dtype)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(rand(*p.shape, seed=10 + i) * (0.3 if p.dim() > 1 else 1.0))
+    conv_shape, state_shape = layer.state_shapes()
+    conv = rand(6, *conv_shape, dtype=dtype, seed=1) * 0.5
+    states = rand(6, *state_shape, seed=2) * 0.1
+    conv_ref, states_ref = conv.clone(), states.clone()
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    kernel, layer.fused_decode = K.gated_delta_decode.decode, None
+    # bfloat16: the torch step rounds the convolution's products, the kernel its sums; the
+    # norm of an 8-wide head output magnifies that
+    tol = (dict(atol=8e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5))
+    for step in range(3):
+        proj = rand(3, sum(layer.widths), dtype=dtype, seed=20 + step)
+        want = layer._decode(proj, conv_ref, states_ref, slots)
+        got = kernel(proj, layer.widths, layer.conv_weight, conv, states, slots, layer.A_log,
+                     layer.dt_bias, layer.norm_weight, k_heads, k_dim, 1e-6)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        torch.testing.assert_close(conv.float(), conv_ref.float(), **tol)
+        torch.testing.assert_close(states, states_ref, **tol)

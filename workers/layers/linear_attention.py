@@ -110,6 +110,11 @@ class GatedDeltaNet(nn.Module):
                                           hidden_size, False, device, dtype, tp)
         forms = _triton_forms() if kernels.kernels_usable(device) else gated_delta
         self.chunked, self.decode_step = forms.chunked, forms.decode_step
+        # a decode step in two launches on CUDA (kernels/gated_delta_decode.py); its tiles
+        # need power-of-two head widths
+        pow2 = all(d & (d - 1) == 0 for d in (self.k_dim, self.v_dim))
+        self.fused_decode = (kernels.fused_kernel(device, "gated_delta_decode", "decode")
+                             if pow2 else None)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's conv state (model dtype) and recurrent state (float32)."""
@@ -130,28 +135,44 @@ class GatedDeltaNet(nn.Module):
         states [slots, channels, kernel - 1], states [slots, v_heads, k_dim, v_dim]):
         -> gated, normed outputs [T, v_heads * v_dim]."""
         conv_states, states = cache
-        mixed, z, b, a = proj.split(self.widths, dim=-1)
-        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
-        core = torch.empty(proj.shape[0], self.v_heads, self.v_dim, dtype=proj.dtype,
-                           device=proj.device)
+        normed = torch.empty(proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype,
+                             device=proj.device)
         if meta.decode_rows is not None:
-            rows, slots = meta.decode_rows, meta.decode_slots
-            y, conv_new = conv_step(_take(mixed, rows), self.conv_weight,
-                                    conv_states.index_select(0, slots))
-            conv_states.index_copy_(0, slots, conv_new)
-            o, s = self.decode_step(*self._heads(y), _take(g, rows), _take(beta, rows),
-                                    states.index_select(0, slots))
-            states.index_copy_(0, slots, s)
+            rows = meta.decode_rows
+            o = self._decode(_take(proj, rows), conv_states, states, meta.decode_slots)
             if isinstance(rows, slice):
-                core[rows] = o
+                normed[rows] = o
             else:
-                core.index_copy_(0, rows, o.to(core.dtype))
+                normed.index_copy_(0, rows, o)
         for row, n, slot in meta.prefills:
-            r = slice(row, row + n)
-            y, conv_states[slot] = causal_conv(mixed[r], self.conv_weight, conv_states[slot])
-            core[r], states[slot] = self.chunked(*self._heads(y), g[r], beta[r], states[slot])
-        gate = z.reshape(-1, self.v_heads, self.v_dim)
-        return gated_rms_norm(core, gate, self.norm_weight, self.eps).flatten(1)
+            part = proj[row:row + n]
+            mixed, z, b, a = part.split(self.widths, dim=-1)
+            y, conv_states[slot] = causal_conv(mixed, self.conv_weight, conv_states[slot])
+            g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+            core, states[slot] = self.chunked(*self._heads(y), g, beta, states[slot])
+            normed[row:row + n] = self._norm(core, z)
+        return normed
+
+    def _decode(self, proj: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences (their stacked projections [B, ...])."""
+        if self.fused_decode is not None:
+            return self.fused_decode(proj, self.widths, self.conv_weight, conv_states, states,
+                                     slots, self.A_log, self.dt_bias, self.norm_weight,
+                                     self.k_heads, self.k_dim, self.eps)
+        mixed, z, b, a = proj.split(self.widths, dim=-1)
+        y, conv_new = conv_step(mixed, self.conv_weight, conv_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, conv_new)
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+        core, s = self.decode_step(*self._heads(y), g, beta, states.index_select(0, slots))
+        states.index_copy_(0, slots, s)
+        return self._norm(core, z)
+
+    def _norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Each head's output (rounded to the model dtype) normed, scaled and gated by z."""
+        heads = (-1, self.v_heads, self.v_dim)
+        return gated_rms_norm(core.to(z.dtype).view(heads), z.reshape(heads), self.norm_weight,
+                              self.eps).flatten(1)
 
     def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, key = y.shape[0], self.k_heads * self.k_dim
