@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-_MODELS = "pocketllm.workers.models"
+_WORKERS = "pocketllm.workers"
+_MODELS = f"{_WORKERS}.models"
 
 # GGUF tensors outside the layers, named alike by every family: GGUF name -> HF name.
 GGUF_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
@@ -46,6 +47,9 @@ class Family:
     # MoE: GGUF names of a layer's experts stacked [E, rows, cols] -> the HF projection each
     # expert's slice becomes (model.layers.{i}.mlp.experts.{e}.<proj>.weight)
     gguf_expert_tensors: Mapping[str, str] = field(default_factory=dict)
+    # GGUF tensors a family maps itself (renamed, reshaped, reordered): "module:attribute"
+    # of (gguf_name, tensor, hf_config) -> [(HF name, tensor)], or None for the default path
+    gguf_tensor_hook: Optional[str] = None
     text_tower: tuple[str, ...] = ()  # multimodal architectures: serve config.json's text_config
     template: Optional[str] = None  # built-in chat template (pocketllm/templates/), if none shipped
     template_stop: Optional[str] = None  # the token that ends an assistant turn in it
@@ -69,6 +73,37 @@ def _qwen3moe_gguf(cfg: dict, g: Callable[..., Any]) -> None:
     cfg.update(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
                moe_intermediate_size=need("expert_feed_forward_length"),
                norm_topk_prob=bool(g("expert_weights_norm", True)))
+
+
+def _hybrid_gguf(cfg: dict, g: Callable[..., Any]) -> None:
+    """Qwen3.5 / Qwen3-Next: the linear-attention widths (llama.cpp's ssm.* keys), which
+    layers are recurrent, the partial rotary, the shared expert; and how the converter laid
+    out the linear-attention projections (``qwen3_5_config.IN_PROJ_LAYOUTS``)."""
+    from .errors import CheckpointError
+
+    def need(key: str) -> Any:
+        if g(key) is None:
+            raise CheckpointError(f"this GGUF file lacks the metadata key {key!r}")
+        return g(key)
+
+    heads_k, heads_v = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+    cfg.update(linear_num_key_heads=heads_k, linear_num_value_heads=heads_v,
+               linear_key_head_dim=int(need("ssm.state_size")),
+               linear_value_head_dim=int(need("ssm.inner_size")) // heads_v,
+               linear_conv_kernel_dim=int(need("ssm.conv_kernel")))
+    recurrent = g("attention.recurrent_layers")
+    if recurrent is not None:
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+    else:
+        cfg["full_attention_interval"] = int(need("full_attention_interval"))
+    cfg["partial_rotary_factor"] = int(need("rope.dimension_count")) / cfg["head_dim"]
+    if g("expert_count") is not None:
+        cfg.update(num_experts=int(g("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(g("expert_shared_feed_forward_length", 0)))
+    # qwen3next: in_proj_qkvz split into a plain q/k/v and z, b/a still interleaved per key
+    # head; qwen35(moe): plain, but the value heads tiled (gguf_hybrid.py undoes that)
+    cfg["linear_in_proj_layout"] = "qkv_z_ba" if cfg["model_type"] == "qwen3_next" else "qkv_z_b_a"
 
 
 def _deepseek2_gguf(cfg: dict, g: Callable[..., Any]) -> None:
@@ -110,13 +145,23 @@ FAMILIES = (
     Family("gpt_oss", ("GptOssForCausalLM",), f"{_MODELS}.gpt_oss:GptOssForCausalLM",
            f"{_MODELS}.gpt_oss:gpt_oss_arch_config"),
     # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet linear attention in three of every
-    # four layers, gated full attention in the rest (workers/models/qwen3_5.py);
-    # safetensors here (their GGUF files are refused until the CPU worker runs them).
-    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                       "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                       "Qwen3NextForCausalLM"),
-           f"{_MODELS}.qwen3_5:Qwen3_5ForCausalLM", f"{_MODELS}.qwen3_5_config:qwen3_5_arch_config",
-           text_tower=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")),
+    # four layers, gated full attention in the rest (workers/models/qwen3_5.py). One model,
+    # a family per GGUF architecture; a GGUF file runs on the torch worker, dequantized.
+    *(Family(name, archs, f"{_MODELS}.qwen3_5:Qwen3_5ForCausalLM",
+             f"{_MODELS}.qwen3_5_config:qwen3_5_arch_config", gguf_architecture=garch,
+             gguf_model_type=model_type, gguf_config=_hybrid_gguf,
+             gguf_tensors={**_LLAMA_TENSORS, "post_attention_norm": "post_attention_layernorm",
+                           "ffn_gate_inp": "mlp.gate"},
+             gguf_expert_tensors={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                  "ffn_down_exps": "down_proj"},
+             gguf_norm_offset=1.0, gguf_tensor_hook=f"{_WORKERS}.loader.gguf_hybrid:hybrid_tensor",
+             text_tower=tower)
+      for name, archs, garch, model_type, tower in (
+          ("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), "qwen35",
+           "qwen3_5_text", ("Qwen3_5ForConditionalGeneration",)),
+          ("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+           "qwen35moe", "qwen3_5_moe_text", ("Qwen3_5MoeForConditionalGeneration",)),
+          ("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3next", "qwen3_next", ()))),
     # DeepSeek-V2/V3: multi-head latent attention (workers/layers/mla.py) + DeepSeek MoE.
     Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
            f"{_MODELS}.deepseek:DeepseekForCausalLM", f"{_MODELS}.deepseek:deepseek_arch_config",

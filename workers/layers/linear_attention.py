@@ -194,13 +194,14 @@ class GatedDeltaNet(nn.Module):
                 "v": heads(self.v_heads, self.v_dim), "z": heads(self.v_heads, self.v_dim),
                 "b": heads(self.v_heads, 1), "a": heads(self.v_heads, 1)}
 
-    def _row_of(self, part: str, i: int) -> int:
-        """Row of part ``part``'s index ``i`` in its checkpoint tensor (Qwen3.5: in_proj_qkv
-        holds q, k, v one after another; Qwen3-Next: in_proj_qkvz / in_proj_ba hold one
-        block per key head, [q, k, v, z] and [b, a] of the value heads that read it)."""
+    def _row_of(self, part: str, i: int, interleaved: bool) -> int:
+        """Row of part ``part``'s index ``i`` in its checkpoint tensor: in plain order (a
+        q/k/v tensor holds q, k, v one after another), or ``interleaved`` (Qwen3-Next's
+        in_proj_qkvz / in_proj_ba: one block per key head, [q, k, v, z] or [b, a] of the
+        value heads that read it)."""
         s = self.spec
         key = s.num_k_heads * s.k_head_dim
-        if not s.interleaved:
+        if not interleaved:
             return {"q": 0, "k": key, "v": 2 * key}.get(part, 0) + i
         per = s.num_v_heads // s.num_k_heads  # value heads per key head
         if part in ("b", "a"):
@@ -219,17 +220,18 @@ class GatedDeltaNet(nn.Module):
         """HF names under ``prefix`` (``model.layers.{i}.linear_attn.``) -> their places."""
         from ..models.weight_targets import WeightTarget, row_parallel_targets
 
+        from ..models.qwen3_5_config import IN_PROJ_LAYOUTS, INTERLEAVED
+
         s, rows = self.spec, self._global_rows()
         hidden = self.in_proj.in_features
         key, value = s.num_k_heads * s.k_head_dim, s.num_v_heads * s.v_head_dim
-        stacked = (("in_proj_qkvz", "qkvz", 2 * key + 2 * value),
-                   ("in_proj_ba", "ba", 2 * s.num_v_heads)) if s.interleaved else (
-            ("in_proj_qkv", "qkv", 2 * key + value), ("in_proj_z", "z", value),
-            ("in_proj_b", "b", s.num_v_heads), ("in_proj_a", "a", s.num_v_heads))
+        full_rows = {"q": key, "k": key, "v": value, "z": value, "b": s.num_v_heads,
+                     "a": s.num_v_heads}
         t: dict[str, WeightTarget] = {}
         start = 0
-        for name, parts, full in stacked:
-            index = [self._row_of(p, i) for p in parts for i in rows[p]]
+        for name, parts in IN_PROJ_LAYOUTS[s.in_proj_layout]:
+            full = sum(full_rows[p] for p in parts)
+            index = [self._row_of(p, i, name in INTERLEAVED) for p in parts for i in rows[p]]
             t[f"{prefix}{name}.weight"] = _selected(self.in_proj.weight,
                                                      slice(start, start + len(index)), index,
                                                      (full, hidden))

@@ -18,6 +18,7 @@ copies it in (numpy: gguf_quants says why not torch), one tensor at a time.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -111,6 +112,13 @@ def _unpermuted(w: "np.ndarray | BlockTensor", n_heads: int) -> "np.ndarray | Bl
     return unpermute_rope_rows(w, n_heads)
 
 
+def _hook(path: Optional[str]):
+    if path is None:
+        return None
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def load_gguf_weights(path: str, info: "ModelInfo"
                       ) -> Iterator[tuple[str, "np.ndarray | BlockTensor"]]:
     """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
@@ -122,12 +130,17 @@ def load_gguf_weights(path: str, info: "ModelInfo"
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
     # copy-on-write: the views are writable for torch.from_numpy, and nothing writes them
     data = np.memmap(path, dtype=np.uint8, mode="c")
+    hook = _hook(family.gguf_tensor_hook)
     for gguf_name, t in header.tensors.items():
         if gguf_name in GGUF_DERIVED_TENSORS:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
                            path, gguf_name)
             continue
         w = _read_tensor(data, t, path)
+        mapped = hook(gguf_name, w, cfg) if hook is not None else None
+        if mapped is not None:  # the family's own mapping (gguf_hybrid.py)
+            yield from mapped
+            continue
         per_expert = expert_tensors(gguf_name, w, family.name)
         if per_expert is not None:
             yield from per_expert

@@ -22,6 +22,17 @@ from .qwen3_moe_config import _sparse_layers
 
 MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 
+# How a checkpoint stores a linear-attention layer's input projections: (tensor, the
+# parts it stacks) in the layer's order. Qwen3.5: each part its own tensor, heads in
+# order. Qwen3-Next: q/k/v/z and b/a interleaved per key head (the value heads that read
+# it, in_proj_qkvz / in_proj_ba). llama.cpp's qwen3next files: q/k/v and z split out in
+# head order, b/a still interleaved.
+IN_PROJ_LAYOUTS = {"qkv_z_b_a": (("in_proj_qkv", "qkv"), ("in_proj_z", "z"),
+                                 ("in_proj_b", "b"), ("in_proj_a", "a")),
+                   "qkvz_ba": (("in_proj_qkvz", "qkvz"), ("in_proj_ba", "ba")),
+                   "qkv_z_ba": (("in_proj_qkv", "qkv"), ("in_proj_z", "z"), ("in_proj_ba", "ba"))}
+INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
+
 
 @dataclass(frozen=True)
 class GdnSpec:
@@ -32,9 +43,7 @@ class GdnSpec:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int  # taps of the causal convolution over q/k/v
-    # Qwen3-Next stores in_proj_qkvz / in_proj_ba interleaved per key head; Qwen3.5 stores
-    # in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, each in plain head order
-    interleaved: bool = False
+    in_proj_layout: str = "qkv_z_b_a"  # a key of IN_PROJ_LAYOUTS
 
     @property
     def conv_channels(self) -> int:
@@ -71,6 +80,14 @@ class HybridArchConfig(MoeArchConfig):
         if g.num_v_heads % g.num_k_heads:
             raise CheckpointError(f"config: linear_num_value_heads={g.num_v_heads} is not a "
                                   f"multiple of linear_num_key_heads={g.num_k_heads}")
+
+
+def _in_proj_layout(hf: dict, next_: bool) -> str:
+    layout = hf.get("linear_in_proj_layout") or ("qkvz_ba" if next_ else "qkv_z_b_a")
+    if layout not in IN_PROJ_LAYOUTS:
+        raise CheckpointError(f"config: linear_in_proj_layout={layout!r}; known: "
+                              f"{', '.join(IN_PROJ_LAYOUTS)}")
+    return layout
 
 
 def qwen3_5_arch_config(hf: dict, architecture: str) -> HybridArchConfig:
@@ -130,6 +147,6 @@ def qwen3_5_arch_config(hf: dict, architecture: str) -> HybridArchConfig:
                     k_head_dim=as_int(hf, "linear_key_head_dim", 128),
                     v_head_dim=as_int(hf, "linear_value_head_dim", 128),
                     conv_kernel=as_int(hf, "linear_conv_kernel_dim", 4),
-                    interleaved=next_),
+                    in_proj_layout=_in_proj_layout(hf, next_)),
         shared_expert_size=as_int(hf, "shared_expert_intermediate_size", 512) if moe else 0,
     )

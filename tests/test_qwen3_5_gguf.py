@@ -1,0 +1,84 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next from GGUF files written by llama.cpp's own converter
+(``llama_cpp_convert.py``) from the tiny checkpoints: the float32 files compute what
+transformers computes on the checkpoints (greedy tokens and log probabilities for 32
+steps), which checks every undoing of the converter (A_log from -exp(A_log), the value
+heads it tiles for ggml, Qwen3-Next's split projections, the (1 + w) norms but the
+linear-attention one); a Q8_0 file holds, block for block, the float file's tensors
+(rows moved, blocks kept); a file missing a tensor names it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("this transformers has no Qwen3.5 (5.2 and later do)", allow_module_level=True)
+
+from pocketllm import EngineArgs  # noqa: E402
+from pocketllm.errors import CheckpointError  # noqa: E402
+from pocketllm.model_info import load_model_info  # noqa: E402
+from pocketllm.workers.loader.block_tensor import BlockTensor  # noqa: E402
+from pocketllm.workers.loader.gguf import load_gguf_weights  # noqa: E402
+from family_parity import assert_matches, run  # noqa: E402
+from llama_cpp_convert import convert  # noqa: E402
+from test_worker_parity import NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
+from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def converted(request, tmp_path_factory):
+    hf = make_tiny_checkpoint(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    return hf, convert(hf, str(out / "f32.gguf"), "f32", "--no-mtp"), out
+
+
+def test_llama_cpp_files_compute_what_transformers_does(converted):
+    hf, path, _ = converted
+    info = load_model_info(EngineArgs(model=path))
+    assert info.format == "gguf" and info.hf_config["layer_types"].count("linear_attention") >= 2
+    out, driver = run(make_runner(path), {"r": PROMPT})
+    assert_matches(out["r"], driver.reqs["r"].logprobs, hf_greedy(hf, PROMPT, NEW_TOKENS))
+
+
+def test_a_q8_0_file_holds_the_float_files_tensors(converted):
+    _, path, out = converted
+    q8 = convert(converted[0], str(out / "q8_0.gguf"), "q8_0", "--no-mtp")
+    info = load_model_info(EngineArgs(model=path))
+    floats = dict(load_gguf_weights(path, info))
+    blocks = 0
+    for name, w in load_gguf_weights(q8, load_model_info(EngineArgs(model=q8))):
+        blocks += isinstance(w, BlockTensor)
+        got = w.read() if isinstance(w, BlockTensor) else w
+        want = floats[name]
+        assert got.shape == want.shape, name
+        # Q8_0: each block of 32 in steps of its largest magnitude / 127 (a float16 scale)
+        assert abs(got - want).max() <= abs(want).max() / 127 * 0.6 + 1e-6, name
+    assert blocks > 0, "the converter left every tensor in float"
+
+
+def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
+    import gguf
+    import numpy as np
+
+    _, path, _ = converted
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), reader.fields["general.architecture"]
+                             .contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                             else None)
+    for t in reader.tensors:
+        if t.name != "blk.0.ssm_a":
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="model.layers.0.linear_attn.A_log"):
+        make_runner(str(tmp_path / "cut.gguf"))
