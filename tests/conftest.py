@@ -9,6 +9,17 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ helper modules (tiny_checkpoints)
 
+# Without CUDA the Triton kernel tests run under Triton's interpreter, which Triton chooses
+# when it is first imported (tests/kernel_modules.py). transformers imports it early too
+# (through flash-linear-attention, when its Qwen3.5 modules load), so choose it here.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

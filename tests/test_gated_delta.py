@@ -225,8 +225,9 @@ def test_the_batched_decode_step_equals_the_recurrent_form():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
     """flash-linear-attention's kernels (``kernels/gated_delta.py``) against the torch forms
-    in float32: a 150-token chunk from a state (value heads grouped over the q/k heads,
-    Qwen3.5-9B's 128 x 128 heads), and a decode step of three sequences."""
+    in float32: chunks of 60 and 90 tokens of two sequences from their states in one call
+    (value heads grouped over the q/k heads, Qwen3.5-9B's 128 x 128 heads), and a decode
+    step of three sequences."""
     pytest.importorskip("fla")
     from pocketllm.workers.kernels import gated_delta as fla_forms
 
@@ -234,8 +235,10 @@ def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
     batch = [_inputs(1, seed=50 + i, dims=dims) for i in range(3)]
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=6e-2, rtol=5e-2)
     cuda = lambda x: x.cuda().to(dtype)  # noqa: E731
-    want_out, want_state = gd.chunked(q, k, v, g, beta, state)
-    out, s = fla_forms.chunked(cuda(q), cuda(k), cuda(v), g.cuda(), beta.cuda(), state.cuda())
+    states, starts = torch.stack([state, state * 0.5]), [0, 60, 150]  # two sequences
+    want_out, want_state = gd.chunked_varlen(q, k, v, g, beta, states, starts)
+    out, s = fla_forms.chunked_varlen(cuda(q), cuda(k), cuda(v), g.cuda(), beta.cuda(),
+                                      states.cuda(), starts)
     torch.testing.assert_close(out.float().cpu(), want_out, **tol)
     torch.testing.assert_close(s.float().cpu(), want_state, **tol)
     args = [torch.cat([b[i] for b in batch]) for i in range(5)]
@@ -245,3 +248,27 @@ def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
                                    states.cuda())
     torch.testing.assert_close(out.float().cpu(), want_out, **tol)
     torch.testing.assert_close(s.float().cpu(), want_states, **tol)
+
+
+def test_the_varlen_forms_equal_one_call_per_sequence():
+    """Sequences of 1, 2, 5 and 70 tokens laid end to end (one shorter than the conv's
+    state): one convolution and one chunk-form call equal a call per sequence."""
+    counts = [5, 1, 70, 2]
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    q, k, v, g, beta, _ = _inputs(starts[-1], seed=21)
+    states = torch.stack([_inputs(1, seed=30 + i)[5] for i in range(len(counts))])
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(starts[-1], 12, generator=gen)
+    weight = torch.randn(12, 4, generator=gen)
+    conv_states = torch.randn(len(counts), 12, 3, generator=gen)
+    y, conv_new = gd.causal_conv_varlen(x, weight, conv_states, starts)
+    out, finals = gd.chunked_varlen(q, k, v, g, beta, states, starts)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        want_y, want_conv = gd.causal_conv(x[a:b], weight, conv_states[i])
+        torch.testing.assert_close(y[a:b], want_y, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(conv_new[i], want_conv)
+        want_out, want_state = gd.chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], states[i])
+        torch.testing.assert_close(out[a:b], want_out)
+        torch.testing.assert_close(finals[i], want_state)

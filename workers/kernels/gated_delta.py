@@ -1,6 +1,6 @@
 """The Gated DeltaNet forms on CUDA: flash-linear-attention's Triton kernels (``fla-core``,
 the kernels vLLM and SGLang carry), called with the torch forms' signatures
-(``layers/gated_delta.chunked`` and ``decode_step``), so ``layers/linear_attention.py``
+(``layers/gated_delta.chunked_varlen`` and ``decode_step``), so ``layers/linear_attention.py``
 swaps one for the other. Both normalise q and k in the kernel (``use_qk_l2norm_in_kernel``,
 the same eps) and scale q by k_dim^-1/2; the states stay float32.
 """
@@ -11,16 +11,18 @@ import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's chunk: q, k [T, k_heads, k_dim], v [T, v_heads, v_dim], g/beta
-    [T, v_heads], state [v_heads, k_dim, v_dim] -> (out [T, v_heads, v_dim], new state)."""
+def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, states: torch.Tensor, starts: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' chunks laid end to end (``layers/gated_delta.chunked_varlen``'s
+    signature) in one call: the kernels' variable-length form."""
     q, k, v = (x.contiguous() for x in (q, k, v))
+    cu = torch.tensor(starts, dtype=torch.long)
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g=g.float()[None], beta=beta.to(v.dtype)[None],
-        initial_state=state[None].float(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True)
-    return out[0], final[0]
+        initial_state=states.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu)
+    return out[0], final
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

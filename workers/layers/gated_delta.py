@@ -102,6 +102,43 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return out.transpose(0, 1), s
 
 
+def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, states: torch.Tensor, starts: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked`` over several sequences' rows laid end to end: sequence i holds rows
+    ``starts[i]:starts[i + 1]`` and starts from ``states[i]`` -> (out [T, v_heads, v_dim]
+    float32, the final states [N, ...])."""
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+    finals = torch.empty_like(states, dtype=torch.float32)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        out[a:b], finals[i] = chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], states[i])
+    return out, finals
+
+
+def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                       starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv`` over several sequences' rows laid end to end (``starts`` as in
+    ``chunked_varlen``; ``states`` [N, channels, kernel - 1]) in one convolution: each
+    sequence's rows follow its own state, so no output window crosses into another
+    sequence -> (out [T, channels], the new states)."""
+    n, taps = len(starts) - 1, weight.shape[1]
+    keep = taps - 1
+    old = states.to(x.dtype).transpose(1, 2).reshape(n * keep, -1)  # oldest first
+    # segment i: its state's rows, then its tokens' (indices into cat([old, x]))
+    order, outputs, lasts, at = [], [], [], 0
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        order += list(range(i * keep, (i + 1) * keep)) + [n * keep + r for r in range(a, b)]
+        outputs += range(at, at + b - a)  # the window ending at token r starts keep before
+        lasts += range(at + b - a, at + b - a + keep)
+        at += b - a + keep
+    index = lambda rows: torch.tensor(rows, dtype=torch.long, device=x.device)  # noqa: E731
+    padded = torch.cat([old, x]).index_select(0, index(order))
+    y = F.conv1d(padded.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
+    out = F.silu(y.t().index_select(0, index(outputs))).to(x.dtype)
+    new = padded.index_select(0, index(lasts)).view(n, keep, -1).transpose(1, 2)
+    return out, new
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, channels], weight [channels, kernel], state [channels, kernel - 1] (the

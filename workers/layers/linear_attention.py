@@ -33,7 +33,7 @@ from ..device import to_device
 from ..distributed import SINGLE, TPGroup
 from ..step_rows import ScheduledSeq
 from . import gated_delta
-from .gated_delta import causal_conv, conv_step, decay_and_beta, gated_rms_norm
+from .gated_delta import causal_conv_varlen, conv_step, decay_and_beta, gated_rms_norm
 from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
 from .norm import RMSNorm
 
@@ -109,7 +109,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(even_shard(spec.num_v_heads * self.v_dim, tp, dim=1),
                                           hidden_size, False, device, dtype, tp)
         forms = _triton_forms() if kernels.kernels_usable(device) else gated_delta
-        self.chunked, self.decode_step = forms.chunked, forms.decode_step
+        self.chunked_varlen, self.decode_step = forms.chunked_varlen, forms.decode_step
         # a decode step in two launches on CUDA (kernels/gated_delta_decode.py); its tiles
         # need power-of-two head widths
         pow2 = all(d & (d - 1) == 0 for d in (self.k_dim, self.v_dim))
@@ -144,14 +144,36 @@ class GatedDeltaNet(nn.Module):
                 normed[rows] = o
             else:
                 normed.index_copy_(0, rows, o)
-        for row, n, slot in meta.prefills:
-            part = proj[row:row + n]
-            mixed, z, b, a = part.split(self.widths, dim=-1)
-            y, conv_states[slot] = causal_conv(mixed, self.conv_weight, conv_states[slot])
-            g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
-            core, states[slot] = self.chunked(*self._heads(y), g, beta, states[slot])
-            normed[row:row + n] = self._norm(core, z)
+        if meta.prefills:
+            self._prefill(proj, meta.prefills, conv_states, states, normed)
         return normed
+
+    def _prefill(self, proj: torch.Tensor, prefills: tuple[tuple[int, int, int], ...],
+                 conv_states: torch.Tensor, states: torch.Tensor, normed: torch.Tensor) -> None:
+        """Every chunk of more than one token at once, laid end to end: one convolution,
+        one chunk-form call (a variable-length launch on CUDA), one norm."""
+        starts, rows = [0], []
+        for row, n, _slot in prefills:
+            starts.append(starts[-1] + n)
+            rows += range(row, row + n)
+        first = prefills[0][0]
+        contiguous = rows == list(range(first, first + len(rows)))
+        index = None if contiguous else torch.tensor(rows, device=proj.device)
+        part = proj[first:first + len(rows)] if contiguous else proj.index_select(0, index)
+        slots = torch.tensor([slot for *_, slot in prefills], device=proj.device)
+        mixed, z, b, a = part.split(self.widths, dim=-1)
+        y, conv_new = causal_conv_varlen(mixed, self.conv_weight,
+                                         conv_states.index_select(0, slots), starts)
+        conv_states.index_copy_(0, slots, conv_new.to(conv_states.dtype))
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+        core, final = self.chunked_varlen(*self._heads(y), g, beta,
+                                          states.index_select(0, slots), starts)
+        states.index_copy_(0, slots, final)
+        out = self._norm(core, z)
+        if contiguous:
+            normed[first:first + len(rows)] = out
+        else:
+            normed.index_copy_(0, index, out)
 
     def _decode(self, proj: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
