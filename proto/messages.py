@@ -204,6 +204,12 @@ class StepPlan(_Msg):
     # layout), ceil(vocab_size / 32) words per row. Empty when no request is structured.
     structured_request_ids: list[str] = []
     structured_bitmask: bytes = b""
+    # Recurrent-state snapshots (a "state" cache group; pocketllm/scheduler/kv_groups.py):
+    # [group, source slot, destination slot] copies of every layer's states in that group,
+    # done before this step's forward (a prefix hit's snapshot into its request's slot) and
+    # after it (a request's slot, at a block boundary, into a snapshot slot).
+    state_copies_before: list[list[int]] = []
+    state_copies_after: list[list[int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -49,7 +49,7 @@ def test_layers_follow_the_config(family):
     groups = runner.capabilities().cache_groups
     assert [(g.spec.kind, g.num_layers) for g in groups] == [
         ("full", mixers.count(GatedAttention)), ("state", mixers.count(GatedDeltaNet))]
-    assert groups[1].num_blocks == 4  # a slot per sequence (max_num_seqs)
+    assert groups[1].num_blocks == 8  # a slot per sequence (max_num_seqs), as many snapshots
 
 
 @pytest.mark.parametrize("chunk, preempt_after", [(None, None), (5, None), (3, None),
@@ -82,8 +82,8 @@ def test_batched_requests_equal_each_alone(family):
 
 def test_engine_with_chunked_prefill_preemption_and_shared_prefixes():
     """The scheduler's own paths (a KV cache too small for the batch, fewer state slots
-    than requests, shared prefixes, an 8-token step budget): every output equals that
-    request's alone, and no prefix hit is taken (a hit would need the state at its end)."""
+    than requests, shared prefixes served from state snapshots, an 8-token step budget):
+    every output equals that request's alone."""
     path = make_tiny_checkpoint("qwen3_5")
     runner = make_runner(path)
     rng = random.Random(4)
@@ -101,7 +101,7 @@ def test_engine_with_chunked_prefill_preemption_and_shared_prefixes():
         outs = llm.generate(prompts, params)
         stats = settled_stats(llm)
     assert [o.token_ids for o in outs] == alone
-    assert stats.preemptions > 0 and stats.prefix_cache_hits == 0
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
 
 
 def test_tp2_over_gloo_equals_one_rank():
@@ -214,3 +214,30 @@ def test_multimodal_checkpoint_serves_its_text_tower(tmp_path):
                              pad_token_id=0, eos_token_id=None)
     runner = make_runner(str(tmp_path))
     assert run(runner, {"r": PROMPT}, new_tokens=12)[0]["r"] == out[0, len(PROMPT):].tolist()
+
+
+def test_prefix_cache_serves_a_shared_prefix_and_a_later_turn_from_state_snapshots():
+    """Through the engine, blocks of 16: prompt a (1,050 tokens) leaves state snapshots at
+    1,024 (every STATE_SNAPSHOT_TOKENS) and at its last boundary, 1,040. Prompt b shares its
+    first 1,030 tokens and resumes at 1,024; c, a's next turn (a, its answer and more),
+    resumes at 1,040. Each answer equals the one computed from scratch; the hits are the
+    prefix-cache tokens the engine counts (its /metrics' prefix_cache_hits_tokens)."""
+    from pocketllm.bench.throughput import settled_stats
+
+    path = make_tiny_checkpoint("qwen3_5", overrides={"max_position_embeddings": 2048})
+    rng = random.Random(8)
+    a = [rng.randrange(3, 512) for _ in range(1050)]
+    b = a[:1030] + [rng.randrange(3, 512) for _ in range(9)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, max_num_seqs=4,
+                      num_kv_blocks=600)
+    runner = ModelRunner(load_model_info(args), args)
+    with LLM(EngineArgs(model=path, device="cpu", enable_prefix_caching=True,
+                        shutdown_timeout=3)) as llm:
+        out_a = llm.generate([a], params)[0].token_ids
+        c = a + out_a + [rng.randrange(3, 512) for _ in range(12)]
+        outs = [llm.generate([p], params)[0].token_ids for p in (b, c)]
+        stats = settled_stats(llm)
+    for prompt, got in zip((a, b, c), [out_a] + outs):
+        assert got == run(runner, {"x": prompt}, new_tokens=6)[0]["x"]
+    assert stats.prefix_cache_hits == 1024 + 1040

@@ -97,6 +97,11 @@ class FakeWorker:
                 f"{rid}: the state in slot {slot} is not its first {start} tokens'"
             self.states[slot] = hash(tuple(tokens[:start + n]))
 
+    def _copy_states(self, copies) -> None:
+        for g, src, dst in copies:
+            assert self.windows[g] == STATE, f"a state copy in group {g}, not a state group"
+            self.states[(g, dst)] = self.states.get((g, src))
+
     def _check_reads(self, rid: str, state: dict, start: int, end: int) -> None:
         for g in self._positional():
             for pos in range(self._first_read(g, start), end):
@@ -131,6 +136,7 @@ class FakeWorker:
         if self.fail_next:
             self.fail_next = False
             return StepResult(plan.step_id, error="simulated forward failure")
+        self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot into its slot
         samplers = []
         for rid, n in zip(ids, plan.num_scheduled_tokens):  # write every slot first...
             state = self.reqs[rid]
@@ -147,6 +153,7 @@ class FakeWorker:
             self.computed[rid] += n
             if state["computed"] == len(tokens):
                 samplers.append(rid)
+        self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
         out_ids, out_tokens, out_lp = [], [], []
         for rid in samplers:  # ...then attend: read each group's context back
             state = self.reqs[rid]

@@ -1,10 +1,12 @@
 """Scheduler: a recurrent-state cache group (``CacheSpec("state")``, Gated DeltaNet's
 layers, issue 35). A request holds one slot of the group's pool from admission to its end,
 whatever its length; the slots bound how many run at once; preemption frees the slot and the
-recompute starts again from position 0; a prefix is never served from the cache while a
-state group exists (the state at its boundary is not kept). The fake worker keeps each
-slot's state as a hash of the tokens it took in and checks, at every chunk, that the slot
-holds exactly the request's own earlier tokens (zeros at position 0)."""
+recompute starts again from position 0; with prefix caching a prompt's chunks stop on its
+last block boundary and leave snapshots there, and a prefix is served from the cache only
+where a snapshot of the state at its boundary exists, copied into the request's slot. The
+fake worker keeps each slot's state as a hash of the tokens it took in and checks, at
+every chunk, that the slot holds exactly the request's own earlier tokens (zeros at
+position 0), so a hit read from the wrong snapshot, or from a fresh slot, fails."""
 
 import random
 
@@ -57,18 +59,46 @@ def test_preemption_frees_the_slot_and_the_recompute_starts_from_zero(chunked):
     assert d.sched.stats()["preemptions"] > 0
 
 
-def test_a_shared_prefix_is_computed_again_with_a_state_group():
+def test_a_shared_prefix_resumes_from_the_snapshot_at_its_last_boundary():
+    """40 shared tokens, blocks of 4, a 32-token budget: the first prompt (42 tokens) runs
+    in chunks of 32 and 8 (cut at its last boundary, 40) and leaves snapshots at 32 and 40;
+    the second is served 40 tokens from the cache, its slot a copy of the snapshot at 40.
+    Without prefix caching nothing is kept."""
     shared = list(range(100, 140))
-    d = Driver(state_config(4, enable_prefix_caching=True))
-    first = make_request("a", shared + [1, 2], max_tokens=5)
-    d.add(first)
+    for caching in (True, False):
+        d = Driver(state_config(4, enable_prefix_caching=caching))
+        first = make_request("a", shared + [1, 2], max_tokens=5)
+        d.add(first)
+        d.run()
+        second = make_request("b", shared + [3, 4], max_tokens=5)
+        d.add(second)
+        outs = d.run()
+        assert outs["b"].cached == (40 if caching else 0)
+        assert outs["b"].tokens == solo(second).tokens
+        assert d.worker.computed["b"] == len(second.prompt_token_ids) - outs["b"].cached + 4
+        # once the steps are done, the snapshots are the pool's cached slots
+        assert d.sched.kv.pools[1].num_cached_free_blocks == (2 if caching else 0)
+
+
+def test_a_hit_mid_conversation_and_a_snapshot_evicted_first_used_last():
+    """A second turn that extends the first resumes at the first turn's last boundary; a
+    pool of two slots keeps one snapshot beside a running request, and a newer prompt's
+    snapshot evicts the older one (least recently used)."""
+    bs = 4
+    d = Driver(state_config(2, block_size=bs, enable_prefix_caching=True, max_num_seqs=1))
+    turn1 = make_request("t1", list(range(10, 31)), max_tokens=3)  # 21 tokens: boundary 20
+    d.add(turn1)
+    out1 = d.run()["t1"]
+    turn2 = make_request("t2", list(range(10, 31)) + out1.tokens + [7, 8, 9], max_tokens=3)
+    d.add(turn2)
+    out2 = d.run()["t2"]
+    assert out2.cached == 20 and out2.tokens == solo(turn2).tokens
+    other = make_request("o", list(range(200, 213)), max_tokens=2)  # boundary 12
+    d.add(other)
     d.run()
-    second = make_request("b", shared + [3, 4], max_tokens=5)
-    d.add(second)
-    outs = d.run()
-    assert outs["b"].cached == 0
-    assert outs["b"].tokens == solo(second).tokens
-    assert d.worker.computed["b"] == len(second.prompt_token_ids) + 4
+    again = make_request("t3", list(range(10, 31)) + [1], max_tokens=2)
+    d.add(again)
+    assert d.run()["t3"].cached == 0  # t2's snapshot went for o's
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -99,7 +129,8 @@ def test_a_layout_without_a_slot_or_without_positions_is_an_error():
 def test_random_workloads_with_a_state_group_match_solo_runs(
         seed, block_size, slots, num_reqs, budget, max_seqs, caching, chunked, overlap):
     """Tight pools (preemption is common), shared prefixes, every switch: each answer is
-    the one its request gets alone, and every slot holds its own request's state."""
+    the one its request gets alone, and every slot holds its own request's state (hits
+    included: the fake worker checks each restored slot)."""
     rng = random.Random(seed)
     max_model_len = 64
     reqs = random_requests(rng, num_reqs)
@@ -112,5 +143,24 @@ def test_random_workloads_with_a_state_group_match_solo_runs(
     outs = d.run_overlapped(arrivals=staggered(rng, reqs))
     for r in reqs:
         assert outs[r.request_id].tokens == solo(r, max_model_len=max_model_len).tokens
-        assert outs[r.request_id].cached == 0
+        assert caching or outs[r.request_id].cached == 0
     assert d.sched.kv.pools[1].num_free_blocks == slots
+
+
+def test_a_shared_system_prompt_resumes_at_the_last_snapshot_point_inside_it(monkeypatch):
+    """Prompts stop a chunk every STATE_SNAPSHOT_TOKENS (here 16) and at their last
+    boundary: a second prompt sharing 38 tokens resumes at 32, the last point inside the
+    shared part, though the first ran in one 64-token budget."""
+    from pocketllm.scheduler import scheduler
+
+    monkeypatch.setattr(scheduler, "STATE_SNAPSHOT_TOKENS", 16)
+    shared = list(range(300, 338))
+    d = Driver(state_config(4, enable_prefix_caching=True, max_num_batched_tokens=64))
+    first = make_request("a", shared + [1, 2, 3], max_tokens=3)
+    d.add(first)
+    d.run()
+    assert d.worker.computed["a"] == 41 + 2  # in chunks of 16, 16, 8 (to 40), 1
+    second = make_request("b", shared + [9, 8, 7, 6], max_tokens=3)
+    d.add(second)
+    out = d.run()["b"]
+    assert out.cached == 32 and out.tokens == solo(second).tokens

@@ -110,6 +110,12 @@ class PagedKVCache:
     def pad_slot(self, group: int) -> int:
         return self.pad_blocks[group] * self.block_size
 
+    def copy_states(self, group: int, src: int, dst: int) -> None:
+        """Every layer's states of slot ``src`` into slot ``dst`` (a snapshot, or a prefix
+        hit's restore)."""
+        for pool in self.pools[group]:
+            pool[:, dst].copy_(pool[:, src])
+
     def state_slot_bytes(self, group: int) -> int:
         return sum(p[:, 0].numel() * p.element_size() for p in self.pools[group])
 

@@ -112,19 +112,21 @@ def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
 
 
 def state_slots(args: EngineArgs, slot_bytes: int, block_bytes: int, budget: int) -> int:
-    """Recurrent-state slots (one per running sequence): ``max_num_seqs``, or as many as
-    half the budget holds when it holds fewer (the rest stays for the KV blocks); at
-    least one, with a KV block beside it, or the engine cannot start (and says what one
-    sequence needs)."""
+    """Recurrent-state slots: one per running sequence (``max_num_seqs``), and with prefix
+    caching as many again for snapshots (the scheduler's kv_groups.py); as many as half
+    the budget holds when it holds fewer (the rest stays for the KV blocks); at least one,
+    with a KV block beside it, or the engine cannot start (and says what one sequence
+    needs)."""
     if slot_bytes + block_bytes > budget and args.num_kv_blocks is None:
         raise InvalidRequestError(
             f"the recurrent state of one sequence needs {slot_bytes / (1 << 20):.1f} MiB (and "
             f"a KV block {block_bytes / (1 << 20):.2f} MiB) but the cache budget is "
             f"{budget / (1 << 20):.1f} MiB; raise kv_cache_memory_gb / gpu_memory_utilization",
             "kv_cache_memory_gb")
-    if args.num_kv_blocks is not None:  # an explicit KV size: states for every sequence
-        return args.max_num_seqs
-    return max(1, min(args.max_num_seqs, (budget // 2) // slot_bytes))
+    wanted = args.max_num_seqs * (2 if args.enable_prefix_caching else 1)
+    if args.num_kv_blocks is not None:  # an explicit KV size: every slot wanted
+        return wanted
+    return max(1, min(wanted, (budget // 2) // slot_bytes))
 
 
 def num_kv_blocks(args: EngineArgs, max_model_len: int,

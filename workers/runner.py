@@ -34,7 +34,7 @@ from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
-from .step_rows import RequestBook, RequestState, ScheduledSeq
+from .step_rows import RequestBook, RequestState, ScheduledSeq, StepError
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -263,7 +263,9 @@ class ModelRunner:
         started, start = time.perf_counter(), self._event()
         try:
             with torch.inference_mode():
+                self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
                 step = self._launch(plan)
+                self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
         except RankFailure:
             raise
         except Exception as e:  # the worker process must outlive a bad step
@@ -359,6 +361,17 @@ class ModelRunner:
                                   f"{type(e).__name__}: {e}") from e
             raise
         return self._sample(plan, samplers, logits, path)
+
+    def _copy_states(self, copies: list[list[int]]) -> None:
+        """[group, source slot, destination slot] copies of a state group's slots (after the
+        step's forward on the device's stream, so a snapshot holds the step's states)."""
+        for group, src, dst in copies:
+            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
+                raise StepError(f"a state copy in cache group {group}, not a state group")
+            if not all(0 <= s < self.kv.num_blocks[group] for s in (src, dst)):
+                raise StepError(f"state slots {src} -> {dst} outside [0, "
+                                f"{self.kv.num_blocks[group]})")
+            self.kv.copy_states(group, src, dst)
 
     def _start_states(self, seqs: list[list[ScheduledSeq]]) -> None:
         """Zero the state slots of requests whose computation starts at position 0."""

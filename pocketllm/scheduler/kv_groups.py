@@ -21,9 +21,17 @@ request's table there is one entry, a slot of the group's pool holding its recur
 conv states, taken at admission and freed with the request (preemption frees it, and the
 recompute rebuilds the state from position 0). The worker starts a slot from zeros when a
 request's first chunk starts at position 0. The positional groups alone decide how many
-blocks a request holds, what fits and the tables' length (``positional``). A request is
-never given a prefix hit while a state group exists: the state at the hit's boundary is not
-kept (snapshots of it are issue 35's last item), and a fresh slot would compute from zeros.
+blocks a request holds, what fits and the tables' length (``positional``).
+
+With prefix caching, a state group's pool also keeps **snapshots**: copies of a request's
+state taken where a step's chunk of its prompt ends on a block boundary (``snapshot``),
+published under that block's chained hash once the step succeeded (``publish_snapshot``)
+and then evictable like any cached block, least recently used first. A prefix hit of ``k``
+blocks needs, besides the positional groups' blocks, a snapshot at block ``k``'s boundary
+(a fresh slot would compute the rest from zeros, the trap that cost one deployment its
+GSM8K score); the hit shrinks until one exists. The request then gets a slot of its own
+and a copy of the snapshot into it before its first step (``state_restores``, sent in the
+plan's ``state_copies_before``).
 
 Prefix caching is per group (each pool keys its blocks by the same chained hashes). A hit
 of ``k`` blocks (the next token computed is at position ``k * block_size``) is usable when
@@ -154,10 +162,43 @@ class CacheGroups:
                 req.block_ids[g] += self.pools[g].allocate(need)
 
     def free_all(self, req) -> None:
+        self.take_restores(req)
         for pool, table in zip(self.pools, req.block_ids):
             pool.free([b for b in table if b != NULL_BLOCK])
         req.block_ids = self.empty_tables()
         req.num_dropped = [0] * len(self.pools)
+
+    # ------------------------------------------------------------ state snapshots
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self._state)
+
+    def take_restores(self, req) -> list[list[int]]:
+        """The request's snapshot copies for its plan, their snapshots released: the worker
+        runs plans in order, so a slot reused from now on is written only after the copy."""
+        restores, req.state_restores = req.state_restores, []
+        for g, snapshot, _slot in restores:
+            self.pools[g].free([snapshot])
+        return restores
+
+    def snapshot(self, req, block_hash: bytes) -> list[list[int]]:
+        """Snapshot slots for the request's states after this step (one per state group
+        with a slot to spare that does not hold this hash already): [group, its slot,
+        the snapshot's]."""
+        copies = []
+        for g in self._state:
+            pool = self.pools[g]
+            if pool.cached_block(block_hash) is None and pool.num_free_blocks > 0:
+                copies.append([g, req.block_ids[g][0], pool.allocate(1)[0]])
+        return copies
+
+    def publish_snapshot(self, group: int, slot: int, block_hash: Optional[bytes]) -> None:
+        """A snapshot's step ended: cache it under ``block_hash`` (None: the step failed),
+        then release it, evictable."""
+        if block_hash is not None:
+            self.pools[group].cache_block(slot, block_hash)
+        self.pools[group].free([slot])
 
     def publish(self, req, first: int, end: int) -> None:
         """Publish table entries [first, end), full of computed KV, in every positional
@@ -173,15 +214,15 @@ class CacheGroups:
     def match_prefix(self, hashes: Sequence[bytes]) -> list[list[int]]:
         """Per group, the table of the longest usable prefix hit among these chained block
         hashes (the rule in the module docstring); every table has the hit's length."""
-        k = 0 if self._state else len(hashes)  # no state at a hit's boundary (docstring)
+        k = len(hashes)
         for g in self._full:
             k = min(k, len(self.pools[g].match_prefix(hashes[:k])))
-        while k > 0 and not self._sliding_hit(hashes, k):
+        while k > 0 and not (self._sliding_hit(hashes, k) and self._state_hit(hashes, k)):
             k -= 1
         tables = []
         for g, (pool, rule) in enumerate(zip(self.pools, self.rules)):
-            if rule.state:
-                tables.append([])
+            if rule.state:  # the snapshot at the hit's boundary (admit gives it a slot)
+                tables.append([pool.cached_block(hashes[k - 1])] if k else [])
                 continue
             first = rule.first_needed(k * self.block_size)
             tables.append([NULL_BLOCK] * first
@@ -195,6 +236,9 @@ class CacheGroups:
             if any(pool.cached_block(h) is None for h in hashes[first:k]):
                 return False
         return True
+
+    def _state_hit(self, hashes: Sequence[bytes], k: int) -> bool:
+        return all(self.pools[g].cached_block(hashes[k - 1]) is not None for g in self._state)
 
     def can_admit(self, tables: list[list[int]], need: int) -> bool:
         """Whether every pool has ``need`` fresh blocks beyond the cached ones it revives
@@ -210,7 +254,12 @@ class CacheGroups:
         req.num_dropped = [0] * len(self.pools)
         for g, (pool, table) in enumerate(zip(self.pools, tables)):
             if self.rules[g].state:
-                table += pool.allocate(1)
+                snapshot = table[0] if table else None
+                if snapshot is not None:  # held until the plan carries its copy
+                    pool.acquire([snapshot])
+                table[:] = pool.allocate(1)
+                if snapshot is not None:
+                    req.state_restores.append([g, snapshot, table[0]])
                 continue
             hit = [b for b in table if b != NULL_BLOCK]
             pool.acquire(hit)
@@ -227,8 +276,11 @@ class CacheGroups:
                 "kv_blocks_total": sum(p.num_blocks for p in pools),
                 "kv_blocks_cached_free": sum(p.num_cached_free_blocks for p in pools)}
 
-    def check_invariants(self, running) -> None:
+    def check_invariants(self, running, held: Sequence[tuple[int, int]] = ()) -> None:
+        """``held``: (group, slot) of the snapshots steps in flight are writing."""
         refs: list[dict[int, int]] = [{} for _ in self.pools]
+        for g, slot in held:
+            refs[g][slot] = refs[g].get(slot, 0) + 1
         for req in running:
             assert len(req.block_ids) == len(self.pools), f"{req} has a table per group"
             length = blocks_for(req.num_computed_tokens, self.block_size)

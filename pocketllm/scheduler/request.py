@@ -37,6 +37,9 @@ class Request:
         self.num_dropped: list[int] = []  # per group: leading entries freed (NULL_BLOCK)
         self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        # [group, snapshot slot, its own slot]: a prefix hit's recurrent state to copy in
+        # before its first step (kv_groups.py); the snapshot is held until the plan is built
+        self.state_restores: list[list[int]] = []
         self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first admission
         # What the workers hold: None = nothing (never sent, or dropped after preemption).
         self.worker_num_tokens: Optional[int] = None

@@ -25,6 +25,15 @@ Blocks come from one pool per KV cache group the worker declared (kv_groups.py: 
 attention, sliding window); a request holds one table per group, and a sliding group's
 blocks that fall wholly out of its window are freed as the request advances.
 
+A model with a recurrent state (a "state" group: Gated DeltaNet) can only resume a prompt
+where a snapshot of its state was taken (kv_groups.py): with prefix caching, a prefill
+chunk stops on every ``STATE_SNAPSHOT_TOKENS``-th position and on the prompt's last block
+boundary (``_aligned``), and every chunk of a prompt that ends on a block boundary leaves
+a snapshot, published with the step's blocks. A later prompt that shares a prefix then
+resumes from the last such point inside it (a repeated system prompt: the last multiple
+of ``STATE_SNAPSHOT_TOKENS`` in it; the next turn of a conversation: the end of the
+previous turn's prompt).
+
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
 steps in flight, each token being sampled is a ``PENDING`` placeholder until
@@ -58,6 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pocketllm.scheduler")
 
+# With a recurrent state and prefix caching, prompts stop a chunk (and leave a state
+# snapshot) every this many tokens: finer points of resumption cost more steps and slots
+STATE_SNAPSHOT_TOKENS = 1024
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, grammars: Optional["Grammars"] = None):
@@ -76,6 +89,8 @@ class Scheduler:
         # The one record of steps in flight: plans made and not yet updated, oldest first,
         # each with its [(request, tokens, samples)].
         self._inflight: deque[tuple[StepPlan, list[tuple[Request, int, bool]]]] = deque()
+        # per step in flight: the state snapshots it writes, (group, slot, block hash)
+        self._snapshots: dict[int, list[tuple[int, int, bytes]]] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
@@ -183,10 +198,10 @@ class Scheduler:
             if self.config.enable_chunked_prefill:
                 n = min(remaining, step.budget)
             elif remaining <= step.budget or not step.has_prefill:
-                n = remaining  # never reached in practice: unchunked prompts finish in one step
+                n = remaining  # an unchunked prompt's rest after its snapshot boundary
             else:
                 continue
-            self._allocate_or_preempt(step, req, n)
+            self._allocate_or_preempt(step, req, self._aligned(req, req.num_computed_tokens, n))
 
     def _ends_with_pending_token(self, req: Request) -> bool:
         """Its token still in flight reaches max_tokens or max_model_len: update() will end
@@ -264,6 +279,7 @@ class Scheduler:
                 n = remaining  # can never fit the budget: run it whole, as the step's only prefill
             else:
                 break
+            n = self._aligned(req, num_computed, n)
             need = blocks_for(num_computed + n, cfg.block_size) - hit
             if not kv.can_admit(matched, need):
                 break  # FCFS: later requests wait behind it
@@ -280,6 +296,27 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.add(req, n)
+
+    def _aligned(self, req: Request, start: int, n: int) -> int:
+        """A chunk of ``n`` tokens from ``start``, cut at the next snapshot point when it
+        would run past it: the next multiple of ``STATE_SNAPSHOT_TOKENS`` (rounded to a
+        block) or the last block boundary a later prefix hit on this request's tokens could
+        resume from. A recurrent state can be snapshotted only where a step ends."""
+        if not (self.kv.has_state and self.config.enable_prefix_caching):
+            return n
+        bs = self.config.block_size
+        every = max(bs, STATE_SNAPSHOT_TOKENS // bs * bs)
+        cut = min((start // every + 1) * every, (req.num_tokens - 1) // bs * bs)
+        return cut - start if start < cut < start + n else n
+
+    def _snapshots_after(self, req: Request, end: int) -> list[list[int]]:
+        """State snapshots of a chunk of the prompt that ends on a block boundary."""
+        bs = self.config.block_size
+        if not (self.kv.has_state and self.config.enable_prefix_caching) or end % bs \
+                or end == 0 or end > req.num_prompt_tokens:
+            return []
+        req.update_block_hashes(bs, end)
+        return self.kv.snapshot(req, req.block_hashes[end // bs - 1])
 
     def _match_prefix(self, req: Request) -> list[list[int]]:
         if not self.config.enable_prefix_caching:
@@ -298,7 +335,13 @@ class Scheduler:
             step.budget += step.scheduled.pop(req)
             self._fail(self.ended, req, detail)
         new, cached, new_entries, cached_entries = [], [], [], []
+        before, after, snapshots = [], [], []
         for req, n in step.scheduled.items():
+            before += self.kv.take_restores(req)
+            for g, slot, snapshot in self._snapshots_after(req, req.num_computed_tokens + n):
+                after.append([g, slot, snapshot])
+                snapshots.append((g, snapshot, req.block_hashes[(req.num_computed_tokens + n)
+                                                                // self.config.block_size - 1]))
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
                 new.append(NewRequestData(req.request_id, list(req.token_ids),
@@ -317,9 +360,13 @@ class Scheduler:
             req.num_computed_tokens += n
             if samples:
                 req.token_ids.append(PENDING)
-        return self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
+        plan = self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
                                        num_scheduled_tokens=[n for _, n, _ in entries],
+                                       state_copies_before=before, state_copies_after=after,
                                        **structured), entries, step.preempted_ids)
+        if snapshots:
+            self._snapshots[plan.step_id] = snapshots
+        return plan
 
     def _register(self, plan: StepPlan, entries: list, preempted_ids: list[str]) -> StepPlan:
         if self._inflight and entries:
@@ -366,6 +413,8 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {plan.step_id}")
         entries = self._inflight.popleft()[1]
+        for g, slot, block_hash in self._snapshots.pop(plan.step_id, ()):
+            self.kv.publish_snapshot(g, slot, None if result.error is not None else block_hash)
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             detail = ErrorDetail(ErrorKind.internal, result.error)  # the worker's own why
@@ -481,4 +530,5 @@ class Scheduler:
                 f"waiting {req} holds KV")
         assert len(self._requests) == len(self.running) + len(self.waiting)
         assert len(self.running) <= self.config.max_num_seqs
-        self.kv.check_invariants(self.running)
+        self.kv.check_invariants(self.running, [(g, slot) for held in self._snapshots.values()
+                                                for g, slot, _ in held])
