@@ -15,14 +15,19 @@ def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    beta: torch.Tensor, states: torch.Tensor, starts: list[int]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Several sequences' chunks laid end to end (``layers/gated_delta.chunked_varlen``'s
-    signature) in one call: the kernels' variable-length form."""
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    cu = torch.tensor(starts, dtype=torch.long)
-    out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g=g.float()[None], beta=beta.to(v.dtype)[None],
-        initial_state=states.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu)
-    return out[0], final
+    signature), one kernel call per sequence: the form measured on the GPU so far (the
+    kernels' own variable-length launch, ``cu_seqlens``, is the next step: it has not run
+    on a GPU here yet)."""
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    finals = torch.empty_like(states, dtype=torch.float32)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        o, final = chunk_gated_delta_rule(
+            q[None, a:b].contiguous(), k[None, a:b].contiguous(), v[None, a:b].contiguous(),
+            g=g[None, a:b].float(), beta=beta[None, a:b].to(v.dtype),
+            initial_state=states[i:i + 1].float(), output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        out[a:b], finals[i] = o[0], final[0]
+    return out, finals
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
