@@ -129,8 +129,7 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj.normed(norm, x, residual)
 
     def attend(self, proj: torch.Tensor, meta: StateMetadata,
-               cache: tuple[torch.Tensor, torch.Tensor], out: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
+               cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The recurrent part, reading and writing each sequence's slot in ``cache`` (conv
         states [slots, channels, kernel - 1], states [slots, v_heads, k_dim, v_dim]):
         -> gated, normed outputs [T, v_heads * v_dim]."""
@@ -151,7 +150,7 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, proj: torch.Tensor, prefills: tuple[tuple[int, int, int], ...],
                  conv_states: torch.Tensor, states: torch.Tensor, normed: torch.Tensor) -> None:
         """Every chunk of more than one token at once, laid end to end: one convolution,
-        one chunk-form call (a variable-length launch on CUDA), one norm."""
+        the chunk form over them (``chunked_varlen``), one norm."""
         starts, rows = [0], []
         for row, n, _slot in prefills:
             starts.append(starts[-1] + n)
@@ -209,7 +208,8 @@ class GatedDeltaNet(nn.Module):
 
     def _global_rows(self) -> dict[str, list[int]]:
         """Per stacked part: the indices, within that part over all heads, this rank holds."""
-        r, s = self.tp.rank, self.spec
+        r = self.tp.rank
+
         def heads(count: int, dim: int) -> list[int]:
             return list(range(r * count * dim, (r + 1) * count * dim))
         return {"q": heads(self.k_heads, self.k_dim), "k": heads(self.k_heads, self.k_dim),

@@ -59,10 +59,9 @@ class GatedAttention(Attention):
                 v.reshape(t, self.num_kv_heads, d), gate, residual)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
-               meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attn = super().attend(q, k, v, meta, kv_cache, out)
-        return attn * torch.sigmoid(gate)
+               meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+        return super().attend(q, k, v, meta, kv_cache) * torch.sigmoid(gate)
 
 
 class SharedExpertMoE(nn.Module):
