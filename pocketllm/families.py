@@ -91,9 +91,15 @@ def _hybrid_gguf(cfg: dict, g: Callable[..., Any]) -> None:
                linear_key_head_dim=int(need("ssm.state_size")),
                linear_value_head_dim=int(need("ssm.inner_size")) // heads_v,
                linear_conv_kernel_dim=int(need("ssm.conv_kernel")))
+    # the converter appends the multi-token-prediction layers as blocks of their own
+    mtp = int(g("nextn_predict_layers", 0) or 0)
+    if mtp:
+        cfg["num_hidden_layers"] -= mtp
+        cfg["mtp_num_hidden_layers"] = mtp
     recurrent = g("attention.recurrent_layers")
     if recurrent is not None:
-        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention"
+                              for r in list(recurrent)[:cfg["num_hidden_layers"]]]
     else:
         cfg["full_attention_interval"] = int(need("full_attention_interval"))
     cfg["partial_rotary_factor"] = int(need("rope.dimension_count")) / cfg["head_dim"]

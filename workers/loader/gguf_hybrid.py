@@ -16,10 +16,13 @@ What the converter changed, undone:
   A block tensor keeps its blocks where rows move; ``ssm_out``'s columns are decoded.
 * the linear-attention norm (``ssm_norm``) multiplies by w, not 1 + w: no offset to take
   off (the other norms' is the family's ``gguf_norm_offset``).
+* the multi-token-prediction layer becomes a block past the model's (``nextn_predict_layers``
+  of them): its tensors are skipped, said once (speculative decoding will read them).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Optional
 
@@ -27,6 +30,8 @@ import numpy as np
 
 from .block_tensor import BlockTensor
 
+logger = logging.getLogger("pocketllm.worker")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 _NAME = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(weight|bias))?")
 
 # GGUF part -> HF name under model.layers.{i}. (and whether its rows hold value heads)
@@ -53,6 +58,13 @@ def grouped_order(cfg: dict, head_dim: int) -> np.ndarray:
 
 def hybrid_tensor(gguf_name: str, w: "np.ndarray | BlockTensor", cfg: dict
                   ) -> Optional[list[tuple[str, "np.ndarray | BlockTensor"]]]:
+    block = _BLOCK.match(gguf_name)
+    if block is not None and int(block.group(1)) >= int(cfg["num_hidden_layers"]):
+        if int(block.group(1)) == int(cfg["num_hidden_layers"]) and gguf_name.endswith(
+                "attn_norm.weight"):  # once per file
+            logger.info("the file's multi-token-prediction layer (block %s) is not loaded: "
+                        "speculative decoding does not use it yet", block.group(1))
+        return []
     m = _NAME.fullmatch(gguf_name)
     if m is None or m.group(2) not in _LINEAR:
         return None
