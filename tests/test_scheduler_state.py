@@ -151,9 +151,9 @@ def test_a_shared_system_prompt_resumes_at_the_last_snapshot_point_inside_it(mon
     """Prompts stop a chunk every STATE_SNAPSHOT_TOKENS (here 16) and at their last
     boundary: a second prompt sharing 38 tokens resumes at 32, the last point inside the
     shared part, though the first ran in one 64-token budget."""
-    from pocketllm.scheduler import scheduler
+    from pocketllm.scheduler import kv_groups
 
-    monkeypatch.setattr(scheduler, "STATE_SNAPSHOT_TOKENS", 16)
+    monkeypatch.setattr(kv_groups, "STATE_SNAPSHOT_TOKENS", 16)
     shared = list(range(300, 338))
     d = Driver(state_config(4, enable_prefix_caching=True, max_num_batched_tokens=64))
     first = make_request("a", shared + [1, 2, 3], max_tokens=3)

@@ -24,7 +24,11 @@ request's first chunk starts at position 0. The positional groups alone decide h
 blocks a request holds, what fits and the tables' length (``positional``).
 
 With prefix caching, a state group's pool also keeps **snapshots**: copies of a request's
-state taken where a step's chunk of its prompt ends on a block boundary (``snapshot``),
+state taken where a step's chunk of its prompt ends on a block boundary
+(``snapshots_after``). A prompt's chunks stop at every ``STATE_SNAPSHOT_TOKENS``-th
+position and at its last block boundary (``snapshot_cut``), so a repeated system prompt
+resumes at the last multiple of ``STATE_SNAPSHOT_TOKENS`` inside it and a conversation's
+next turn at the end of the previous turn's prompt. Snapshots are
 published under that block's chained hash once the step succeeded (``publish_snapshot``)
 and then evictable like any cached block, least recently used first. A prefix hit of ``k``
 blocks needs, besides the positional groups' blocks, a snapshot at block ``k``'s boundary
@@ -51,6 +55,10 @@ from pocketllm.proto.messages import NULL_BLOCK, CacheGroup, CacheSpec
 from .block_manager import BlockManager, blocks_for
 
 SUPPORTED_KINDS = ("full", "sliding", "mla", "state")
+
+# With a recurrent state and prefix caching, prompts stop a chunk (and leave a state
+# snapshot) every this many tokens: finer points of resumption cost more steps and slots
+STATE_SNAPSHOT_TOKENS = 1024
 
 
 class GroupRule:
@@ -182,16 +190,35 @@ class CacheGroups:
             self.pools[g].free([snapshot])
         return restores
 
-    def snapshot(self, req, block_hash: bytes) -> list[list[int]]:
-        """Snapshot slots for the request's states after this step (one per state group
-        with a slot to spare that does not hold this hash already): [group, its slot,
-        the snapshot's]."""
+    def snapshot_cut(self, req, start: int, n: int) -> int:
+        """A chunk of ``n`` tokens from ``start``, cut at the next snapshot point when it
+        would run past it: the next multiple of ``STATE_SNAPSHOT_TOKENS`` (rounded to a
+        block) or the last block boundary a later prefix hit on these tokens could resume
+        from. A recurrent state can be snapshotted only where a step ends."""
+        if not (self._state and self.prefix_caching):
+            return n
+        bs = self.block_size
+        every = max(bs, STATE_SNAPSHOT_TOKENS // bs * bs)
+        cut = min((start // every + 1) * every, (req.num_tokens - 1) // bs * bs)
+        return cut - start if start < cut < start + n else n
+
+    def snapshots_after(self, req, end: int) -> tuple[list[list[int]], Optional[bytes]]:
+        """Snapshot slots for the request's states after a chunk of its prompt that ends on
+        a block boundary at ``end`` (one per state group with a slot to spare that does not
+        hold that boundary already): ([group, its slot, the snapshot's], the boundary's
+        block hash)."""
+        bs = self.block_size
+        if not (self._state and self.prefix_caching) or end % bs or end == 0 \
+                or end > req.num_prompt_tokens:
+            return [], None
+        req.update_block_hashes(bs, end)
+        block_hash = req.block_hashes[end // bs - 1]
         copies = []
         for g in self._state:
             pool = self.pools[g]
             if pool.cached_block(block_hash) is None and pool.num_free_blocks > 0:
                 copies.append([g, req.block_ids[g][0], pool.allocate(1)[0]])
-        return copies
+        return copies, block_hash
 
     def publish_snapshot(self, group: int, slot: int, block_hash: Optional[bytes]) -> None:
         """A snapshot's step ended: cache it under ``block_hash`` (None: the step failed),

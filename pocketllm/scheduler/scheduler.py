@@ -27,12 +27,9 @@ blocks that fall wholly out of its window are freed as the request advances.
 
 A model with a recurrent state (a "state" group: Gated DeltaNet) can only resume a prompt
 where a snapshot of its state was taken (kv_groups.py): with prefix caching, a prefill
-chunk stops on every ``STATE_SNAPSHOT_TOKENS``-th position and on the prompt's last block
-boundary (``_aligned``), and every chunk of a prompt that ends on a block boundary leaves
-a snapshot, published with the step's blocks. A later prompt that shares a prefix then
-resumes from the last such point inside it (a repeated system prompt: the last multiple
-of ``STATE_SNAPSHOT_TOKENS`` in it; the next turn of a conversation: the end of the
-previous turn's prompt).
+chunk stops at the snapshot points ``CacheGroups.snapshot_cut`` names, and every chunk of
+a prompt that ends on a block boundary leaves a snapshot, published with the step's
+blocks (kv_groups.py says where, and where a later prompt resumes).
 
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
@@ -66,10 +63,6 @@ if TYPE_CHECKING:
     from .grammar import Grammars
 
 log = logging.getLogger("pocketllm.scheduler")
-
-# With a recurrent state and prefix caching, prompts stop a chunk (and leave a state
-# snapshot) every this many tokens: finer points of resumption cost more steps and slots
-STATE_SNAPSHOT_TOKENS = 1024
 
 
 class Scheduler:
@@ -201,7 +194,8 @@ class Scheduler:
                 n = remaining  # an unchunked prompt's rest after its snapshot boundary
             else:
                 continue
-            self._allocate_or_preempt(step, req, self._aligned(req, req.num_computed_tokens, n))
+            n = self.kv.snapshot_cut(req, req.num_computed_tokens, n)
+            self._allocate_or_preempt(step, req, n)
 
     def _ends_with_pending_token(self, req: Request) -> bool:
         """Its token still in flight reaches max_tokens or max_model_len: update() will end
@@ -279,7 +273,7 @@ class Scheduler:
                 n = remaining  # can never fit the budget: run it whole, as the step's only prefill
             else:
                 break
-            n = self._aligned(req, num_computed, n)
+            n = kv.snapshot_cut(req, num_computed, n)
             need = blocks_for(num_computed + n, cfg.block_size) - hit
             if not kv.can_admit(matched, need):
                 break  # FCFS: later requests wait behind it
@@ -296,27 +290,6 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.add(req, n)
-
-    def _aligned(self, req: Request, start: int, n: int) -> int:
-        """A chunk of ``n`` tokens from ``start``, cut at the next snapshot point when it
-        would run past it: the next multiple of ``STATE_SNAPSHOT_TOKENS`` (rounded to a
-        block) or the last block boundary a later prefix hit on this request's tokens could
-        resume from. A recurrent state can be snapshotted only where a step ends."""
-        if not (self.kv.has_state and self.config.enable_prefix_caching):
-            return n
-        bs = self.config.block_size
-        every = max(bs, STATE_SNAPSHOT_TOKENS // bs * bs)
-        cut = min((start // every + 1) * every, (req.num_tokens - 1) // bs * bs)
-        return cut - start if start < cut < start + n else n
-
-    def _snapshots_after(self, req: Request, end: int) -> list[list[int]]:
-        """State snapshots of a chunk of the prompt that ends on a block boundary."""
-        bs = self.config.block_size
-        if not (self.kv.has_state and self.config.enable_prefix_caching) or end % bs \
-                or end == 0 or end > req.num_prompt_tokens:
-            return []
-        req.update_block_hashes(bs, end)
-        return self.kv.snapshot(req, req.block_hashes[end // bs - 1])
 
     def _match_prefix(self, req: Request) -> list[list[int]]:
         if not self.config.enable_prefix_caching:
@@ -338,10 +311,9 @@ class Scheduler:
         before, after, snapshots = [], [], []
         for req, n in step.scheduled.items():
             before += self.kv.take_restores(req)
-            for g, slot, snapshot in self._snapshots_after(req, req.num_computed_tokens + n):
-                after.append([g, slot, snapshot])
-                snapshots.append((g, snapshot, req.block_hashes[(req.num_computed_tokens + n)
-                                                                // self.config.block_size - 1]))
+            copies, block_hash = self.kv.snapshots_after(req, req.num_computed_tokens + n)
+            after += copies
+            snapshots += [(g, snapshot, block_hash) for g, _slot, snapshot in copies]
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
                 new.append(NewRequestData(req.request_id, list(req.token_ids),
