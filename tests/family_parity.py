@@ -34,3 +34,26 @@ def assert_matches(tokens, logprobs, reference, tol: float = LOGPROB_TOL):
         top_vals, top_ids = ref.topk(5)
         assert lp.top_token_ids == top_ids.tolist()
         assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=tol)
+
+
+def assert_tp2_equals_one_rank(path: str, runner) -> None:
+    """Two prompts through an engine at TP=2 over gloo: the tokens and log probabilities of
+    ``runner`` (one rank) on each alone."""
+    import random
+
+    from pocketllm import LLM, EngineArgs, SamplingParams
+
+    prompts = [[2] + [random.Random(i).randrange(3, 512) for _ in range(n)]
+               for i, n in enumerate((5, 19))]
+    ref = []
+    for p in prompts:
+        out, driver = run(runner, {"x": p}, new_tokens=12)
+        ref.append((out["x"], [lp.logprob for lp in driver.reqs["x"].logprobs]))
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+    with LLM(EngineArgs(model=path, tensor_parallel_size=2, device="cpu",
+                        max_num_batched_tokens=8, shutdown_timeout=3)) as llm:
+        assert llm.engine_caps().tensor_parallel_size == 2
+        outs = llm.generate(prompts, params)
+    for out, (tokens, logprobs) in zip(outs, ref):
+        assert out.token_ids == tokens
+        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) < LOGPROB_TOL

@@ -27,7 +27,7 @@ from pocketllm.workers.models.base import GatedMLP, check_tensor_parallel  # noq
 from pocketllm.workers.models.deepseek import DeepseekMoE, deepseek_arch_config  # noqa: E402
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint, run_step, tables  # noqa: E402
-from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
+from family_parity import assert_matches, assert_tp2_equals_one_rank, run  # noqa: E402
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 
@@ -133,20 +133,7 @@ def test_tp2_over_gloo_equals_one_rank(path, runner):
     """Heads split across the ranks (q and kv_b by head, o_proj by row), the latent
     projection replicated; experts and shared experts split by intermediate column, one
     all-reduce for both."""
-    prompts = [[2] + [random.Random(i).randrange(3, 512) for _ in range(n)]
-               for i, n in enumerate((5, 19))]
-    ref = []
-    for p in prompts:
-        out, driver = run(runner, {"x": p}, new_tokens=12)
-        ref.append((out["x"], [lp.logprob for lp in driver.reqs["x"].logprobs]))
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
-    with LLM(EngineArgs(model=path, tensor_parallel_size=2, device="cpu",
-                        max_num_batched_tokens=8, shutdown_timeout=3)) as llm:
-        assert llm.engine_caps().tensor_parallel_size == 2
-        outs = llm.generate(prompts, params)
-    for out, (tokens, logprobs) in zip(outs, ref):
-        assert out.token_ids == tokens
-        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) < LOGPROB_TOL
+    assert_tp2_equals_one_rank(path, runner)
 
 
 def test_kv_budget_buys_latent_rows(path):

@@ -31,7 +31,7 @@ from pocketllm.workers.models.gpt_oss import (GptOssExperts, _deinterleave,  # n
 from test_worker_parity import GREEDY_LP, NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import (gpt_oss_clamp_from_config, make_tiny_checkpoint,  # noqa: E402
                               run_step, tables)
-from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
+from family_parity import assert_matches, assert_tp2_equals_one_rank, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -142,20 +142,7 @@ def test_engine_with_prefix_caching_chunked_prefill_and_preemption(oss_path, run
 
 
 def test_tp2_over_gloo_equals_one_rank(oss_path, runner):
-    prompts = [[2] + [random.Random(i).randrange(3, 512) for _ in range(n)]
-               for i, n in enumerate((5, 19))]
-    ref = []
-    for p in prompts:
-        out, driver = run(runner, {"x": p}, new_tokens=12)
-        ref.append((out["x"], [lp.logprob for lp in driver.reqs["x"].logprobs]))
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
-    with LLM(EngineArgs(model=oss_path, tensor_parallel_size=2, device="cpu",
-                        max_num_batched_tokens=8, shutdown_timeout=3)) as llm:
-        assert llm.engine_caps().tensor_parallel_size == 2
-        outs = llm.generate(prompts, params)
-    for out, (tokens, logprobs) in zip(outs, ref):
-        assert out.token_ids == tokens
-        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) < LOGPROB_TOL
+    assert_tp2_equals_one_rank(oss_path, runner)
 
 
 def test_tensor_parallel_ranks_hold_their_heads_sinks(oss_path, hf_model):

@@ -26,7 +26,7 @@ from pocketllm.workers.models.qwen3_5 import GatedAttention, SharedExpertMoE  # 
 from pocketllm.workers.models.qwen3_5_config import qwen3_5_arch_config  # noqa: E402
 from test_worker_parity import PROMPT, NEW_TOKENS, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
-from family_parity import LOGPROB_TOL, assert_matches, run  # noqa: E402
+from family_parity import assert_matches, assert_tp2_equals_one_rank, run  # noqa: E402
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LONG = [random.Random(5).randrange(3, 512) for _ in range(150)]  # > two 64-token chunks
@@ -108,20 +108,7 @@ def test_tp2_over_gloo_equals_one_rank():
     """Each rank holds half the key and value heads (and their states)."""
     path = make_tiny_checkpoint("qwen3_5_moe")
     runner = make_runner(path)
-    prompts = [[2] + [random.Random(i).randrange(3, 512) for _ in range(n)]
-               for i, n in enumerate((5, 19))]
-    ref = []
-    for p in prompts:
-        out, driver = run(runner, {"x": p}, new_tokens=12)
-        ref.append((out["x"], [lp.logprob for lp in driver.reqs["x"].logprobs]))
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
-    with LLM(EngineArgs(model=path, tensor_parallel_size=2, device="cpu",
-                        max_num_batched_tokens=8, shutdown_timeout=3)) as llm:
-        assert llm.engine_caps().tensor_parallel_size == 2
-        outs = llm.generate(prompts, params)
-    for out, (tokens, logprobs) in zip(outs, ref):
-        assert out.token_ids == tokens
-        assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) < LOGPROB_TOL
+    assert_tp2_equals_one_rank(path, runner)
 
 
 # ---------------------------------------------------------------------- the state budget
