@@ -143,7 +143,7 @@ def test_the_c_decode_step_equals_the_recurrent_form(dims):
         out = np.empty((M, hv, dv), np.float32)
         assert lib.pq_gated_delta_step(qn.ctypes.data, kn.ctypes.data, hk * dk, vn.ctypes.data,
                                        hv * dv, gn.ctypes.data, bn.ctypes.data, hv, M, hk, hv,
-                                       dk, dv, pool.ctypes.data, slots.ctypes.data,
+                                       dk, dv, 0, pool.ctypes.data, slots.ctypes.data,
                                        out.ctypes.data, 0) == 0
         for m in range(M):
             want, want_states[m] = gd.recurrent(q[m:m + 1], k[m:m + 1], v[m:m + 1],
@@ -180,17 +180,62 @@ def test_the_c_prefill_equals_the_chunked_form(dims, T):
     for a, b in ((0, cut), (cut, T)):
         assert lib.pq_gated_delta_prefill(
             qn[a:].ctypes.data, kn[a:].ctypes.data, hk * dk, vn[a:].ctypes.data, hv * dv,
-            gn[a:].ctypes.data, bn[a:].ctypes.data, hv, b - a, hk, hv, dk, dv, state.ctypes.data,
+            gn[a:].ctypes.data, bn[a:].ctypes.data, hv, b - a, hk, hv, dk, dv, 0, state.ctypes.data,
             out[a:].ctypes.data, 0) == 0
     np.testing.assert_allclose(out, want.numpy(), rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(state, want_state.numpy(), rtol=1e-4, atol=2e-5)
     step_out, slot = np.empty((1, hv, dv), np.float32), np.zeros(1, np.int64)
     assert lib.pq_gated_delta_step(qn[T:].ctypes.data, kn[T:].ctypes.data, hk * dk,
                                    vn[T:].ctypes.data, hv * dv, gn[T:].ctypes.data,
-                                   bn[T:].ctypes.data, hv, 1, hk, hv, dk, dv, state.ctypes.data,
+                                   bn[T:].ctypes.data, hv, 1, hk, hv, dk, dv, 0, state.ctypes.data,
                                    slot.ctypes.data, step_out.ctypes.data, 0) == 0
     want_step, _ = gd.recurrent(q[T:], k[T:], v[T:], g[T:], beta[T:], want_state)
     np.testing.assert_allclose(step_out, want_step.numpy(), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("form", ["step", "prefill"])
+def test_the_c_forms_read_tiled_value_heads(form):
+    """``tiled``: value head j * Hk + g reads q/k head g (llama.cpp's qwen35 order). The
+    same heads in HF's grouped order give the same outputs and states, permuted."""
+    import numpy as np
+    from pocketllm.workers.kernels import cpu_lib
+    from pocketllm.workers.loader.gguf_hybrid import grouped_order
+
+    if not cpu_lib.available():
+        pytest.skip(f"CPU kernels: {cpu_lib.unavailable_reason()}")
+    hk, hv, dk, dv, T = 2, 6, 16, 8, 5
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn(T, hk, dk, generator=gen).numpy(), torch.randn(T, hk, dk, generator=gen).numpy()
+    v = torch.randn(T, hv, dv, generator=gen).numpy()
+    g, beta = -torch.rand(T, hv, generator=gen).numpy(), torch.rand(T, hv, generator=gen).numpy()
+    state = (torch.randn(1, hv, dk, dv, generator=gen) * 0.1).numpy()
+    order = grouped_order({"linear_num_key_heads": hk, "linear_num_value_heads": hv}, 1)
+    lib = cpu_lib.lib()
+
+    def run(v, g, beta, state, tiled):
+        v, g, beta = (np.ascontiguousarray(x) for x in (v, g, beta))
+        state = state.copy()  # written in place
+        out = np.empty((T, hv, dv), np.float32)
+        ptrs = (q.ctypes.data, k.ctypes.data, hk * dk, v.ctypes.data, hv * dv, g.ctypes.data,
+                beta.ctypes.data, hv)
+        if form == "prefill":
+            assert lib.pq_gated_delta_prefill(*ptrs, T, hk, hv, dk, dv, tiled, state.ctypes.data,
+                                              out.ctypes.data, 0) == 0
+        else:
+            slot = np.zeros(1, np.int64)
+            for t in range(T):
+                assert lib.pq_gated_delta_step(
+                    q[t:].ctypes.data, k[t:].ctypes.data, hk * dk, v[t:].ctypes.data, hv * dv,
+                    g[t:].ctypes.data, beta[t:].ctypes.data, hv, 1, hk, hv, dk, dv, tiled,
+                    state.ctypes.data, slot.ctypes.data, out[t:].ctypes.data, 0) == 0
+        return out, state
+
+    grouped_out, grouped_state = run(v, g, beta, state, 0)
+    inverse = np.argsort(order)  # grouped -> tiled
+    tiled_out, tiled_state = run(v[:, inverse], g[:, inverse], beta[:, inverse],
+                                 state[:, inverse], 1)
+    np.testing.assert_allclose(tiled_out[:, order], grouped_out, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(tiled_state[:, order], grouped_state, rtol=1e-6, atol=1e-7)
 
 
 def test_the_c_forms_refuse_bad_shapes():
@@ -205,8 +250,8 @@ def test_the_c_forms_refuse_bad_shapes():
         shape = (a["sqk"], None, a["sv"], None, None, a["sgb"], a["M"], a["Hk"], a["Hv"],
                  a["Dk"], a["Dv"])
         # the shapes are checked before any pointer is read
-        assert lib.pq_gated_delta_step(None, None, *shape, None, None, None, 0) == cpu_lib.ERR_ARG
-        assert lib.pq_gated_delta_prefill(None, None, *shape, None, None, 0) == cpu_lib.ERR_ARG
+        assert lib.pq_gated_delta_step(None, None, *shape, 0, None, None, None, 0) == cpu_lib.ERR_ARG
+        assert lib.pq_gated_delta_prefill(None, None, *shape, 0, None, None, 0) == cpu_lib.ERR_ARG
 
 
 def test_the_batched_decode_step_equals_the_recurrent_form():

@@ -219,8 +219,13 @@ def tables(runner, block_ids: list[int], slot: int = 0) -> list[list[int]]:
     return [[slot] if state else list(block_ids) for state in _state_groups(runner)]
 
 
+def _num_blocks(runner) -> list[int]:
+    """Each cache group's pool size (the torch worker's ``kv``, the torch-free one's own)."""
+    return getattr(runner, "kv", runner).num_blocks
+
+
 def _state_groups(runner) -> list[bool]:
-    return list(getattr(runner, "state_groups", None) or [False] * len(runner.kv.num_blocks))
+    return list(getattr(runner, "state_groups", None) or [False] * len(_num_blocks(runner)))
 
 
 def run_step(runner, plan):
@@ -251,7 +256,7 @@ class PlanDriver:
         # The same block ids in every KV cache group's pool (each at least this large); a
         # state group's slots apart, one per request.
         self.state = _state_groups(runner)
-        counts = runner.kv.num_blocks
+        counts = _num_blocks(runner)
         self.free = list(range(min(n for n, s in zip(counts, self.state) if not s)))
         self.free_slots = list(range(min((n for n, s in zip(counts, self.state) if s),
                                          default=0)))

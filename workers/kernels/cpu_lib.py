@@ -46,11 +46,12 @@ _SIGNATURES = {
     "pq_act_and_mul": (_int, [_int, _p, _i64, _i64, _i64, _p]),
     "pq_decode_attention": (_int, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64,
                                    _p, _f32, _f32, _p, _int]),
-    # ops.c: Gated DeltaNet
+    # gdn.c: Gated DeltaNet
     "pq_gated_delta_step": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                                   _i64, _p, _p, _p, _int]),
+                                   _i64, _i64, _p, _p, _p, _int]),
     "pq_gated_delta_prefill": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
-                                      _i64, _i64, _p, _p, _int]),
+                                      _i64, _i64, _i64, _p, _p, _int]),
+    "pq_gdn_mixer": (_int, [_p, _p, _i64, _i64, _p, _p, _p, _p, _int]),
     # layer.c
     "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
@@ -140,13 +141,23 @@ class Experts(ctypes.Structure):
                 ("gate_up", _p), ("down", _p)]
 
 
+class GdnLayer(ctypes.Structure):
+    """``pq_layer_gdn``: a Gated DeltaNet token mixer (gdn.c)."""
+    _fields_ = ([(name, _i64) for name in ("k_heads", "v_heads", "k_dim", "v_dim", "kernel",
+                                           "tiled")]
+                + [("eps", _f32)]
+                + [(name, _p) for name in ("conv_w", "ba", "a_log", "dt_bias", "norm")]
+                + [("in_proj", Linear), ("out", Linear)])
+
+
 class Layer(ctypes.Structure):
+    """``pq_layer``; ``gdn`` (a ``GdnLayer``'s address) replaces attention when set."""
     _fields_ = ([(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [(name, _f32) for name in ("eps", "scale", "softcap")] + [("act", _i64)]
                 + [(name, _p) for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
                                            "ff_norm", "post_ff_norm")]
                 + [(name, Linear) for name in ("qkv", "o", "gate_up", "down")]
-                + [("experts", Experts)])
+                + [("experts", Experts), ("q_gate", _i64), ("rotary_dim", _i64), ("gdn", _p)])
 
 
 class StackLayer(ctypes.Structure):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -32,6 +33,7 @@ from ..kernels import cpu_lib
 from ..kernels.cpu_lib import Layer, Linear, Part, StackLayer, StepRope, StepView
 from ..loader.block_tensor import BlockTensor
 from ..loader.gguf import load_gguf_weights
+from ..loader.gguf_hybrid import value_heads_tiled
 from ..loader.gguf_quants import GGML_TYPES, type_name
 from ..models.config import ACTIVATION_KINDS, MoeArchConfig, arch_config
 from .experts import RoutedExperts, experts_refusal
@@ -47,6 +49,8 @@ MLP_NORMS = {
     "qwen3_moe": (None, "post_attention_layernorm", None),  # routed experts: experts.py
     "gemma3": ("post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm"),
+    # hybrid: Gated DeltaNet layers (gdn.c) between gated full-attention layers
+    "qwen3_5": (None, "post_attention_layernorm", None),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 # From this many rows a step attends by matrix products per sequence (prefill.py) rather
@@ -71,14 +75,25 @@ def refusal(info: ModelInfo, dummy: bool = False) -> Optional[str]:
     if cfg.hidden_act not in ACTIVATION_KINDS:
         return f"activation {cfg.hidden_act!r}"
     kinds = {p.get("rope_type", "default") for p in cfg.rope.values()}
-    if not kinds <= set(ROPE_TYPES) or any(
-            float(p.get("partial_rotary_factor", 1.0)) != 1.0 for p in cfg.rope.values()):
-        return f"rope {sorted(kinds)}"
+    if not kinds <= set(ROPE_TYPES) or rotary_dim(cfg) % 2:
+        return f"rope {sorted(kinds)} over {rotary_dim(cfg)} of {cfg.head_dim} dims"
     if cfg.attn_sinks:
         return "attention sinks"
+    if any(getattr(cfg, "linear_layers", ())):
+        if cfg.gdn.in_proj_layout != "qkv_z_b_a":
+            return f"linear-attention projections laid out as {cfg.gdn.in_proj_layout}"
+        if dummy:
+            return "random weights for linear-attention layers"
     if _sparse(cfg):
         return experts_refusal(info.family, cfg)
     return None
+
+
+def rotary_dim(cfg) -> int:
+    """The leading dims of a head that the rotary turns (Qwen3.5: a quarter); one for
+    every rope kind of the model."""
+    factors = {float(p.get("partial_rotary_factor", 1.0)) for p in cfg.rope.values()}
+    return int(cfg.head_dim * max(factors)) if len(factors) == 1 else -1
 
 
 def _sparse(cfg) -> list[bool]:
@@ -223,7 +238,7 @@ class LiteModel:
         self.lib = cpu_lib.lib()
         self.stack_rows = STACK_ROWS_MOE if any(_sparse(cfg)) else STACK_ROWS
         if quantization is None:
-            w = dict(load_gguf_weights(info.path, info))
+            w = dict(load_gguf_weights(info.path, info, as_stored=True))
         else:
             from .dummy import dummy_weights
 
@@ -241,36 +256,48 @@ class LiteModel:
         E, D = cfg.hidden_size, cfg.head_dim
         self.norms, self.bound, self.descs = [], [], []
         self.experts: list[Optional[RoutedExperts]] = []  # per layer (None: a dense MLP)
+        self.gdn: list[Optional[tuple]] = []  # per layer: a linear-attention mixer's description and arrays
         self.mlp_norm_names = post_attn, ff, post_ff = MLP_NORMS[info.family]
         act = cpu_lib.ACT_IDS[ACTIVATION_KINDS[cfg.hidden_act]]
-        sparse = _sparse(cfg)
+        sparse, linear_layers = _sparse(cfg), list(getattr(cfg, "linear_layers", ()))
+        self.hybrid = any(linear_layers)
+        q_gate = int(self.hybrid)  # Qwen3.5's full attention gates its output
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             n = {key: norm(p + key + ".weight") if key else None
                  for key in ("input_layernorm", post_attn, ff, post_ff)}
-            qn = norm(a + "q_norm.weight") if cfg.qk_norm else None
-            kn = norm(a + "k_norm.weight") if cfg.qk_norm else None
-            qkv = linear([a + "q_proj", a + "k_proj", a + "v_proj"], E)
-            o = linear([a + "o_proj"], cfg.num_heads * D)
+            if linear_layers and linear_layers[i]:
+                gdn, bound = self._gdn(w, p + "linear_attn.", linear, info.hf_config)
+                qn = kn = None
+                qkv, o = Linear(), Linear()
+            else:
+                gdn = None
+                qn = norm(a + "q_norm.weight") if cfg.qk_norm else None
+                kn = norm(a + "k_norm.weight") if cfg.qk_norm else None
+                bound = (linear([a + "q_proj", a + "k_proj", a + "v_proj"], E),
+                         linear([a + "o_proj"], cfg.num_heads * D))
+                qkv, o = (b.linear for b in bound)
             if sparse and sparse[i]:  # routed experts in place of the MLP (no gate/up, down)
                 experts = self._experts(w, p + "mlp.", linear)
                 mlp, inter, mlp_act = (Linear(), Linear()), experts.inter, experts.act
-                self.bound.append((qkv, o))
             else:
                 experts, inter, mlp_act = None, cfg.intermediate_size, act
                 gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"], E)
                 down = linear([p + "mlp.down_proj"], cfg.intermediate_size)
                 mlp = (gate_up.linear, down.linear)
-                self.bound.append((qkv, o, gate_up, down))
+                bound += (gate_up, down)
+            self.bound.append(bound)
             self.norms.append((n, qn, kn))
             self.experts.append(experts)
+            self.gdn.append(gdn)
             self.descs.append(Layer(
                 E, cfg.num_heads, cfg.num_kv_heads, D, inter, cfg.rms_norm_eps,
                 cfg.attn_scale, cfg.attn_softcap or 0.0, mlp_act, _ptr(n["input_layernorm"]),
                 _ptr(qn), _ptr(kn), _ptr(n[post_attn] if post_attn else None), _ptr(n[ff]),
-                _ptr(n[post_ff] if post_ff else None), qkv.linear, o.linear, *mlp,
-                experts.desc if experts is not None else cpu_lib.Experts()))
+                _ptr(n[post_ff] if post_ff else None), qkv, o, *mlp,
+                experts.desc if experts is not None else cpu_lib.Experts(), q_gate,
+                rotary_dim(cfg), None if gdn is None else ctypes.addressof(gdn[0])))
         embed = w["model.embed_tokens.weight"]
         if not isinstance(embed, BlockTensor) or embed.ggml_type not in cpu_lib.QUANT_KERNEL_TYPES:
             raise UnsupportedFeatureError("the embedding table is not a block type with a kernel")
@@ -282,8 +309,11 @@ class LiteModel:
         head = w.get("lm_head.weight", embed) if not cfg.tie_word_embeddings else embed
         self.head = _Bound(E, [head], None, "lm_head")
         # the file's dense weights onto huge pages, in the background (resident.py)
+        if self.hybrid:  # the float path (prefill.py) has no linear-attention layers
+            self.stack_rows = sys.maxsize
         self.resident = ResidentCopies([b for bound in self.bound for b in bound] + [self.head])
-        self.inv_freq = {kind: rope_inv_freq(D, params) for kind, params in cfg.rope.items()}
+        self.inv_freq = {kind: rope_inv_freq(rotary_dim(cfg), params)
+                         for kind, params in cfg.rope.items()}
         self.rope_keys = sorted(self.inv_freq)
         self.view_keys: list = []
         self.stack = (StackLayer * cfg.num_layers)()
@@ -307,6 +337,30 @@ class LiteModel:
             moe.top_k, moe.norm_topk_prob, cpu_lib.ACT_IDS[ACTIVATION_KINDS[moe.hidden_act]],
             prefix + "experts")
 
+    def _gdn(self, w: dict, prefix: str, linear, hf_config: dict) -> tuple[tuple, tuple]:
+        """A linear-attention layer's mixer (``prefix``: ``model.layers.N.linear_attn.``):
+        its ``GdnLayer`` with the float arrays it points at, and its bound projections.
+        The value heads stay in the file's order (``load_gguf_weights(as_stored=True)``)."""
+        g, E = self.cfg.gdn, self.cfg.hidden_size
+
+        def floats(name: str, shape: tuple) -> np.ndarray:
+            t = w[prefix + name]  # small: a block type (if any) is decoded
+            t = t.read() if isinstance(t, BlockTensor) else t
+            return np.ascontiguousarray(np.asarray(t, dtype=np.float32).reshape(shape))
+
+        in_proj = linear([prefix + "in_proj_qkv", prefix + "in_proj_z"], E)
+        out = linear([prefix + "out_proj"], g.num_v_heads * g.v_head_dim)
+        arrays = (floats("conv1d.weight", (g.conv_channels, g.conv_kernel)),
+                  np.concatenate([floats("in_proj_b.weight", (g.num_v_heads, E)),
+                                  floats("in_proj_a.weight", (g.num_v_heads, E))]),
+                  floats("A_log", (g.num_v_heads,)), floats("dt_bias", (g.num_v_heads,)),
+                  floats("norm.weight", (g.v_head_dim,)))
+        desc = cpu_lib.GdnLayer(g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
+                                g.conv_kernel, int(value_heads_tiled(hf_config)),
+                                self.cfg.rms_norm_eps, *(a.ctypes.data for a in arrays),
+                                in_proj.linear, out.linear)
+        return (desc, arrays), (in_proj, out)
+
     def step_read_bytes(self) -> int:
         """The weight bytes one decode step reads: every layer's parts (of an MoE layer,
         its router and k experts') and the LM head (of the embedding, one row: it is the
@@ -315,17 +369,24 @@ class LiteModel:
         experts = sum(x.read_bytes() for x in self.experts if x is not None)
         return layers + experts + sum(a.nbytes for a in self.head.arrays)
 
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's conv state and recurrent state of a linear-attention layer."""
+        g = self.cfg.gdn
+        return (g.conv_channels, g.conv_kernel - 1), (g.num_v_heads, g.k_head_dim, g.v_head_dim)
+
     def bind(self, caches: Sequence[tuple[np.ndarray, np.ndarray]],
              layer_views: Sequence) -> None:
-        """Each layer's K/V cache (float32 [slots, kv_heads, head_dim], contiguous) and the
-        key of the step view it reads (``forward``'s ``views``: one per KV cache group and
-        window)."""
+        """Each layer's K/V cache (float32 [slots, kv_heads, head_dim], contiguous), or a
+        linear-attention layer's states (``state_shapes``), and the key of the step view
+        it reads (``forward``'s ``views``: one per cache group and window)."""
         self.view_keys = sorted(set(layer_views), key=repr)
         for i, ((k, v), view) in enumerate(zip(caches, layer_views)):
-            for c in (k, v):
-                if c.dtype != np.float32 or not c.flags.c_contiguous or c.shape[1:] != (
-                        self.cfg.num_kv_heads, self.cfg.head_dim):
-                    raise ValueError("a KV cache must be contiguous float32 [slots, kv_heads, head_dim]")
+            shapes = (self.state_shapes() if self.gdn[i] is not None else
+                      ((self.cfg.num_kv_heads, self.cfg.head_dim),) * 2)
+            for c, shape in zip((k, v), shapes):
+                if c.dtype != np.float32 or not c.flags.c_contiguous or c.shape[1:] != shape:
+                    raise ValueError(f"layer {i}: a cache must be contiguous float32 "
+                                     f"[slots, {', '.join(map(str, shape))}]")
             self.stack[i] = StackLayer(ctypes.addressof(self.descs[i]), k.ctypes.data,
                                        v.ctypes.data, self.view_keys.index(view),
                                        self.rope_keys.index(self.cfg.layer_rope[i]))
@@ -383,7 +444,7 @@ class LiteModel:
         step_ropes = (StepRope * len(self.rope_keys))()
         for j, kind in enumerate(self.rope_keys):
             cos, sin = ropes[kind]
-            step_ropes[j] = StepRope(cos.ctypes.data, sin.ctypes.data, self.cfg.head_dim // 2)
+            step_ropes[j] = StepRope(cos.ctypes.data, sin.ctypes.data, cos.shape[1])
         hidden = np.empty_like(x)
         rc = self.lib.pq_decoder_stack(self.stack, self.cfg.num_layers, step_views, step_ropes,
                                        x.ctypes.data, len(x), hidden.ctypes.data, threads)

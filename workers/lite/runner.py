@@ -14,6 +14,7 @@ them PENDING, and they are taken from the last step's.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 import numpy as np
@@ -26,8 +27,8 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook
-from .model import LiteModel, step_view
+from ..step_rows import RequestBook, StepError
+from .model import LiteModel, StepViews, step_view
 from ..sampler import numpy_ops
 from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
 
@@ -55,34 +56,46 @@ class LiteRunner:
         self.model = LiteModel(info, args.quantization, args.seed)
         cfg = self.model.cfg
         self.block_size, self.max_model_len = args.block_size, info.max_model_len
-        layout = cache_layout(cfg.layer_windows, self.max_model_len)
+        # a linear-attention layer keeps a recurrent state per sequence: a state group
+        layout = cache_layout(cfg.layer_windows, self.max_model_len,
+                              state_layers=getattr(cfg, "linear_layers", None) or None)
         self.layout = layout
+        self.state_groups = [layout.is_state(g) for g in range(len(layout.specs))]
         row = cfg.num_kv_heads * cfg.head_dim  # floats a slot holds, K or V
         per_layer_block = 2 * self.block_size * row * 4
-        self.num_blocks = plan_blocks(layout, args, self.max_model_len, per_layer_block)
-        self.pad_blocks = list(self.num_blocks)  # the spare zero block past each pool's end
-        slots = [(n + 1) * self.block_size for n in self.num_blocks]
-        sizes = [slots[g] * row * 4 for g in layout.layer_group for _ in (0, 1)]
+        state_shapes = self.model.state_shapes() if any(self.state_groups) else ((0,), (0,))
+        state_floats = [math.prod(shape) for shape in state_shapes]  # a slot's, per layer
+        state_layers = sum(layout.num_layers(g) for g, s in enumerate(self.state_groups) if s)
+        self.num_blocks = plan_blocks(layout, args, self.max_model_len, per_layer_block,
+                                      state_slot_bytes=4 * sum(state_floats) * state_layers)
+        self.pad_blocks = list(self.num_blocks)  # the spare zero block (or slot) past each pool's end
+        # per layer: its (K, V) pools, or its (conv states, states) with a slot per sequence
+        shapes = [[((n + 1) * self.block_size, cfg.num_kv_heads, cfg.head_dim)] * 2
+                  if not self.state_groups[g] else [(n + 1, *shape) for shape in state_shapes]
+                  for g, n in ((g, self.num_blocks[g]) for g in layout.layer_group)]
+        sizes = [4 * math.prod(shape) for pair in shapes for shape in pair]
         check_available(sum(sizes), "KV cache", "kv_cache_memory_gb")
         buffers = populated_zeros(sizes)
         self.model.resident.start(reserved=sum(sizes))
-        shape = (cfg.num_kv_heads, cfg.head_dim)
-        arrays = [np.frombuffer(b, dtype=np.float32).reshape(-1, *shape) if len(b)
-                  else np.zeros((0, *shape), np.float32) for b in buffers]
+        arrays = [np.frombuffer(b, dtype=np.float32).reshape(shape) if len(b)
+                  else np.zeros(shape, np.float32)
+                  for b, shape in zip(buffers, (shape for pair in shapes for shape in pair))]
         self._buffers = buffers  # the arrays' memory
         self.caches = list(zip(arrays[0::2], arrays[1::2]))
         self.views = [(g, w) for g, w in zip(layout.layer_group, cfg.layer_windows)]
         self.model.bind(self.caches, self.views)
         self.book = RequestBook(self.num_blocks, self.pad_blocks,
                                 [layout.window(g) for g in range(len(layout.specs))],
-                                self.block_size, args.max_num_seqs, self._history)
+                                self.block_size, args.max_num_seqs, self._history,
+                                self.state_groups)
         self.sampler = Sampler(numpy_ops, args.seed)
         self._last_tokens: dict[str, int] = {}  # the last step's sampled token per request
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready (no torch): %s on cpu/float32, KV capacity %d tokens "
                     "(%s; blocks of %d), load %.1fs", info.architecture,
                     self.num_blocks[0] * self.block_size,
-                    ", ".join(f"{n} blocks x {layout.num_layers(g)} layers"
+                    ", ".join(f"{n} {'state slots' if self.state_groups[g] else 'blocks'} x "
+                              f"{layout.num_layers(g)} layers"
                               for g, n in enumerate(self.num_blocks)),
                     self.block_size, self.load_seconds)
 
@@ -96,6 +109,9 @@ class LiteRunner:
             prefix_caching=self.args.enable_prefix_caching,
             max_logprobs=MAX_LOGPROBS, load_seconds=round(self.load_seconds, 3),
             attention_backend="LiteModel", weight_bytes=self.model.step_read_bytes(),
+            state_step_bytes=2 * sum(k[0].nbytes + v[0].nbytes  # read, then written
+                                     for (k, v), (g, _w) in zip(self.caches, self.views)
+                                     if self.state_groups[g]),
             cache_groups=[CacheGroup(spec, n, self.layout.num_layers(g)) for g, (spec, n)
                           in enumerate(zip(self.layout.specs, self.num_blocks))])
 
@@ -119,6 +135,40 @@ class LiteRunner:
         return TokenHistory(spec, prompt_ids, output_ids, self.model.cfg.vocab_size)
 
     def _step(self, plan: StepPlan) -> StepResult:
+        self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
+        result = self._compute(plan)
+        self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
+        return result
+
+    def _state_layers(self, group: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [c for c, (g, _w) in zip(self.caches, self.views) if g == group]
+
+    def _copy_states(self, copies: list[list[int]]) -> None:
+        """[group, source slot, destination slot] copies of a state group's slots."""
+        for group, src, dst in copies:
+            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
+                raise StepError(f"a state copy in cache group {group}, not a state group")
+            if not all(0 <= s < self.num_blocks[group] for s in (src, dst)):
+                raise StepError(f"state slots {src} -> {dst} outside [0, "
+                                f"{self.num_blocks[group]})")
+            for pools in self._state_layers(group):
+                for pool in pools:
+                    pool[dst] = pool[src]
+
+    def _state_view(self, group: int, seqs, num_rows: int) -> StepViews:
+        """A state group's view of a step: each row's slot, zeroed first for a sequence
+        that starts at position 0."""
+        slots = np.zeros(num_rows, dtype=np.int64)
+        for s in seqs:
+            slot = s.block_ids[0]
+            slots[s.row:s.row + s.num_tokens] = slot
+            if s.start == 0:
+                for pools in self._state_layers(group):
+                    for pool in pools:
+                        pool[slot] = 0.0
+        return StepViews(slots, np.zeros((num_rows, 1), np.int64), np.zeros(num_rows, np.int64))
+
+    def _compute(self, plan: StepPlan) -> StepResult:
         entries = self.book.update(plan, lambda rid: rid in self._last_tokens)
         rows = self.book.rows(plan, entries)
         for row, rid in rows.pending_rows:
@@ -127,8 +177,10 @@ class LiteRunner:
         if not rows.seqs[0]:
             return StepResult(step_id=plan.step_id)
         positions = np.array(rows.positions, dtype=np.int64)
-        views = {(g, w): step_view(rows.seqs[g], w, self.block_size,
-                                   self.pad_blocks[g] * self.block_size, len(positions))
+        views = {(g, w): self._state_view(g, rows.seqs[g], len(positions))
+                 if self.state_groups[g] else
+                 step_view(rows.seqs[g], w, self.block_size, self.pad_blocks[g] * self.block_size,
+                           len(positions))
                  for g, w in set(self.views)}
         logits = self.model.forward(np.array(rows.input_ids, dtype=np.int64), positions, views,
                                     rows.sample_rows, self.threads)

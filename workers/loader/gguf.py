@@ -119,10 +119,12 @@ def _hook(path: Optional[str]):
     return getattr(importlib.import_module(module), attribute)
 
 
-def load_gguf_weights(path: str, info: "ModelInfo"
+def load_gguf_weights(path: str, info: "ModelInfo", as_stored: bool = False
                       ) -> Iterator[tuple[str, "np.ndarray | BlockTensor"]]:
     """Yield (HF parameter name, tensor in HF shape) for every tensor of the file: float32
-    arrays for float types, ``BlockTensor``s (mapped, not decoded) for block types."""
+    arrays for float types, ``BlockTensor``s (mapped, not decoded) for block types.
+    ``as_stored``: a family hook leaves the file's order of heads as it is (where a
+    reader maps it instead: gguf_hybrid.py's tiled value heads)."""
     header = read_gguf_header(path)
     family = BY_NAME[info.family]
     cfg = info.hf_config
@@ -137,7 +139,7 @@ def load_gguf_weights(path: str, info: "ModelInfo"
                            path, gguf_name)
             continue
         w = _read_tensor(data, t, path)
-        mapped = hook(gguf_name, w, cfg) if hook is not None else None
+        mapped = hook(gguf_name, w, cfg, as_stored) if hook is not None else None
         if mapped is not None:  # the family's own mapping (gguf_hybrid.py)
             yield from mapped
             continue

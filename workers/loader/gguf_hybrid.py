@@ -12,8 +12,11 @@ What the converter changed, undone:
 * qwen35 / qwen35moe: the value heads are tiled (head j of key-head group g moved to
   position j * key_heads + g, for ggml's broadcast) in every tensor that holds them: the
   v rows of ``attn_qkv`` and the conv, ``attn_gate``, ``ssm_alpha`` / ``ssm_beta``,
-  ``ssm_a`` / ``ssm_dt``, and the columns of ``ssm_out``. They are put back in groups.
-  A block tensor keeps its blocks where rows move; ``ssm_out``'s columns are decoded.
+  ``ssm_a`` / ``ssm_dt``, and the columns of ``ssm_out``. They are put back in groups
+  (a block tensor keeps its blocks where rows move; ``ssm_out``'s columns are decoded),
+  unless the reader asks for them ``as_stored``: the torch-free worker's kernels map a
+  value head to its q/k head either way (cpu_quant.h, ``tiled``), and its ``ssm_out``
+  stays in blocks.
 * the linear-attention norm (``ssm_norm``) multiplies by w, not 1 + w: no offset to take
   off (the other norms' is the family's ``gguf_norm_offset``).
 * the multi-token-prediction layer becomes a block past the model's (``nextn_predict_layers``
@@ -56,8 +59,15 @@ def grouped_order(cfg: dict, head_dim: int) -> np.ndarray:
     return (tiled[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
 
 
-def hybrid_tensor(gguf_name: str, w: "np.ndarray | BlockTensor", cfg: dict
-                  ) -> Optional[list[tuple[str, "np.ndarray | BlockTensor"]]]:
+def value_heads_tiled(cfg: dict) -> bool:
+    """Whether the file stores its value heads tiled (qwen35 / qwen35moe, several value
+    heads a q/k head)."""
+    return cfg.get("model_type") != "qwen3_next" and \
+        cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"]
+
+
+def hybrid_tensor(gguf_name: str, w: "np.ndarray | BlockTensor", cfg: dict,
+                  as_stored: bool = False) -> Optional[list[tuple[str, "np.ndarray | BlockTensor"]]]:
     block = _BLOCK.match(gguf_name)
     if block is not None and int(block.group(1)) >= int(cfg["num_hidden_layers"]):
         if int(block.group(1)) == int(cfg["num_hidden_layers"]) and gguf_name.endswith(
@@ -70,8 +80,7 @@ def hybrid_tensor(gguf_name: str, w: "np.ndarray | BlockTensor", cfg: dict
         return None
     layer, part = m.group(1), m.group(2)
     name = f"model.layers.{layer}.{_LINEAR[part]}"
-    tiled = cfg.get("model_type") != "qwen3_next" and \
-        cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"]
+    tiled = value_heads_tiled(cfg) and not as_stored
     v_dim = int(cfg["linear_value_head_dim"])
     qk_rows = 2 * int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
     if part == "ssm_a":

@@ -115,26 +115,6 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
                                const int64_t *lengths, float scale, float softcap, float *out,
                                int nthreads);
 
-/* ---- ops.c: Gated DeltaNet's decode step ---- */
-
-/* One token of each of M sequences through the gated delta rule: row m's q, k [Hk, Dk]
- * (row stride sqk; L2-normalised here, q also scaled by Dk^-1/2), v [Hv, Dv] (stride sv),
- * decay g and strength beta [Hv] (stride sgb) update its state states[slots[m]]
- * ([Hv, Dk, Dv] float32, in place); value head h reads q/k head h / (Hv / Hk).
- * out [M, Hv, Dv] contiguous. Dk, Dv <= 512; the slots are the caller's to keep in range. */
-PQ_API int pq_gated_delta_step(const float *q, const float *k, int64_t sqk, const float *v,
-                               int64_t sv, const float *g, const float *beta, int64_t sgb,
-                               int64_t M, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-                               float *states, const int64_t *slots, float *out, int nthreads);
-
-/* T tokens of one sequence (a prompt, or its next chunk) through the same rule, with the
- * same argument layout (row t of q/k/v/g/beta at its stride), from and into its state
- * [Hv, Dk, Dv]; out [T, Hv, Dv] contiguous. Equal to T steps to float rounding. */
-PQ_API int pq_gated_delta_prefill(const float *q, const float *k, int64_t sqk, const float *v,
-                                  int64_t sv, const float *g, const float *beta, int64_t sgb,
-                                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-                                  float *state, float *out, int nthreads);
-
 /* ---- layer.c: a decoder layer's decode step in one call ---- */
 
 /* A linear layer of block parts (pq_linear's), with an optional bias [N]. */
@@ -143,6 +123,46 @@ typedef struct {
     int64_t nparts;
     const float *bias;
 } pq_layer_linear;
+
+/* ---- gdn.c: Gated DeltaNet ---- */
+
+/* One token of each of M sequences through the gated delta rule: row m's q, k [Hk, Dk]
+ * (row stride sqk; L2-normalised here, q also scaled by Dk^-1/2), v [Hv, Dv] (stride sv),
+ * decay g and strength beta [Hv] (stride sgb) update its state states[slots[m]]
+ * ([Hv, Dk, Dv] float32, in place); value head h reads q/k head h / (Hv / Hk), or
+ * h % Hk when `tiled` (llama.cpp's qwen35 order).
+ * out [M, Hv, Dv] contiguous. Dk, Dv <= 512; the slots are the caller's to keep in range. */
+PQ_API int pq_gated_delta_step(const float *q, const float *k, int64_t sqk, const float *v,
+                               int64_t sv, const float *g, const float *beta, int64_t sgb,
+                               int64_t M, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                               int64_t tiled, float *states, const int64_t *slots, float *out, int nthreads);
+
+/* T tokens of one sequence (a prompt, or its next chunk) through the same rule, with the
+ * same argument layout (row t of q/k/v/g/beta at its stride), from and into its state
+ * [Hv, Dk, Dv]; out [T, Hv, Dv] contiguous. Equal to T steps to float rounding. */
+PQ_API int pq_gated_delta_prefill(const float *q, const float *k, int64_t sqk, const float *v,
+                                  int64_t sv, const float *g, const float *beta, int64_t sgb,
+                                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                                  int64_t tiled, float *state, float *out, int nthreads);
+
+/* A Gated DeltaNet token mixer (Qwen3.5's linear attention): in_proj's parts give the
+ * q, k, v rows (the convolution's channels, C = 2 k_heads k_dim + v_heads v_dim) then z
+ * [v_heads v_dim]; ba float32 [2 v_heads, hidden], b's rows then a's; conv_w [C, kernel];
+ * a_log, dt_bias [v_heads]; norm [v_dim] (scales by w). `tiled`: as the step's. */
+typedef struct {
+    int64_t k_heads, v_heads, k_dim, v_dim, kernel, tiled;
+    float eps;
+    const float *conv_w, *ba, *a_log, *dt_bias, *norm;
+    pq_layer_linear in_proj, out;
+} pq_layer_gdn;
+
+/* h [M, E] (normed rows) through the mixer into out [M, E]: row m reads and writes the
+ * conv state conv_states[slots[m]] ([C, kernel - 1], oldest first) and the recurrent
+ * state states[slots[m]] ([v_heads, k_dim, v_dim]). A run of rows with one slot is a
+ * prompt's chunk, in order. The slots are the caller's to keep in range. */
+PQ_API int pq_gdn_mixer(const pq_layer_gdn *G, const float *h, int64_t M, int64_t E,
+                        const int64_t *slots, float *conv_states, float *states, float *out,
+                        int nthreads);
 
 /* Routed experts (Qwen3-MoE's): router float32 [count, hidden]; each token's routing is a
  * softmax over the count logits in float32, the top_k largest kept (ties: the lower
@@ -167,6 +187,11 @@ typedef struct {
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ff_norm, *post_ff_norm;
     pq_layer_linear qkv, o, gate_up, down;
     pq_layer_experts experts; /* experts.count > 0: routed experts in place of the MLP */
+    /* Qwen3.5's gated attention: q_gate 1: qkv's q rows are, per head, the query then a
+     * gate whose sigmoid scales that head's output; rotary_dim (0: head_dim) the leading
+     * dims of each head rotated */
+    int64_t q_gate, rotary_dim;
+    const pq_layer_gdn *gdn; /* not NULL: this Gated DeltaNet in place of attention */
 } pq_layer;
 
 /* The decoder stack's decode step in one call. Each layer names its KV cache and which
@@ -184,8 +209,8 @@ typedef struct {
 
 typedef struct {
     const pq_layer *layer;
-    float *k_cache, *v_cache;
-    int64_t view, rope; /* indices into the step's views and ropes */
+    float *k_cache, *v_cache; /* a Gated DeltaNet layer's: its conv states and states */
+    int64_t view, rope; /* indices into the step's views (a state group's: slots only) and ropes */
 } pq_stack_layer;
 
 /* x [M, hidden] (the embedded tokens) through layers[0..n-1], each a pre-norm layer with

@@ -15,23 +15,10 @@
 #include <string.h>
 
 #include "cpu_quant.h"
-
-/* A float buffer of at least `elems`, grown on demand (one caller thread: the worker's). */
-typedef struct {
-    float *p;
-    int64_t elems;
-} grown;
-
-static float *grow(grown *b, int64_t elems) {
-    if (elems > b->elems) {
-        free(b->p);
-        if (posix_memalign((void **)&b->p, 64, sizeof(float) * (size_t)elems) != 0) b->p = NULL;
-        b->elems = b->p != NULL ? elems : 0;
-    }
-    return b->p;
-}
+#include "ops_inline.h"
 
 static grown g_work;   /* a layer's intermediate rows */
+static grown g_attn;   /* attention's */
 static grown g_stream; /* the stack's residual stream: two (x, residual) pairs, in turn */
 static grown g_experts; /* a routed-experts MLP's logits, weights and pair rows */
 
@@ -71,27 +58,6 @@ static void route(const float *logits, int64_t n, int64_t k, int renormalize, fl
         for (int64_t j = 0; j < k; j++) w[j] /= total;
 }
 
-/* logits [M, n] = h [M, E] . router [n, E]^T: float32 dots in 16 lanes (E % 32 == 0), the
- * experts split over the threads (a Qwen3-30B-A3B router is 1 MiB a layer, ~3% of a decode
- * step on one thread); each dot adds in the same order whatever the split. */
-static void router_logits(const float *router, int64_t n, const float *h, int64_t M, int64_t E,
-                          float *logits, int nthreads) {
-#ifdef _OPENMP
-    const int nt = nthreads > 0 ? nthreads : omp_get_max_threads();
-#pragma omp parallel for num_threads(nt) schedule(static) collapse(2)
-#endif
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t e = 0; e < n; e++) {
-            const float *r = router + e * E, *x = h + m * E;
-            float acc[16] = {0};
-            for (int64_t c = 0; c < E; c += 16)
-                for (int l = 0; l < 16; l++) acc[l] += r[c + l] * x[c + l];
-            float sum = 0.0f;
-            for (int l = 0; l < 16; l++) sum += acc[l];
-            logits[m * n + e] = sum;
-        }
-}
-
 /* h [M, E] (the normed rows) through the routed experts into out [M, E]. Each (token,
  * choice) pair is a row of the scratch rows: one pq_linear_rows call for every pair's
  * [gate | up] and one for their down products, at most PQ_MAX_PARTS parts a call. */
@@ -106,7 +72,7 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
     }
     float *logits = buf, *w = logits + M * X->count, *xp = w + P, *gu = xp + P * E,
           *act = gu + P * 2 * I, *y = act + P * I;
-    router_logits(X->router, X->count, h, M, E, logits, nthreads);
+    float_products(X->router, X->count, h, M, E, logits, nthreads);
     for (int64_t m = 0; m < M; m++) {
         route(logits + m * X->count, X->count, k, (int)X->renormalize, w + m * k, ids + m * k);
         for (int64_t j = 0; j < k; j++)
@@ -145,51 +111,77 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
     return PQ_OK;
 }
 
-/* M one-token decode rows through layer L: x [M, hidden] and res_in (NULL for the first
- * layer: the residual is x) -> x_out (the layer's output) and res_out (the residual
- * after it), both [M, hidden] contiguous. cos/sin [M, head_dim/2] (row stride lc) rotate
- * q and k; row m's k/v are written to cache slot slots[m] of k_cache/v_cache ([slots,
- * kv_heads, head_dim]), then attend as pq_decode_attention does over gather/Lk/lengths. */
+/* Attention of the normed rows h [M, E] into o [M, E]: q/k/v -> (q/k norms) -> rotary
+ * (of each head's first rotary_dim) -> row m's k/v to cache slot slots[m] of k_cache /
+ * v_cache ([slots, kv_heads, head_dim]) -> attend as pq_decode_attention does over
+ * gather/Lk/lengths -> (Qwen3.5's output gate) -> o. */
+static int attention(const pq_layer *L, const float *h, int64_t M, const float *cos,
+                     const float *sin, int64_t lc, float *k_cache, float *v_cache,
+                     const int64_t *slots, const int64_t *gather, int64_t Lk,
+                     const int64_t *lengths, float *o, int nthreads) {
+    const int64_t E = L->hidden, H = L->heads, Hkv = L->kv_heads, D = L->head_dim,
+                  qw = H * D, kvw = Hkv * D, qd = L->q_gate ? 2 * D : D, qkvw = H * qd + 2 * kvw,
+                  rot = L->rotary_dim > 0 ? L->rotary_dim : D;
+    if (H <= 0 || Hkv <= 0 || D <= 0 || H % Hkv != 0 || rot > D || rot % 2 != 0) return PQ_ERR_ARG;
+    /* qkv [M,qkvw] | q,k normed [M,qw+kvw] | attn [M,qw] */
+    float *qkv = grow(&g_attn, M * (qkvw + 2 * qw + kvw));
+    if (qkv == NULL) return PQ_ERR_NOMEM;
+    float *qk = qkv + M * qkvw, *attn = qk + M * (qw + kvw);
+    int rc;
+    if ((rc = linear(&L->qkv, E, h, M, qkv, qkvw, nthreads)) != PQ_OK) return rc;
+    /* q's head h at q + h * sqh (a row at q + m * sq), k's rows at stride sk */
+    float *q = qkv, *k = qkv + H * qd, *v = k + kvw;
+    int64_t sq = qkvw, sqh = qd, sk = qkvw;
+    if (L->q_norm != NULL) { /* per head, into contiguous rows (as the module's norm returns) */
+        pq_rms_norm(qkv, M, H, D, qkvw, qd, NULL, 0, 0, L->q_norm, L->eps, qk, NULL);
+        pq_rms_norm(k, M, Hkv, D, qkvw, D, NULL, 0, 0, L->k_norm, L->eps, qk + M * qw, NULL);
+        q = qk, k = qk + M * qw, sq = qw, sqh = D, sk = kvw;
+    }
+    pq_rotary(q, M, H, rot, sq, sqh, cos, sin, lc);
+    pq_rotary(k, M, Hkv, rot, sk, D, cos, sin, lc);
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(k_cache + slots[m] * kvw, k + m * sk, sizeof(float) * (size_t)kvw);
+        memcpy(v_cache + slots[m] * kvw, v + m * qkvw, sizeof(float) * (size_t)kvw);
+    }
+    rc = pq_decode_attention(q, M, H, D, sq, sqh, k_cache, v_cache, Hkv, gather, Lk, lengths,
+                             L->scale, L->softcap, attn, nthreads);
+    if (rc != PQ_OK) return rc;
+    if (L->q_gate)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < qw; i++)
+                attn[m * qw + i] *= sigmoid(qkv[m * qkvw + (i / D) * qd + D + i % D]);
+    return linear(&L->o, qw, attn, M, o, E, nthreads);
+}
+
+/* M rows through layer L: x [M, hidden] and res_in (NULL for the first layer: the
+ * residual is x) -> x_out (the layer's output) and res_out (the residual after it), both
+ * [M, hidden] contiguous. The token mixer is attention (its arguments as `attention`'s)
+ * or, for a Gated DeltaNet layer, pq_gdn_mixer over the rows' state slots `slots` in
+ * k_cache (conv states) and v_cache (states). */
 static int decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
                          const float *cos, const float *sin, int64_t lc, float *k_cache,
                          float *v_cache, const int64_t *slots, const int64_t *gather,
                          int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
                          int nthreads) {
-    const int64_t E = L->hidden, H = L->heads, Hkv = L->kv_heads, D = L->head_dim,
-                  I = L->inter, qw = H * D, kvw = Hkv * D, qkvw = qw + 2 * kvw;
-    if (M <= 0 || E <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || I <= 0 || H % Hkv != 0) return PQ_ERR_ARG;
-    /* h [M,E] | qkv [M,qkvw] | q,k normed [M,qw+kvw] | attn [M,qw] | o [M,E] | res1 [M,E] |
-     * gate_up [M,2I] | act [M,I] */
-    float *h = grow(&g_work, M * (3 * E + qkvw + qw + kvw + qw + 3 * I));
+    const int64_t E = L->hidden, I = L->inter;
+    if (M <= 0 || E <= 0 || I <= 0) return PQ_ERR_ARG;
+    /* h [M,E] | o [M,E] | res1 [M,E] | gate_up [M,2I] | act [M,I] */
+    float *h = grow(&g_work, M * (3 * E + 3 * I));
     if (h == NULL) return PQ_ERR_NOMEM;
-    float *qkv = h + M * E, *qk = qkv + M * qkvw, *attn = qk + M * (qw + kvw),
-          *o = attn + M * qw, *res1 = o + M * E, *gu = res1 + M * E, *act = gu + M * 2 * I;
+    float *o = h + M * E, *res1 = o + M * E, *gu = res1 + M * E, *act = gu + M * 2 * I;
     int rc;
 
-    /* attention: norm(x + residual) -> q/k/v -> (q/k norms) -> rotary -> cache -> attend */
+    /* the mixer: norm(x + residual) -> attention or Gated DeltaNet -> (its norm) */
     if (res_in != NULL) add_norm(x, res_in, M, E, L->attn_norm, L->eps, h, res1);
     else {
         add_norm(x, NULL, M, E, L->attn_norm, L->eps, h, NULL);
         memcpy(res1, x, sizeof(float) * (size_t)(M * E));
     }
-    if ((rc = linear(&L->qkv, E, h, M, qkv, qkvw, nthreads)) != PQ_OK) return rc;
-    float *q = qkv, *k = qkv + qw;
-    int64_t sq = qkvw, sk = qkvw;
-    if (L->q_norm != NULL) { /* per head, into contiguous rows (as the module's norm returns) */
-        pq_rms_norm(qkv, M, H, D, qkvw, D, NULL, 0, 0, L->q_norm, L->eps, qk, NULL);
-        pq_rms_norm(qkv + qw, M, Hkv, D, qkvw, D, NULL, 0, 0, L->k_norm, L->eps, qk + M * qw, NULL);
-        q = qk, k = qk + M * qw, sq = qw, sk = kvw;
-    }
-    pq_rotary(q, M, H, D, sq, D, cos, sin, lc);
-    pq_rotary(k, M, Hkv, D, sk, D, cos, sin, lc);
-    for (int64_t m = 0; m < M; m++) {
-        memcpy(k_cache + slots[m] * kvw, k + m * sk, sizeof(float) * (size_t)kvw);
-        memcpy(v_cache + slots[m] * kvw, qkv + m * qkvw + qw + kvw, sizeof(float) * (size_t)kvw);
-    }
-    rc = pq_decode_attention(q, M, H, D, sq, D, k_cache, v_cache, Hkv, gather, Lk, lengths,
-                             L->scale, L->softcap, attn, nthreads);
+    rc = L->gdn != NULL
+             ? pq_gdn_mixer(L->gdn, h, M, E, slots, k_cache, v_cache, o, nthreads)
+             : attention(L, h, M, cos, sin, lc, k_cache, v_cache, slots, gather, Lk, lengths,
+                         o, nthreads);
     if (rc != PQ_OK) return rc;
-    if ((rc = linear(&L->o, qw, attn, M, o, E, nthreads)) != PQ_OK) return rc;
     if (L->post_attn_norm != NULL) { /* Gemma's sandwich: the sublayer's output normed */
         add_norm(o, NULL, M, E, L->post_attn_norm, L->eps, h, NULL);
         memcpy(o, h, sizeof(float) * (size_t)(M * E));

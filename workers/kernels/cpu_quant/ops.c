@@ -1,12 +1,11 @@
 /* The float32 operations between a CPU decode step's products (cpu_quant.h, "ops"):
- * RMSNorm (with the residual add), rotary, the gated activations, decode attention and
- * Gated DeltaNet's decode step.
+ * RMSNorm (with the residual add), rotary, the gated activations and decode attention
+ * (Gated DeltaNet's are in gdn.c).
  * Each is a short loop over a few thousand values; in torch each is several eager ops
  * of ~10-30 us apiece, which added up to a third of the embedded model's step.
  *
- * Reductions keep 16 explicit lanes so the compiler vectorizes them without reordering
- * float sums on its own (-ffp-contract=off, no -ffast-math); the elementwise ops round
- * exactly as torch's do (rotary: the same products and sums, bit for bit). */
+ * The elementwise ops round exactly as torch's do (rotary: the same products and sums,
+ * bit for bit); reductions as ops_inline.h says. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,31 +14,12 @@
 #endif
 
 #include "cpu_quant.h"
+#include "ops_inline.h"
 
-/* One binary for every x86-64: the loops are cloned for AVX-512 / AVX2 and picked at load. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define PQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PQ_CLONES
-#endif
-
-#define LANES 16
 /* From this many elements (a prompt's rows) an op shares its rows out among the threads;
  * a decode step's few rows stay on the calling thread (a parallel region costs ~µs). */
 #define PQ_OPS_PARALLEL 65536
 #define PQ_MAX_GROUP 16 /* query heads of one KV head attended in one pass */
-
-PQ_CLONES
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
 
 PQ_CLONES
 static void axpy(float *y, float a, const float *x, int64_t n) {
@@ -90,20 +70,6 @@ PQ_API int pq_rotary(float *x, int64_t A, int64_t B, int64_t D, int64_t sa, int6
     return PQ_OK;
 }
 
-/* e^x for x in [-87, 88], within ~2 ulp: 2^k * e^r, r = x - k ln2 in [-ln2/2, ln2/2], a
- * degree-6 Taylor polynomial. Branch-free, so the loops below vectorize (libm's expf
- * and tanhf do not). */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float k = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - k * 0.693145751953125f - k * 1.42860682030941723e-6f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* x * sigmoid(z) = x / (1 + e^-z): SiLU with z = x; torch's tanh GELU with
  * z = 2 sqrt(2/pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(z/2)) = sigmoid(z). */
 static inline float gelu_tanh(float x) {
@@ -111,7 +77,6 @@ static inline float gelu_tanh(float x) {
     return x / (1.0f + exp_approx(-two_beta * (x + kappa * x * x * x)));
 }
 
-static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
 
 static inline float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f)); }
 
@@ -272,159 +237,12 @@ PQ_API int pq_decode_attention(const float *q, int64_t B, int64_t H, int64_t D, 
     return failed ? PQ_ERR_NOMEM : PQ_OK;
 }
 
-/* Gated DeltaNet's decode step: one token per sequence through the delta rule on the
- * sequence's recurrent state, the arithmetic of workers/layers/gated_delta.py's
- * `recurrent` (its docstring has the update). Each value head's state is a [Dk, Dv]
- * float32 matrix read and written twice per token: decay it and read it at the key,
- * then write the correction and read it at the query. */
-#define PQ_GD_MAX_DIM 512 /* Dk and Dv (Qwen3.5: 128) */
-#define L2_EPS 1e-6f /* inside the rsqrt of q's and k's squared norms, as the reference */
-
-/* q and k L2-normalised (the reference's eps inside), q also scaled. */
-static void normalise_qk(const float *q, const float *k, int64_t Dk, float scale, float *qn,
-                         float *kn) {
-    const float iq = 1.0f / sqrtf(dot(q, q, Dk) + L2_EPS), ik = 1.0f / sqrtf(dot(k, k, Dk) + L2_EPS);
-    for (int64_t i = 0; i < Dk; i++) qn[i] = q[i] * iq * scale, kn[i] = k[i] * ik;
-}
-
-/* One value head: S [Dk, Dv] in place, out [Dv]; qn/kn normalised (qn also scaled). */
-PQ_CLONES
-static void head_step(float *S, const float *qn, const float *kn, const float *v, float decay,
-                      float beta, int64_t Dk, int64_t Dv, float *out) {
-    float kv[PQ_GD_MAX_DIM] = {0}, u[PQ_GD_MAX_DIM];
-    for (int64_t i = 0; i < Dk; i++) { /* S <- decay S; kv = S^T kn */
-        float *row = S + i * Dv;
-        for (int64_t j = 0; j < Dv; j++) {
-            row[j] *= decay;
-            kv[j] += kn[i] * row[j];
-        }
-    }
-    for (int64_t j = 0; j < Dv; j++) u[j] = beta * (v[j] - kv[j]), out[j] = 0.0f;
-    for (int64_t i = 0; i < Dk; i++) { /* S <- S + kn u^T; out = S^T qn */
-        float *row = S + i * Dv;
-        for (int64_t j = 0; j < Dv; j++) {
-            row[j] += kn[i] * u[j];
-            out[j] += qn[i] * row[j];
-        }
-    }
-}
-
-PQ_API int pq_gated_delta_step(const float *q, const float *k, int64_t sqk, const float *v,
-                               int64_t sv, const float *g, const float *beta, int64_t sgb,
-                               int64_t M, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-                               float *states, const int64_t *slots, float *out, int nthreads) {
-    if (M < 0 || Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || Dk <= 0 || Dv <= 0 ||
-        Dk > PQ_GD_MAX_DIM || Dv > PQ_GD_MAX_DIM || sqk < Hk * Dk || sv < Hv * Dv || sgb < Hv)
-        return PQ_ERR_ARG;
-    const int64_t group = Hv / Hk;
-    const float scale = 1.0f / sqrtf((float)Dk);
+void float_products(const float *w, int64_t n, const float *x, int64_t M, int64_t K, float *y,
+                    int nthreads) {
     (void)nthreads;
 #ifdef _OPENMP
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads > 0 ? nthreads : omp_get_max_threads()) if (M * Hv * Dk * Dv >= (1 << 18))
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : omp_get_max_threads()) schedule(static) collapse(2) if (M * n * K >= (1 << 16))
 #endif
     for (int64_t m = 0; m < M; m++)
-        for (int64_t h = 0; h < Hv; h++) {
-            const float *qh = q + m * sqk + (h / group) * Dk, *kh = k + m * sqk + (h / group) * Dk;
-            float qn[PQ_GD_MAX_DIM], kn[PQ_GD_MAX_DIM];
-            normalise_qk(qh, kh, Dk, scale, qn, kn);
-            head_step(states + (slots[m] * Hv + h) * Dk * Dv, qn, kn, v + m * sv + h * Dv,
-                      expf(g[m * sgb + h]), beta[m * sgb + h], Dk, Dv, out + (m * Hv + h) * Dv);
-        }
-    return PQ_OK;
-}
-
-/* A prompt's chunk form (gated_delta.py's `chunked`, whose docstring derives it): per
- * chunk of PQ_GD_CHUNK tokens, the written values by forward substitution of the unit
- * lower-triangular system, then the outputs and the state, with products over the chunk
- * instead of a pass over the state per token. */
-#define PQ_GD_CHUNK 64
-
-typedef struct {
-    float *qn, *kn, *ks, *qs, *u, *kk; /* [C, Dk] x2, [C, Dv] x3, [C, C] */
-} gd_scratch;
-
-PQ_CLONES
-static void head_chunk(float *S, const float *qn, const float *kn, const float *v, int64_t sv,
-                       const float *g, const float *beta, int64_t sgb, int64_t n, int64_t Dk,
-                       int64_t Dv, gd_scratch *w, float *out, int64_t so) {
-    float cum[PQ_GD_CHUNK];
-    for (int64_t t = 0; t < n; t++) cum[t] = (t ? cum[t - 1] : 0.0f) + g[t * sgb];
-    for (int64_t t = 0; t < n; t++) { /* S^T k_t and S^T q_t, the state the chunk starts from */
-        float *ks = w->ks + t * Dv, *qs = w->qs + t * Dv;
-        for (int64_t j = 0; j < Dv; j++) ks[j] = qs[j] = 0.0f;
-        for (int64_t i = 0; i < Dk; i++) {
-            const float *row = S + i * Dv, a = kn[t * Dk + i], b = qn[t * Dk + i];
-            for (int64_t j = 0; j < Dv; j++) ks[j] += a * row[j], qs[j] += b * row[j];
-        }
-    }
-    for (int64_t t = 0; t < n; t++) /* k_t . k_s, s < t */
-        for (int64_t r = 0; r < t; r++) w->kk[t * PQ_GD_CHUNK + r] = dot(kn + t * Dk, kn + r * Dk, Dk);
-    for (int64_t t = 0; t < n; t++) { /* u_t = beta_t (v_t - e^G_t S^T k_t - sum_s<t ...) */
-        float *u = w->u + t * Dv;
-        const float et = expf(cum[t]), bt = beta[t * sgb];
-        for (int64_t j = 0; j < Dv; j++) u[j] = v[t * sv + j] - et * w->ks[t * Dv + j];
-        for (int64_t r = 0; r < t; r++) {
-            const float a = expf(cum[t] - cum[r]) * w->kk[t * PQ_GD_CHUNK + r];
-            const float *ur = w->u + r * Dv;
-            for (int64_t j = 0; j < Dv; j++) u[j] -= a * ur[j];
-        }
-        for (int64_t j = 0; j < Dv; j++) u[j] *= bt;
-    }
-    for (int64_t t = 0; t < n; t++) { /* out_t = e^G_t S^T q_t + sum_s<=t e^(G_t-G_s) (q_t.k_s) u_s */
-        float *o = out + t * so;
-        const float et = expf(cum[t]);
-        for (int64_t j = 0; j < Dv; j++) o[j] = et * w->qs[t * Dv + j];
-        for (int64_t r = 0; r <= t; r++) {
-            const float a = expf(cum[t] - cum[r]) * dot(qn + t * Dk, kn + r * Dk, Dk);
-            const float *ur = w->u + r * Dv;
-            for (int64_t j = 0; j < Dv; j++) o[j] += a * ur[j];
-        }
-    }
-    const float last = cum[n - 1], el = expf(last); /* S = e^G_n S + sum_s e^(G_n-G_s) k_s u_s^T */
-    for (int64_t i = 0; i < Dk; i++) {
-        float *row = S + i * Dv;
-        for (int64_t j = 0; j < Dv; j++) row[j] *= el;
-        for (int64_t r = 0; r < n; r++) {
-            const float a = expf(last - cum[r]) * kn[r * Dk + i];
-            const float *ur = w->u + r * Dv;
-            for (int64_t j = 0; j < Dv; j++) row[j] += a * ur[j];
-        }
-    }
-}
-
-PQ_API int pq_gated_delta_prefill(const float *q, const float *k, int64_t sqk, const float *v,
-                                  int64_t sv, const float *g, const float *beta, int64_t sgb,
-                                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-                                  float *state, float *out, int nthreads) {
-    if (T < 0 || Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || Dk <= 0 || Dv <= 0 ||
-        Dk > PQ_GD_MAX_DIM || Dv > PQ_GD_MAX_DIM || sqk < Hk * Dk || sv < Hv * Dv || sgb < Hv)
-        return PQ_ERR_ARG;
-    const int64_t group = Hv / Hk, C = PQ_GD_CHUNK;
-    const float scale = 1.0f / sqrtf((float)Dk);
-    int failed = 0;
-    (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) reduction(| : failed) num_threads(nthreads > 0 ? nthreads : omp_get_max_threads()) if (T * Hv * Dk * Dv >= (1 << 18))
-#endif
-    for (int64_t h = 0; h < Hv; h++) {
-        float *buf = malloc(sizeof(float) * (size_t)(2 * C * Dk + 3 * C * Dv + C * C));
-        if (buf == NULL) {
-            failed = 1;
-            continue;
-        }
-        gd_scratch w = {buf, buf + C * Dk, buf + 2 * C * Dk, buf + 2 * C * Dk + C * Dv,
-                        buf + 2 * C * Dk + 2 * C * Dv, buf + 2 * C * Dk + 3 * C * Dv};
-        const int64_t kh = (h / group) * Dk;
-        for (int64_t c0 = 0; c0 < T; c0 += C) {
-            const int64_t n = T - c0 < C ? T - c0 : C;
-            for (int64_t t = 0; t < n; t++)
-                normalise_qk(q + (c0 + t) * sqk + kh, k + (c0 + t) * sqk + kh, Dk, scale,
-                             w.qn + t * Dk, w.kn + t * Dk);
-            head_chunk(state + h * Dk * Dv, w.qn, w.kn, v + c0 * sv + h * Dv, sv,
-                       g + c0 * sgb + h, beta + c0 * sgb + h, sgb, n, Dk, Dv, &w,
-                       out + (c0 * Hv + h) * Dv, Hv * Dv);
-        }
-        free(buf);
-    }
-    return failed ? PQ_ERR_NOMEM : PQ_OK;
+        for (int64_t e = 0; e < n; e++) y[m * n + e] = dot(w + e * K, x + m * K, K);
 }
