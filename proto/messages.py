@@ -204,12 +204,15 @@ class StepPlan(_Msg):
     # layout), ceil(vocab_size / 32) words per row. Empty when no request is structured.
     structured_request_ids: list[str] = []
     structured_bitmask: bytes = b""
-    # Recurrent-state snapshots (a "state" cache group; pocketllm/scheduler/kv_groups.py):
-    # [group, source slot, destination slot] copies of every layer's states in that group,
-    # done before this step's forward (a prefix hit's snapshot into its request's slot) and
-    # after it (a request's slot, at a block boundary, into a snapshot slot).
+    # Recurrent-state snapshots (a "state" cache group; pocketllm/scheduler/kv_groups.py).
+    # state_copies_before: [group, source slot, destination slot] copies of every layer's
+    # states in that group, done before this step's forward (a prefix hit's snapshot into
+    # its request's slot). state_snapshots: [group, slot, snapshot slot, position]: the
+    # states of the request computing in `slot` once its positions below `position` are
+    # in (a block boundary inside or at the end of its chunk in this step), copied into
+    # the snapshot slot during the forward, so a snapshot never cuts a prompt's chunk.
     state_copies_before: list[list[int]] = []
-    state_copies_after: list[list[int]] = []
+    state_snapshots: list[list[int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

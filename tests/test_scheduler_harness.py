@@ -102,6 +102,18 @@ class FakeWorker:
             assert self.windows[g] == STATE, f"a state copy in group {g}, not a state group"
             self.states[(g, dst)] = self.states.get((g, src))
 
+    def _take_snapshots(self, snapshots, scheduled: dict[str, int]) -> None:
+        """The state a slot held once the request computing in it had its positions
+        below ``position`` in, taken inside this step's chunk, into the snapshot slot."""
+        for g, slot, snapshot, position in snapshots:
+            assert self.windows[g] == STATE, f"a state snapshot in group {g}, not a state group"
+            [rid] = [rid for rid, n in scheduled.items()
+                     if self.reqs[rid]["blocks"][g] == [slot]]
+            state = self.reqs[rid]
+            end = state["computed"]  # already advanced past this step's chunk
+            assert end - scheduled[rid] < position <= end, (rid, position, end)
+            self.states[(g, snapshot)] = hash(tuple(state["tokens"][:position]))
+
     def _check_reads(self, rid: str, state: dict, start: int, end: int) -> None:
         for g in self._positional():
             for pos in range(self._first_read(g, start), end):
@@ -153,7 +165,7 @@ class FakeWorker:
             self.computed[rid] += n
             if state["computed"] == len(tokens):
                 samplers.append(rid)
-        self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
+        self._take_snapshots(plan.state_snapshots, dict(zip(ids, plan.num_scheduled_tokens)))
         out_ids, out_tokens, out_lp = [], [], []
         for rid in samplers:  # ...then attend: read each group's context back
             state = self.reqs[rid]

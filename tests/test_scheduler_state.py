@@ -61,8 +61,9 @@ def test_preemption_frees_the_slot_and_the_recompute_starts_from_zero(chunked):
 
 def test_a_shared_prefix_resumes_from_the_snapshot_at_its_last_boundary():
     """40 shared tokens, blocks of 4, a 32-token budget: the first prompt (42 tokens) runs
-    in chunks of 32 and 8 (cut at its last boundary, 40) and leaves snapshots at 32 and 40;
-    the second is served 40 tokens from the cache, its slot a copy of the snapshot at 40.
+    in chunks of 32 and 10 and leaves snapshots at 32 (its first chunk's end) and 40 (its
+    last boundary, taken inside the second chunk); the second is served 40 tokens from the
+    cache, its slot a copy of the snapshot at 40.
     Without prefix caching nothing is kept."""
     shared = list(range(100, 140))
     for caching in (True, False):

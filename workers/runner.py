@@ -34,7 +34,7 @@ from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
-from .step_rows import RequestBook, RequestState, ScheduledSeq, StepError
+from .step_rows import RequestBook, RequestState, ScheduledSeq, StepError, snapshot_rows
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -265,7 +265,6 @@ class ModelRunner:
             with torch.inference_mode():
                 self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
                 step = self._launch(plan)
-                self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
         except RankFailure:
             raise
         except Exception as e:  # the worker process must outlive a bad step
@@ -334,11 +333,13 @@ class ModelRunner:
             return LaunchedStep(plan.step_id)
         pending = self._pending_inputs(rows.pending_rows)
         self._start_states(seqs)
-        rung = self._graph_rung(seqs[0], len(samplers))
+        snapshots = self._snapshot_rows(seqs, plan.state_snapshots)
+        # a snapshot is taken inside the layers' eager forward (a decode graph has no slot for one)
+        rung = 0 if plan.state_snapshots else self._graph_rung(seqs[0], len(samplers))
         if rung:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
             return self._sample(plan, samplers, logits, "graph")
-        meta = self.metadata(seqs)
+        meta = self.metadata(seqs, snapshots)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
             if mixed_rung:
@@ -380,10 +381,22 @@ class ModelRunner:
             if fresh:
                 self.kv.start_states(g, fresh)
 
-    def metadata(self, seqs: list[list[ScheduledSeq]]) -> list:
-        """A step's attention metadata per KV cache group (``seqs``: each group's tables)."""
+    def _snapshot_rows(self, seqs: list[list[ScheduledSeq]], snapshots: list[list[int]]
+                       ) -> list[list[tuple[int, int]]]:
+        """The plan's state snapshots per cache group, as (row, snapshot slot)."""
+        for group, *_ in snapshots:
+            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
+                raise StepError(f"a state snapshot in cache group {group}, not a state group")
+        return [snapshot_rows(seqs[g], snapshots, g, self.kv.num_blocks[g]) if state else []
+                for g, state in enumerate(self.state_groups)]
+
+    def metadata(self, seqs: list[list[ScheduledSeq]],
+                 snapshots: Optional[list[list[tuple[int, int]]]] = None) -> list:
+        """A step's attention metadata per KV cache group (``seqs``: each group's tables;
+        ``snapshots``: each state group's, by row)."""
         tables = getattr(self.backend, "kernel_tables", False)
-        return [build_state_metadata(group, self.device) if self.state_groups[g] else
+        return [build_state_metadata(group, self.device, snapshots[g] if snapshots else ())
+                if self.state_groups[g] else
                 build_metadata(group, self.block_size, windows, self.device, self.kv.pad_slot(g),
                                kernel_tables=tables)
                 for g, (group, windows) in enumerate(zip(seqs, self.group_windows))]

@@ -177,3 +177,24 @@ class RequestBook:
                 out.sample_rows.append(len(out.input_ids) - 1)
                 out.samplers.append((rid, state))
         return out
+
+
+def snapshot_rows(seqs: Sequence[ScheduledSeq], snapshots: Sequence[Sequence[int]],
+                  group: int, num_slots: int) -> list[tuple[int, int]]:
+    """A plan's ``state_snapshots`` of state group ``group`` (its view of the step:
+    ``seqs``, each table one slot) as (row, snapshot slot): the row after which the
+    sequence's state is the one the snapshot keeps."""
+    by_slot = {s.block_ids[0]: s for s in seqs}
+    out = []
+    for g, slot, snapshot, position in snapshots:
+        if g != group:
+            continue
+        s = by_slot.get(slot)
+        if s is None or not s.start < position <= s.start + s.num_tokens:
+            raise StepError(f"a state snapshot at position {position} of slot {slot}, which "
+                            "computes no such position in this step")
+        if not 0 <= snapshot < num_slots or snapshot == slot:
+            raise StepError(f"a state snapshot into slot {snapshot}, outside [0, {num_slots}) "
+                            "or its own")
+        out.append((s.row + position - s.start - 1, snapshot))
+    return out

@@ -24,13 +24,14 @@ request's first chunk starts at position 0. The positional groups alone decide h
 blocks a request holds, what fits and the tables' length (``positional``).
 
 With prefix caching, a state group's pool also keeps **snapshots**: copies of a request's
-state taken where a step's chunk of its prompt ends on a block boundary
-(``snapshots_after``). A prompt's chunks stop at every ``STATE_SNAPSHOT_TOKENS``-th
-position and at its last block boundary (``snapshot_cut``), so a repeated system prompt
+state at block boundaries of its prompt (``snapshots_in``): at every
+``STATE_SNAPSHOT_TOKENS``-th position, at its last block boundary and where a chunk ends
+on one, taken by the worker inside the step that computes that position (a chunk is never
+cut for one: a cut would cost a second pass over the weights). So a repeated system prompt
 resumes at the last multiple of ``STATE_SNAPSHOT_TOKENS`` inside it and a conversation's
-next turn at the end of the previous turn's prompt. Snapshots are
-published under that block's chained hash once the step succeeded (``publish_snapshot``)
-and then evictable like any cached block, least recently used first. A prefix hit of ``k``
+next turn at the end of the previous turn's prompt. Snapshots are published under that
+block's chained hash once the step succeeded (``publish_snapshot``) and then evictable
+like any cached block, least recently used first. A prefix hit of ``k``
 blocks needs, besides the positional groups' blocks, a snapshot at block ``k``'s boundary
 (a fresh slot would compute the rest from zeros, the trap that cost one deployment its
 GSM8K score); the hit shrinks until one exists. The request then gets a slot of its own
@@ -190,35 +191,34 @@ class CacheGroups:
             self.pools[g].free([snapshot])
         return restores
 
-    def snapshot_cut(self, req, start: int, n: int) -> int:
-        """A chunk of ``n`` tokens from ``start``, cut at the next snapshot point when it
-        would run past it: the next multiple of ``STATE_SNAPSHOT_TOKENS`` (rounded to a
-        block) or the last block boundary a later prefix hit on these tokens could resume
-        from. A recurrent state can be snapshotted only where a step ends."""
+    def snapshots_in(self, req, start: int, end: int
+                     ) -> list[tuple[list[int], bytes]]:
+        """Snapshots of the request's states at the snapshot points of its prompt that its
+        chunk of positions [start, end) reaches: every multiple of ``STATE_SNAPSHOT_TOKENS``
+        (rounded to a block), the last block boundary a later prefix hit on its tokens
+        could resume from, and the chunk's end when that is a block boundary (free: the
+        state is there anyway), each in a slot to spare of each state group that does not
+        hold that boundary already: ([group, its slot, the snapshot's, the boundary], the
+        boundary's block hash) for the plan's ``state_snapshots``."""
+        bs = self.block_size
         if not (self._state and self.prefix_caching):
-            return n
-        bs = self.block_size
+            return []
         every = max(bs, STATE_SNAPSHOT_TOKENS // bs * bs)
-        cut = min((start // every + 1) * every, (req.num_tokens - 1) // bs * bs)
-        return cut - start if start < cut < start + n else n
-
-    def snapshots_after(self, req, end: int) -> tuple[list[list[int]], Optional[bytes]]:
-        """Snapshot slots for the request's states after a chunk of its prompt that ends on
-        a block boundary at ``end`` (one per state group with a slot to spare that does not
-        hold that boundary already): ([group, its slot, the snapshot's], the boundary's
-        block hash)."""
-        bs = self.block_size
-        if not (self._state and self.prefix_caching) or end % bs or end == 0 \
-                or end > req.num_prompt_tokens:
-            return [], None
-        req.update_block_hashes(bs, end)
-        block_hash = req.block_hashes[end // bs - 1]
-        copies = []
-        for g in self._state:
-            pool = self.pools[g]
-            if pool.cached_block(block_hash) is None and pool.num_free_blocks > 0:
-                copies.append([g, req.block_ids[g][0], pool.allocate(1)[0]])
-        return copies, block_hash
+        last = min((req.num_tokens - 1) // bs * bs, req.num_prompt_tokens // bs * bs)
+        points = {b for b in range((start // every + 1) * every, end + 1, every) if b <= last}
+        if start < last <= end:
+            points.add(last)
+        if end % bs == 0 and end <= req.num_prompt_tokens:
+            points.add(end)
+        out = []
+        for b in sorted(points):
+            req.update_block_hashes(bs, b)
+            block_hash = req.block_hashes[b // bs - 1]
+            for g in self._state:
+                pool = self.pools[g]
+                if pool.cached_block(block_hash) is None and pool.num_free_blocks > 0:
+                    out.append(([g, req.block_ids[g][0], pool.allocate(1)[0], b], block_hash))
+        return out
 
     def publish_snapshot(self, group: int, slot: int, block_hash: Optional[bytes]) -> None:
         """A snapshot's step ended: cache it under ``block_hash`` (None: the step failed),

@@ -26,10 +26,11 @@ attention, sliding window); a request holds one table per group, and a sliding g
 blocks that fall wholly out of its window are freed as the request advances.
 
 A model with a recurrent state (a "state" group: Gated DeltaNet) can only resume a prompt
-where a snapshot of its state was taken (kv_groups.py): with prefix caching, a prefill
-chunk stops at the snapshot points ``CacheGroups.snapshot_cut`` names, and every chunk of
-a prompt that ends on a block boundary leaves a snapshot, published with the step's
-blocks (kv_groups.py says where, and where a later prompt resumes).
+where a snapshot of its state was taken (kv_groups.py): with prefix caching, a step whose
+chunk of a prompt passes a snapshot point (``CacheGroups.snapshots_in``) tells the worker
+to snapshot the state there, mid-chunk (``StepPlan.state_snapshots``), and the snapshot is
+published with the step's blocks (kv_groups.py says where, and where a later prompt
+resumes).
 
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
@@ -191,10 +192,9 @@ class Scheduler:
             if self.config.enable_chunked_prefill:
                 n = min(remaining, step.budget)
             elif remaining <= step.budget or not step.has_prefill:
-                n = remaining  # an unchunked prompt's rest after its snapshot boundary
+                n = remaining  # never reached in practice: unchunked prompts finish in one step
             else:
                 continue
-            n = self.kv.snapshot_cut(req, req.num_computed_tokens, n)
             self._allocate_or_preempt(step, req, n)
 
     def _ends_with_pending_token(self, req: Request) -> bool:
@@ -273,7 +273,6 @@ class Scheduler:
                 n = remaining  # can never fit the budget: run it whole, as the step's only prefill
             else:
                 break
-            n = kv.snapshot_cut(req, num_computed, n)
             need = blocks_for(num_computed + n, cfg.block_size) - hit
             if not kv.can_admit(matched, need):
                 break  # FCFS: later requests wait behind it
@@ -308,12 +307,13 @@ class Scheduler:
             step.budget += step.scheduled.pop(req)
             self._fail(self.ended, req, detail)
         new, cached, new_entries, cached_entries = [], [], [], []
-        before, after, snapshots = [], [], []
+        before, taken, snapshots = [], [], []
         for req, n in step.scheduled.items():
             before += self.kv.take_restores(req)
-            copies, block_hash = self.kv.snapshots_after(req, req.num_computed_tokens + n)
-            after += copies
-            snapshots += [(g, snapshot, block_hash) for g, _slot, snapshot in copies]
+            for entry, block_hash in self.kv.snapshots_in(req, req.num_computed_tokens,
+                                                          req.num_computed_tokens + n):
+                taken.append(entry)
+                snapshots.append((entry[0], entry[2], block_hash))
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
                 new.append(NewRequestData(req.request_id, list(req.token_ids),
@@ -334,7 +334,7 @@ class Scheduler:
                 req.token_ids.append(PENDING)
         plan = self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
                                        num_scheduled_tokens=[n for _, n, _ in entries],
-                                       state_copies_before=before, state_copies_after=after,
+                                       state_copies_before=before, state_snapshots=taken,
                                        **structured), entries, step.preempted_ids)
         if snapshots:
             self._snapshots[plan.step_id] = snapshots

@@ -51,7 +51,7 @@ _SIGNATURES = {
                                    _i64, _i64, _p, _p, _p, _int]),
     "pq_gated_delta_prefill": (_int, [_p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
                                       _i64, _i64, _i64, _p, _p, _int]),
-    "pq_gdn_mixer": (_int, [_p, _p, _i64, _i64, _p, _p, _p, _p, _int]),
+    "pq_gdn_mixer": (_int, [_p, _p, _i64, _i64, _p, _p, _p, _p, _p, _int]),
     # layer.c
     "pq_decoder_stack": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _int]),
     "pq_isa": (ctypes.c_char_p, []),
@@ -165,7 +165,7 @@ class StackLayer(ctypes.Structure):
 
 
 class StepView(ctypes.Structure):
-    _fields_ = [("slots", _p), ("gather", _p), ("lengths", _p), ("Lk", _i64)]
+    _fields_ = [("slots", _p), ("gather", _p), ("lengths", _p), ("Lk", _i64), ("snapshots", _p)]
 
 
 class StepRope(ctypes.Structure):

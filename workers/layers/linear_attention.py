@@ -47,11 +47,18 @@ class StateMetadata:
 
     decode_rows: Optional[Rows]  # rows of the one-token sequences (None: none)
     decode_slots: Optional[torch.Tensor]  # [B] their slots
-    prefills: tuple[tuple[int, int, int], ...]  # (first row, rows, slot) of each longer chunk
+    # The longer chunks as (first row, rows, slot), in rounds: a chunk cut where a
+    # snapshot is taken runs its pieces in successive rounds.
+    prefills: tuple[tuple[tuple[int, int, int], ...], ...]
+    # (round after which, its slot, the snapshot's slot): -1 after the decodes
+    snapshots: tuple[tuple[int, int, int], ...] = ()
 
 
-def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> StateMetadata:
-    """``seqs``: the state group's view of the step (each table is one slot)."""
+def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device,
+                         snapshots: Sequence[tuple[int, int]] = ()) -> StateMetadata:
+    """``seqs``: the state group's view of the step (each table is one slot);
+    ``snapshots``: (row, snapshot slot) of the plan's state snapshots in this group
+    (``step_rows.snapshot_rows``)."""
     decodes = [s for s in seqs if s.num_tokens == 1]
     rows: Optional[Rows] = None
     slots = None
@@ -62,9 +69,25 @@ def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device) -> 
         else:
             rows = to_device([s.row for s in decodes], device)
         slots = to_device([s.block_ids[0] for s in decodes], device)
-    return StateMetadata(rows, slots,
-                         tuple((s.row, s.num_tokens, s.block_ids[0]) for s in seqs
-                               if s.num_tokens > 1))
+    taken = dict(snapshots)
+    rounds: list[list[tuple[int, int, int]]] = []
+    after = []
+    for s in seqs:
+        slot = s.block_ids[0]
+        if s.num_tokens == 1:
+            if s.row in taken:
+                after.append((-1, slot, taken[s.row]))
+            continue
+        start, piece = s.row, 0
+        for r in range(s.row, s.row + s.num_tokens):  # pieces ending at snapshotted rows
+            if r in taken or r == s.row + s.num_tokens - 1:
+                if piece == len(rounds):
+                    rounds.append([])
+                rounds[piece].append((start, r + 1 - start, slot))
+                if r in taken:
+                    after.append((piece, slot, taken[r]))
+                start, piece = r + 1, piece + 1
+    return StateMetadata(rows, slots, tuple(tuple(r) for r in rounds), tuple(after))
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,9 +166,20 @@ class GatedDeltaNet(nn.Module):
                 normed[rows] = o
             else:
                 normed.index_copy_(0, rows, o)
-        if meta.prefills:
-            self._prefill(proj, meta.prefills, conv_states, states, normed)
+        self._snapshot(meta, -1, conv_states, states)
+        for i, prefills in enumerate(meta.prefills):
+            self._prefill(proj, prefills, conv_states, states, normed)
+            self._snapshot(meta, i, conv_states, states)
         return normed
+
+    @staticmethod
+    def _snapshot(meta: StateMetadata, after: int, conv_states: torch.Tensor,
+                  states: torch.Tensor) -> None:
+        """This layer's share of the snapshots taken once round ``after`` is done."""
+        for when, slot, snapshot in meta.snapshots:
+            if when == after:
+                conv_states[snapshot].copy_(conv_states[slot])
+                states[snapshot].copy_(states[slot])
 
     def _prefill(self, proj: torch.Tensor, prefills: tuple[tuple[int, int, int], ...],
                  conv_states: torch.Tensor, states: torch.Tensor, normed: torch.Tensor) -> None:

@@ -155,7 +155,9 @@ class StepViews:
     the slot each row's new key goes to, ``gather`` [M, Lk] the slots each row attends to,
     the first ``lengths[m]`` of its row valid (int64, contiguous). For the float path
     (``prefill.py``): ``seqs``, per sequence (first row, end row, its key slots, their
-    positions), ``positions`` [M] and the ``window`` (None: full)."""
+    positions), ``positions`` [M] and the ``window`` (None: full). A state group's view
+    holds its rows' ``slots`` and, per row, the slot its states are snapshotted into
+    after it (``snapshots``, -1: none)."""
 
     slots: np.ndarray
     gather: np.ndarray
@@ -163,6 +165,7 @@ class StepViews:
     seqs: list = field(default_factory=list)
     positions: Optional[np.ndarray] = None
     window: Optional[int] = None
+    snapshots: Optional[np.ndarray] = None
 
 
 def step_view(seqs, window: Optional[int], block_size: int, pad_slot: int, num_rows: int
@@ -350,7 +353,7 @@ class LiteModel:
 
         in_proj = linear([prefix + "in_proj_qkv", prefix + "in_proj_z"], E)
         out = linear([prefix + "out_proj"], g.num_v_heads * g.v_head_dim)
-        arrays = (floats("conv1d.weight", (g.conv_channels, g.conv_kernel)),
+        arrays = (floats("conv1d.weight", (g.conv_channels, g.conv_kernel)).T.copy(),  # [kernel, C]
                   np.concatenate([floats("in_proj_b.weight", (g.num_v_heads, E)),
                                   floats("in_proj_a.weight", (g.num_v_heads, E))]),
                   floats("A_log", (g.num_v_heads,)), floats("dt_bias", (g.num_v_heads,)),
@@ -370,9 +373,10 @@ class LiteModel:
         return layers + experts + sum(a.nbytes for a in self.head.arrays)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One slot's conv state and recurrent state of a linear-attention layer."""
+        """One slot's conv state (the last kernel - 1 inputs, oldest first, channels
+        contiguous) and recurrent state of a linear-attention layer."""
         g = self.cfg.gdn
-        return (g.conv_channels, g.conv_kernel - 1), (g.num_v_heads, g.k_head_dim, g.v_head_dim)
+        return (g.conv_kernel - 1, g.conv_channels), (g.num_v_heads, g.k_head_dim, g.v_head_dim)
 
     def bind(self, caches: Sequence[tuple[np.ndarray, np.ndarray]],
              layer_views: Sequence) -> None:
@@ -440,7 +444,7 @@ class LiteModel:
         for j, key in enumerate(self.view_keys):
             v = views[key]
             step_views[j] = StepView(v.slots.ctypes.data, v.gather.ctypes.data,
-                                     v.lengths.ctypes.data, v.gather.shape[1])
+                                     v.lengths.ctypes.data, v.gather.shape[1], _ptr(v.snapshots))
         step_ropes = (StepRope * len(self.rope_keys))()
         for j, kind in enumerate(self.rope_keys):
             cos, sin = ropes[kind]

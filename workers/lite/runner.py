@@ -27,7 +27,7 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook, StepError
+from ..step_rows import RequestBook, StepError, snapshot_rows
 from .model import LiteModel, StepViews, step_view
 from ..sampler import numpy_ops
 from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
@@ -136,9 +136,10 @@ class LiteRunner:
 
     def _step(self, plan: StepPlan) -> StepResult:
         self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
-        result = self._compute(plan)
-        self._copy_states(plan.state_copies_after)  # snapshots at block boundaries
-        return result
+        for group, *_ in plan.state_snapshots:
+            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
+                raise StepError(f"a state snapshot in cache group {group}, not a state group")
+        return self._compute(plan)
 
     def _state_layers(self, group: int) -> list[tuple[np.ndarray, np.ndarray]]:
         return [c for c, (g, _w) in zip(self.caches, self.views) if g == group]
@@ -155,10 +156,13 @@ class LiteRunner:
                 for pool in pools:
                     pool[dst] = pool[src]
 
-    def _state_view(self, group: int, seqs, num_rows: int) -> StepViews:
+    def _state_view(self, group: int, seqs, num_rows: int, snapshots) -> StepViews:
         """A state group's view of a step: each row's slot, zeroed first for a sequence
-        that starts at position 0."""
+        that starts at position 0, and the plan's snapshots (``state_snapshots``) by row."""
         slots = np.zeros(num_rows, dtype=np.int64)
+        taken = np.full(num_rows, -1, dtype=np.int64)
+        for row, snapshot in snapshot_rows(seqs, snapshots, group, self.num_blocks[group]):
+            taken[row] = snapshot
         for s in seqs:
             slot = s.block_ids[0]
             slots[s.row:s.row + s.num_tokens] = slot
@@ -166,7 +170,8 @@ class LiteRunner:
                 for pools in self._state_layers(group):
                     for pool in pools:
                         pool[slot] = 0.0
-        return StepViews(slots, np.zeros((num_rows, 1), np.int64), np.zeros(num_rows, np.int64))
+        return StepViews(slots, np.zeros((num_rows, 1), np.int64), np.zeros(num_rows, np.int64),
+                         snapshots=taken)
 
     def _compute(self, plan: StepPlan) -> StepResult:
         entries = self.book.update(plan, lambda rid: rid in self._last_tokens)
@@ -177,7 +182,7 @@ class LiteRunner:
         if not rows.seqs[0]:
             return StepResult(step_id=plan.step_id)
         positions = np.array(rows.positions, dtype=np.int64)
-        views = {(g, w): self._state_view(g, rows.seqs[g], len(positions))
+        views = {(g, w): self._state_view(g, rows.seqs[g], len(positions), plan.state_snapshots)
                  if self.state_groups[g] else
                  step_view(rows.seqs[g], w, self.block_size, self.pad_blocks[g] * self.block_size,
                            len(positions))

@@ -147,7 +147,7 @@ PQ_API int pq_gated_delta_prefill(const float *q, const float *k, int64_t sqk, c
 
 /* A Gated DeltaNet token mixer (Qwen3.5's linear attention): in_proj's parts give the
  * q, k, v rows (the convolution's channels, C = 2 k_heads k_dim + v_heads v_dim) then z
- * [v_heads v_dim]; ba float32 [2 v_heads, hidden], b's rows then a's; conv_w [C, kernel];
+ * [v_heads v_dim]; ba float32 [2 v_heads, hidden], b's rows then a's; conv_w [kernel, C];
  * a_log, dt_bias [v_heads]; norm [v_dim] (scales by w). `tiled`: as the step's. */
 typedef struct {
     int64_t k_heads, v_heads, k_dim, v_dim, kernel, tiled;
@@ -157,12 +157,14 @@ typedef struct {
 } pq_layer_gdn;
 
 /* h [M, E] (normed rows) through the mixer into out [M, E]: row m reads and writes the
- * conv state conv_states[slots[m]] ([C, kernel - 1], oldest first) and the recurrent
+ * conv state conv_states[slots[m]] ([kernel - 1, C], oldest first) and the recurrent
  * state states[slots[m]] ([v_heads, k_dim, v_dim]). A run of rows with one slot is a
- * prompt's chunk, in order. The slots are the caller's to keep in range. */
+ * prompt's chunk, in order. snapshots (NULL: none) [M]: where snapshots[m] >= 0, both
+ * states of row m's slot as they stand after row m are copied into that slot (a prefix
+ * cache's snapshot mid-chunk). The slots are the caller's to keep in range. */
 PQ_API int pq_gdn_mixer(const pq_layer_gdn *G, const float *h, int64_t M, int64_t E,
-                        const int64_t *slots, float *conv_states, float *states, float *out,
-                        int nthreads);
+                        const int64_t *slots, const int64_t *snapshots, float *conv_states,
+                        float *states, float *out, int nthreads);
 
 /* Routed experts (Qwen3-MoE's): router float32 [count, hidden]; each token's routing is a
  * softmax over the count logits in float32, the top_k largest kept (ties: the lower
@@ -200,6 +202,7 @@ typedef struct {
 typedef struct {
     const int64_t *slots, *gather, *lengths;
     int64_t Lk;
+    const int64_t *snapshots; /* a state group's: pq_gdn_mixer's (NULL: none) */
 } pq_step_view;
 
 typedef struct {

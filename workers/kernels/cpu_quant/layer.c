@@ -157,12 +157,12 @@ static int attention(const pq_layer *L, const float *h, int64_t M, const float *
  * residual is x) -> x_out (the layer's output) and res_out (the residual after it), both
  * [M, hidden] contiguous. The token mixer is attention (its arguments as `attention`'s)
  * or, for a Gated DeltaNet layer, pq_gdn_mixer over the rows' state slots `slots` in
- * k_cache (conv states) and v_cache (states). */
+ * k_cache (conv states) and v_cache (states), with its `snapshots`. */
 static int decoder_layer(const pq_layer *L, const float *x, const float *res_in, int64_t M,
                          const float *cos, const float *sin, int64_t lc, float *k_cache,
                          float *v_cache, const int64_t *slots, const int64_t *gather,
-                         int64_t Lk, const int64_t *lengths, float *x_out, float *res_out,
-                         int nthreads) {
+                         int64_t Lk, const int64_t *lengths, const int64_t *snapshots,
+                         float *x_out, float *res_out, int nthreads) {
     const int64_t E = L->hidden, I = L->inter;
     if (M <= 0 || E <= 0 || I <= 0) return PQ_ERR_ARG;
     /* h [M,E] | o [M,E] | res1 [M,E] | gate_up [M,2I] | act [M,I] */
@@ -178,7 +178,7 @@ static int decoder_layer(const pq_layer *L, const float *x, const float *res_in,
         memcpy(res1, x, sizeof(float) * (size_t)(M * E));
     }
     rc = L->gdn != NULL
-             ? pq_gdn_mixer(L->gdn, h, M, E, slots, k_cache, v_cache, o, nthreads)
+             ? pq_gdn_mixer(L->gdn, h, M, E, slots, snapshots, k_cache, v_cache, o, nthreads)
              : attention(L, h, M, cos, sin, lc, k_cache, v_cache, slots, gather, Lk, lengths,
                          o, nthreads);
     if (rc != PQ_OK) return rc;
@@ -213,8 +213,8 @@ PQ_API int pq_decoder_stack(const pq_stack_layer *layers, int64_t n, const pq_st
         const pq_step_rope *r = &ropes[l->rope];
         float *xo = stream + (i % 2) * 2 * M * E, *ro = xo + M * E;
         int rc = decoder_layer(l->layer, xi, ri, M, r->cos, r->sin, r->lc, l->k_cache,
-                               l->v_cache, v->slots, v->gather, v->Lk, v->lengths, xo, ro,
-                               nthreads);
+                               l->v_cache, v->slots, v->gather, v->Lk, v->lengths,
+                               v->snapshots, xo, ro, nthreads);
         if (rc != PQ_OK) return rc;
         xi = xo, ri = ro;
     }
