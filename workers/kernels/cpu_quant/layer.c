@@ -111,6 +111,18 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
     return PQ_OK;
 }
 
+/* attn [M, H, D] *= sigmoid(gate), head h's gate at gate + m * lg + h * lh */
+PQ_CLONES
+static void gate_heads(float *attn, const float *gate, int64_t lg, int64_t M, int64_t H,
+                       int64_t D, int64_t lh) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < H; h++) {
+            float *a = attn + (m * H + h) * D;
+            const float *g = gate + m * lg + h * lh;
+            for (int64_t d = 0; d < D; d++) a[d] *= sigmoid(g[d]);
+        }
+}
+
 /* Attention of the normed rows h [M, E] into o [M, E]: q/k/v -> (q/k norms) -> rotary
  * (of each head's first rotary_dim) -> row m's k/v to cache slot slots[m] of k_cache /
  * v_cache ([slots, kv_heads, head_dim]) -> attend as pq_decode_attention does over
@@ -146,10 +158,7 @@ static int attention(const pq_layer *L, const float *h, int64_t M, const float *
     rc = pq_decode_attention(q, M, H, D, sq, sqh, k_cache, v_cache, Hkv, gather, Lk, lengths,
                              L->scale, L->softcap, attn, nthreads);
     if (rc != PQ_OK) return rc;
-    if (L->q_gate)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t i = 0; i < qw; i++)
-                attn[m * qw + i] *= sigmoid(qkv[m * qkvw + (i / D) * qd + D + i % D]);
+    if (L->q_gate) gate_heads(attn, qkv + D, qkvw, M, H, D, qd);
     return linear(&L->o, qw, attn, M, o, E, nthreads);
 }
 
