@@ -105,6 +105,15 @@ def test_a_prefix_and_a_later_turn_from_snapshots_taken_inside_a_step(q8_file):
     assert outs[True] == outs[False]
 
 
+def test_a_file_missing_a_tensor_names_it(q8_file, tmp_path):
+    from pocketllm.errors import CheckpointError
+    from test_qwen3_5_gguf import without_tensor
+
+    cut = without_tensor(q8_file, "blk.1.ssm_out.weight", str(tmp_path / "cut.gguf"))
+    with pytest.raises(CheckpointError, match="model.layers.1.linear_attn.out_proj.weight"):
+        _runners(cut)
+
+
 def test_what_the_torch_free_worker_leaves_to_the_torch_worker(tmp_path):
     """Qwen3-Next's interleaved projections and Qwen3.5-MoE's shared expert are not in its
     forward: refused by name, so the torch worker serves them."""

@@ -59,14 +59,13 @@ def test_a_q8_0_file_holds_the_float_files_tensors(converted):
     assert blocks > 0, "the converter left every tensor in float"
 
 
-def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
+def without_tensor(path: str, name: str, out: str) -> str:
+    """A copy of the GGUF file at ``path`` without its tensor ``name``."""
     import gguf
     import numpy as np
 
-    _, path, _ = converted
     reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), reader.fields["general.architecture"]
-                             .contents())
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -74,14 +73,20 @@ def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
                              else None)
     for t in reader.tensors:
-        if t.name != "blk.0.ssm_a":
+        if t.name != name:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
+    _, path, _ = converted
+    cut = without_tensor(path, "blk.0.ssm_a", str(tmp_path / "cut.gguf"))
     with pytest.raises(CheckpointError, match="model.layers.0.linear_attn.A_log"):
-        make_runner(str(tmp_path / "cut.gguf"))
+        make_runner(cut)
 
 
 TINY_QWEN35 = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],

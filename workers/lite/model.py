@@ -198,6 +198,14 @@ def step_view(seqs, window: Optional[int], block_size: int, pad_slot: int, num_r
     return StepViews(slots, gather, lengths, per_seq, positions, window)
 
 
+class _Weights(dict):
+    """A file's tensors by HF name; a name the forward needs and the file lacks is a
+    ``CheckpointError`` that says which."""
+
+    def __missing__(self, name: str):
+        raise CheckpointError(f"the GGUF file has no tensor for {name} (HF name)")
+
+
 class _Bound:
     """A projection's parts bound for the library (kept alive with their arrays)."""
 
@@ -241,7 +249,7 @@ class LiteModel:
         self.lib = cpu_lib.lib()
         self.stack_rows = STACK_ROWS_MOE if any(_sparse(cfg)) else STACK_ROWS
         if quantization is None:
-            w = dict(load_gguf_weights(info.path, info, as_stored=True))
+            w = _Weights(load_gguf_weights(info.path, info, as_stored=True))
         else:
             from .dummy import dummy_weights
 
