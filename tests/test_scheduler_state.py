@@ -149,9 +149,9 @@ def test_random_workloads_with_a_state_group_match_solo_runs(
 
 
 def test_a_shared_system_prompt_resumes_at_the_last_snapshot_point_inside_it(monkeypatch):
-    """Prompts stop a chunk every STATE_SNAPSHOT_TOKENS (here 16) and at their last
-    boundary: a second prompt sharing 38 tokens resumes at 32, the last point inside the
-    shared part, though the first ran in one 64-token budget."""
+    """Prompts leave a snapshot every STATE_SNAPSHOT_TOKENS (here 16) and at their last
+    boundary, inside one step: a second prompt sharing 38 tokens resumes at 32, the last
+    point inside the shared part, though the first ran in one chunk."""
     from pocketllm.scheduler import kv_groups
 
     monkeypatch.setattr(kv_groups, "STATE_SNAPSHOT_TOKENS", 16)
@@ -160,8 +160,25 @@ def test_a_shared_system_prompt_resumes_at_the_last_snapshot_point_inside_it(mon
     first = make_request("a", shared + [1, 2, 3], max_tokens=3)
     d.add(first)
     d.run()
-    assert d.worker.computed["a"] == 41 + 2  # in chunks of 16, 16, 8 (to 40), 1
+    assert d.worker.computed["a"] == 41 + 2  # one chunk (snapshots at 16, 32, 40), 2 decodes
     second = make_request("b", shared + [9, 8, 7, 6], max_tokens=3)
     d.add(second)
     out = d.run()["b"]
     assert out.cached == 32 and out.tokens == solo(second).tokens
+
+
+def test_a_prefix_matched_beyond_any_snapshot_leaves_one_for_the_next_prompt():
+    """A system prompt of 42 tokens (blocks of 4) then different questions: the first
+    request leaves snapshots only past it (its own last boundary); the second matches 40
+    tokens of cached KV but no snapshot there, so it computes from 0 and leaves one at 40
+    (``snapshot_hint``); the third resumes at 40. Each answer is the one computed alone."""
+    system = list(range(400, 442))
+    d = Driver(state_config(6, enable_prefix_caching=True, max_num_batched_tokens=256))
+    cached = []
+    for i, question in enumerate(([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5], [5, 5, 6, 6, 7])):
+        req = make_request(f"q{i}", system + question, max_tokens=3)
+        d.add(req)
+        out = d.run()[f"q{i}"]
+        assert out.tokens == solo(req).tokens
+        cached.append(out.cached)
+    assert cached == [0, 0, 40]

@@ -25,11 +25,13 @@ blocks a request holds, what fits and the tables' length (``positional``).
 
 With prefix caching, a state group's pool also keeps **snapshots**: copies of a request's
 state at block boundaries of its prompt (``snapshots_in``): at every
-``STATE_SNAPSHOT_TOKENS``-th position, at its last block boundary and where a chunk ends
-on one, taken by the worker inside the step that computes that position (a chunk is never
+``STATE_SNAPSHOT_TOKENS``-th position, at its last block boundary, where a chunk ends on
+one, and where its match in the KV prefix cache ended beyond any snapshot (an earlier
+prompt shared its tokens up to there: the next one resumes there), taken by the worker inside the step that computes that position (a chunk is never
 cut for one: a cut would cost a second pass over the weights). So a repeated system prompt
-resumes at the last multiple of ``STATE_SNAPSHOT_TOKENS`` inside it and a conversation's
-next turn at the end of the previous turn's prompt. Snapshots are published under that
+resumes at the last multiple of ``STATE_SNAPSHOT_TOKENS`` inside it, and from its third
+use at the last block boundary inside it, and a conversation's next turn at the end of
+the previous turn's prompt. Snapshots are published under that
 block's chained hash once the step succeeded (``publish_snapshot``) and then evictable
 like any cached block, least recently used first. A prefix hit of ``k``
 blocks needs, besides the positional groups' blocks, a snapshot at block ``k``'s boundary
@@ -196,7 +198,9 @@ class CacheGroups:
         """Snapshots of the request's states at the snapshot points of its prompt that its
         chunk of positions [start, end) reaches: every multiple of ``STATE_SNAPSHOT_TOKENS``
         (rounded to a block), the last block boundary a later prefix hit on its tokens
-        could resume from, and the chunk's end when that is a block boundary (free: the
+        could resume from, where its match in the KV prefix cache ended beyond any snapshot
+        (``snapshot_hint``: an earlier prompt shares its tokens up to there, as a system
+        prompt is shared), and the chunk's end when that is a block boundary (free: the
         state is there anyway), each in a slot to spare of each state group that does not
         hold that boundary already: ([group, its slot, the snapshot's, the boundary], the
         boundary's block hash) for the plan's ``state_snapshots``."""
@@ -206,8 +210,7 @@ class CacheGroups:
         every = max(bs, STATE_SNAPSHOT_TOKENS // bs * bs)
         last = min((req.num_tokens - 1) // bs * bs, req.num_prompt_tokens // bs * bs)
         points = {b for b in range((start // every + 1) * every, end + 1, every) if b <= last}
-        if start < last <= end:
-            points.add(last)
+        points |= {b for b in (last, req.snapshot_hint) if start < b <= min(end, last)}
         if end % bs == 0 and end <= req.num_prompt_tokens:
             points.add(end)
         out = []
@@ -241,9 +244,7 @@ class CacheGroups:
     def match_prefix(self, hashes: Sequence[bytes]) -> list[list[int]]:
         """Per group, the table of the longest usable prefix hit among these chained block
         hashes (the rule in the module docstring); every table has the hit's length."""
-        k = len(hashes)
-        for g in self._full:
-            k = min(k, len(self.pools[g].match_prefix(hashes[:k])))
+        k = self.positional_match(hashes)
         while k > 0 and not (self._sliding_hit(hashes, k) and self._state_hit(hashes, k)):
             k -= 1
         tables = []
@@ -255,6 +256,14 @@ class CacheGroups:
             tables.append([NULL_BLOCK] * first
                           + [pool.cached_block(h) for h in hashes[first:k]])
         return tables
+
+    def positional_match(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of these hashes every full group caches: the hit a state
+        snapshot at its boundary would allow."""
+        k = len(hashes)
+        for g in self._full:
+            k = min(k, len(self.pools[g].match_prefix(hashes[:k])))
+        return k
 
     def _sliding_hit(self, hashes: Sequence[bytes], k: int) -> bool:
         for g in self._sliding:

@@ -40,6 +40,10 @@ class Request:
         # [group, snapshot slot, its own slot]: a prefix hit's recurrent state to copy in
         # before its first step (kv_groups.py); the snapshot is held until the plan is built
         self.state_restores: list[list[int]] = []
+        # A block boundary where this prompt's match in the KV prefix cache ended beyond
+        # any state snapshot (0: none): its prefill leaves one there, so the next prompt
+        # sharing that prefix resumes from it (kv_groups.py, ``snapshots_in``).
+        self.snapshot_hint = 0
         self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first admission
         # What the workers hold: None = nothing (never sent, or dropped after preemption).
         self.worker_num_tokens: Optional[int] = None

@@ -296,7 +296,11 @@ class Scheduler:
         bs = self.config.block_size
         req.update_block_hashes(bs)
         # Leave at least one token to compute: the step must produce logits to sample.
-        return self.kv.match_prefix(req.block_hashes[:(req.num_tokens - 1) // bs])
+        hashes = req.block_hashes[:(req.num_tokens - 1) // bs]
+        tables = self.kv.match_prefix(hashes)
+        if self.kv.has_state:  # where a snapshot would have made the hit longer
+            req.snapshot_hint = self.kv.positional_match(hashes) * bs
+        return tables
 
     def _build_plan(self, step: StepDraft) -> StepPlan:
         """The plan of a decided step. Its tokens count as computed from now on, and each
