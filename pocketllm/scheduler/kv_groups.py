@@ -27,18 +27,18 @@ With prefix caching, a state group's pool also keeps **snapshots**: copies of a 
 state at block boundaries of its prompt (``snapshots_in``): at every
 ``STATE_SNAPSHOT_TOKENS``-th position, at its last block boundary, where a chunk ends on
 one, and where its match in the KV prefix cache ended beyond any snapshot (an earlier
-prompt shared its tokens up to there: the next one resumes there), taken by the worker inside the step that computes that position (a chunk is never
-cut for one: a cut would cost a second pass over the weights). So a repeated system prompt
-resumes at the last multiple of ``STATE_SNAPSHOT_TOKENS`` inside it, and from its third
-use at the last block boundary inside it, and a conversation's next turn at the end of
-the previous turn's prompt. Snapshots are published under that
-block's chained hash once the step succeeded (``publish_snapshot``) and then evictable
-like any cached block, least recently used first. A prefix hit of ``k``
-blocks needs, besides the positional groups' blocks, a snapshot at block ``k``'s boundary
-(a fresh slot would compute the rest from zeros, the trap that cost one deployment its
-GSM8K score); the hit shrinks until one exists. The request then gets a slot of its own
-and a copy of the snapshot into it before its first step (``state_restores``, sent in the
-plan's ``state_copies_before``).
+prompt shared its tokens up to there: the next one resumes there), taken by the worker
+inside the step that computes that position (a chunk is never cut for one: a cut would
+cost a second pass over the weights). So a repeated system prompt resumes at the last
+multiple of ``STATE_SNAPSHOT_TOKENS`` inside it, and from its third use at the last block
+boundary inside it, and a conversation's next turn at the end of the previous turn's
+prompt. Snapshots are published under that block's chained hash once the step succeeded
+(``publish_snapshot``) and then evictable like any cached block, least recently used
+first. A prefix hit of ``k`` blocks needs, besides the positional groups' blocks, a
+snapshot at block ``k``'s boundary (a fresh slot would compute the rest from zeros, the
+trap that cost one deployment its GSM8K score); the hit shrinks until one exists. The
+request then gets a slot of its own and a copy of the snapshot into it before its first
+step (``state_restores``, sent in the plan's ``state_copies_before``).
 
 Prefix caching is per group (each pool keys its blocks by the same chained hashes). A hit
 of ``k`` blocks (the next token computed is at position ``k * block_size``) is usable when
