@@ -136,9 +136,11 @@ class Linear(ctypes.Structure):
 
 
 class Experts(ctypes.Structure):
-    """``pq_layer_experts``: routed experts in place of the MLP (count 0: none)."""
+    """``pq_layer_experts``: routed experts in place of the MLP (count 0: none), and a
+    shared expert beside them (shared_inter 0: none)."""
     _fields_ = [("count", _i64), ("top_k", _i64), ("renormalize", _i64), ("router", _p),
-                ("gate_up", _p), ("down", _p)]
+                ("gate_up", _p), ("down", _p), ("shared_inter", _i64), ("shared_gate", _p),
+                ("shared_gate_up", Linear), ("shared_down", Linear)]
 
 
 class GdnLayer(ctypes.Structure):

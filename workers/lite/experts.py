@@ -1,5 +1,6 @@
-"""Routed experts (Qwen3-MoE's) for the torch-free worker: a layer's router and its
-experts' block parts, bound once for both of its paths.
+"""Routed experts (Qwen3-MoE's, Qwen3.5-MoE's) for the torch-free worker: a layer's router
+and its experts' block parts, bound once for both of its paths, and Qwen3.5-MoE's shared
+expert (its output scaled by sigmoid(h . w) and added to the routed sum).
 
 * **The decode stack** (``pq_decoder_stack``, fewer than ``stack_rows`` rows) runs them
   in C: ``desc`` is the layer's ``pq_layer_experts`` (router float32 [count, hidden],
@@ -32,7 +33,7 @@ from ..models.config import ACTIVATION_KINDS
 
 MAX_PARTS = 128  # PQ_MAX_PARTS (cpu_quant.h): the most parts one library call takes
 # The families whose experts the library computes, and their routing: layer.c's rule only.
-ROUTING = {"qwen3_moe": "softmax_topk"}
+ROUTING = {"qwen3_moe": "softmax_topk", "qwen3_5_moe": "softmax_topk"}
 _PART = ctypes.sizeof(Part)
 
 
@@ -55,7 +56,9 @@ class RoutedExperts:
     expert, ``model._Bound`` of [gate, up] and of [down] (block parts, no bias)."""
 
     def __init__(self, lib, router: np.ndarray, gate_up: list, down: list, top_k: int,
-                 renormalize: bool, act: int, name: str):
+                 renormalize: bool, act: int, name: str, shared: Optional[tuple] = None):
+        """``shared``: a shared expert's (bound [gate, up], bound [down], gate float32
+        [hidden]), or None."""
         count, hidden = len(down), down[0].width  # down: inter -> hidden
         if router.shape != (count, hidden):
             raise UnsupportedFeatureError(f"{name}: a router of shape {router.shape} for "
@@ -74,11 +77,21 @@ class RoutedExperts:
         self.down = (Part * count)(*[b.parts[0] for b in down])
         self.desc = Experts(count, top_k, int(renormalize), self.router.ctypes.data,
                             ctypes.addressof(self.gate_up), ctypes.addressof(self.down))
+        self.shared = shared
+        if shared is not None:
+            s_gate_up, s_down, s_gate = shared
+            if s_gate.shape != (hidden,) or s_down.width != hidden:
+                raise CheckpointError(f"{name}: a shared expert of another width")
+            self._bound += [s_gate_up, s_down]
+            self.desc.shared_inter, self.desc.shared_gate = s_gate_up.width // 2, s_gate.ctypes.data
+            self.desc.shared_gate_up, self.desc.shared_down = s_gate_up.linear, s_down.linear
 
     def read_bytes(self) -> int:
         """What a one-token step reads: the router and k experts' parts."""
-        per_expert = sum(a.nbytes for a in self._bound[0].arrays + self._bound[-1].arrays)
-        return self.router.nbytes + self.top_k * per_expert
+        count = len(self.down)
+        per_expert = sum(a.nbytes for a in self._bound[0].arrays + self._bound[count].arrays)
+        shared = sum(a.nbytes for b in self._bound[2 * count:] for a in b.arrays)
+        return self.router.nbytes + self.top_k * per_expert + shared
 
     def route(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """h [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
@@ -111,7 +124,26 @@ class RoutedExperts:
         out = y[:, 0] * w[:, :1]
         for j in range(1, k):  # each token's k rows, in the order chosen
             out += y[:, j] * w[:, j:j + 1]
+        if self.shared is not None:
+            out += self._shared(h, threads)
         return out
+
+    def _shared(self, h: np.ndarray, threads: int) -> np.ndarray:
+        """sigmoid(h . gate) * down(act(gate_proj h) * up_proj h), the shared expert."""
+        gate_up, down, gate = self.shared
+        T, I = len(h), gate_up.width // 2
+        gu = np.empty((T, 2 * I), dtype=np.float32)
+        rc = self.lib.pq_linear(ctypes.addressof(gate_up.parts), 2, self.hidden, h.ctypes.data,
+                                T, self.hidden, gu.ctypes.data, 2 * I, threads)
+        cpu_lib.raise_for(rc, None, "shared expert's gate/up")
+        act = np.empty((T, I), dtype=np.float32)
+        rc = self.lib.pq_act_and_mul(self.act, gu.ctypes.data, T, I, 2 * I, act.ctypes.data)
+        cpu_lib.raise_for(rc, None, "shared expert's act_and_mul")
+        y = np.empty((T, self.hidden), dtype=np.float32)
+        rc = self.lib.pq_linear(ctypes.addressof(down.parts), 1, I, act.ctypes.data, T, I,
+                                y.ctypes.data, self.hidden, threads)
+        cpu_lib.raise_for(rc, None, "shared expert's down")
+        return y / (1.0 + np.exp(-(h @ gate)))[:, None]
 
     def _product(self, parts, per_run: int, runs: list, x: np.ndarray, K: int, N: int,
                  threads: int) -> np.ndarray:

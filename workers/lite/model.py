@@ -51,6 +51,7 @@ MLP_NORMS = {
                "post_feedforward_layernorm"),
     # hybrid: Gated DeltaNet layers (gdn.c) between gated full-attention layers
     "qwen3_5": (None, "post_attention_layernorm", None),
+    "qwen3_5_moe": (None, "post_attention_layernorm", None),  # and a shared expert
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 # From this many rows a step attends by matrix products per sequence (prefill.py) rather
@@ -341,12 +342,19 @@ class LiteModel:
         router = w[prefix + "gate.weight"]  # llama.cpp keeps it F32; a block type is decoded
         router = router.read() if isinstance(router, BlockTensor) else router
         names = [prefix + f"experts.{e}." for e in range(moe.num_experts)]
+        shared = None
+        if getattr(self.cfg, "shared_expert_size", 0):  # Qwen3.5-MoE
+            gate = w[prefix + "shared_expert_gate.weight"]
+            gate = gate.read() if isinstance(gate, BlockTensor) else gate
+            shared = (linear([prefix + "shared_expert.gate_proj", prefix + "shared_expert.up_proj"], E),
+                      linear([prefix + "shared_expert.down_proj"], self.cfg.shared_expert_size),
+                      np.ascontiguousarray(np.asarray(gate, dtype=np.float32).reshape(E)))
         return RoutedExperts(
             self.lib, np.asarray(router, dtype=np.float32),
             [linear([x + "gate_proj", x + "up_proj"], E) for x in names],
             [linear([x + "down_proj"], moe.intermediate_size) for x in names],
             moe.top_k, moe.norm_topk_prob, cpu_lib.ACT_IDS[ACTIVATION_KINDS[moe.hidden_act]],
-            prefix + "experts")
+            prefix + "experts", shared)
 
     def _gdn(self, w: dict, prefix: str, linear, hf_config: dict) -> tuple[tuple, tuple]:
         """A linear-attention layer's mixer (``prefix``: ``model.layers.N.linear_attn.``):

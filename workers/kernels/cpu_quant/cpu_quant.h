@@ -176,6 +176,12 @@ typedef struct {
     int64_t count, top_k, renormalize;
     const float *router;
     const pq_part *gate_up, *down;
+    /* shared_inter > 0: a shared expert beside them (Qwen3.5-MoE's), whose output
+     * down(act(gate) * up) of width shared_inter, scaled by sigmoid(h . shared_gate)
+     * (shared_gate float32 [hidden]), is added to each token's routed sum */
+    int64_t shared_inter;
+    const float *shared_gate;
+    pq_layer_linear shared_gate_up, shared_down;
 } pq_layer_experts;
 
 /* A pre-norm decoder layer. Norm weights are float32 [hidden] (q/k norms [head_dim]);

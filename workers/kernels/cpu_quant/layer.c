@@ -21,6 +21,7 @@ static grown g_work;   /* a layer's intermediate rows */
 static grown g_attn;   /* attention's */
 static grown g_stream; /* the stack's residual stream: two (x, residual) pairs, in turn */
 static grown g_experts; /* a routed-experts MLP's logits, weights and pair rows */
+static grown g_shared;  /* a shared expert's rows */
 
 static int linear(const pq_layer_linear *l, int64_t K, const float *x, int64_t M, float *y,
                   int64_t N, int nthreads) {
@@ -56,6 +57,24 @@ static void route(const float *logits, int64_t n, int64_t k, int renormalize, fl
     }
     if (renormalize)
         for (int64_t j = 0; j < k; j++) w[j] /= total;
+}
+
+/* out [M, E] += sigmoid(h . shared_gate) * the shared expert's output (Qwen3.5-MoE). */
+static int shared_expert(const pq_layer *L, const float *h, int64_t M, float *out, int nthreads) {
+    const pq_layer_experts *X = &L->experts;
+    const int64_t E = L->hidden, I = X->shared_inter;
+    float *gu = grow(&g_shared, M * (3 * I + E));
+    if (gu == NULL) return PQ_ERR_NOMEM;
+    float *act = gu + M * 2 * I, *y = act + M * I;
+    int rc;
+    if ((rc = linear(&X->shared_gate_up, E, h, M, gu, 2 * I, nthreads)) != PQ_OK) return rc;
+    if ((rc = pq_act_and_mul(L->act, gu, M, I, 2 * I, act)) != PQ_OK) return rc;
+    if ((rc = linear(&X->shared_down, I, act, M, y, E, nthreads)) != PQ_OK) return rc;
+    for (int64_t m = 0; m < M; m++) {
+        const float s = sigmoid(dot(h + m * E, X->shared_gate, E));
+        for (int64_t c = 0; c < E; c++) out[m * E + c] += s * y[m * E + c];
+    }
+    return PQ_OK;
 }
 
 /* h [M, E] (the normed rows) through the routed experts into out [M, E]. Each (token,
@@ -108,7 +127,7 @@ static int experts_mlp(const pq_layer *L, const float *h, int64_t M, float *out,
             for (int64_t c = 0; c < E; c++) o[c] += r[c] * wj;
         }
     }
-    return PQ_OK;
+    return X->shared_inter > 0 ? shared_expert(L, h, M, out, nthreads) : PQ_OK;
 }
 
 /* attn [M, H, D] *= sigmoid(gate), head h's gate at gate + m * lg + h * lh */
