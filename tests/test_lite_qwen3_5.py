@@ -127,3 +127,24 @@ def test_what_the_torch_free_worker_leaves_to_the_torch_worker(tmp_path):
     path = convert(hf, str(tmp_path / "qwen3_next.gguf"), "q8_0", "--no-mtp")
     why = refusal(load_model_info(EngineArgs(model=path, device="cpu")))
     assert "the qwen3_next family" in why
+
+
+def test_a_plan_s_hostile_state_entries_are_step_errors():
+    """Both runners check a plan's state copies and snapshots (``step_rows``): another
+    group, slots out of range, a position the step does not compute, a snapshot into its
+    own slot are each a ``StepError`` (the step fails alone), never a write elsewhere."""
+    from pocketllm.proto.messages import StepPlan
+    from pocketllm.workers.step_rows import (ScheduledSeq, StepError, check_state_plan,
+                                             snapshot_rows)
+
+    groups, slots = [False, True], [64, 8]
+    for before, taken in (([[0, 1, 2]], []), ([[1, 1, 8]], []), ([[1, -1, 2]], []),
+                          ([], [[0, 1, 2, 16]]), ([], [[5, 1, 2, 16]])):
+        with pytest.raises(StepError):
+            check_state_plan(StepPlan(step_id=1, state_copies_before=before,
+                                      state_snapshots=taken), groups, slots)
+    seqs = [ScheduledSeq([3], 16, 8, 0)]  # slot 3 computes positions 16..23 in rows 0..7
+    assert snapshot_rows(seqs, [[1, 3, 5, 24]], 1, 8) == [(7, 5)]
+    for bad in ([1, 3, 5, 16], [1, 3, 5, 25], [1, 4, 5, 20], [1, 3, 3, 20], [1, 3, 8, 20]):
+        with pytest.raises(StepError):
+            snapshot_rows(seqs, [bad], 1, 8)

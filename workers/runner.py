@@ -34,7 +34,7 @@ from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
-from .step_rows import RequestBook, RequestState, ScheduledSeq, StepError, snapshot_rows
+from .step_rows import RequestBook, RequestState, ScheduledSeq, check_state_plan, snapshot_rows
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -263,7 +263,9 @@ class ModelRunner:
         started, start = time.perf_counter(), self._event()
         try:
             with torch.inference_mode():
-                self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
+                check_state_plan(plan, self.state_groups, self.kv.num_blocks)
+                for group, src, dst in plan.state_copies_before:  # a prefix hit's snapshot
+                    self.kv.copy_states(group, src, dst)
                 step = self._launch(plan)
         except RankFailure:
             raise
@@ -363,17 +365,6 @@ class ModelRunner:
             raise
         return self._sample(plan, samplers, logits, path)
 
-    def _copy_states(self, copies: list[list[int]]) -> None:
-        """[group, source slot, destination slot] copies of a state group's slots (after the
-        step's forward on the device's stream, so a snapshot holds the step's states)."""
-        for group, src, dst in copies:
-            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
-                raise StepError(f"a state copy in cache group {group}, not a state group")
-            if not all(0 <= s < self.kv.num_blocks[group] for s in (src, dst)):
-                raise StepError(f"state slots {src} -> {dst} outside [0, "
-                                f"{self.kv.num_blocks[group]})")
-            self.kv.copy_states(group, src, dst)
-
     def _start_states(self, seqs: list[list[ScheduledSeq]]) -> None:
         """Zero the state slots of requests whose computation starts at position 0."""
         for g, state in enumerate(self.state_groups):
@@ -384,9 +375,6 @@ class ModelRunner:
     def _snapshot_rows(self, seqs: list[list[ScheduledSeq]], snapshots: list[list[int]]
                        ) -> list[list[tuple[int, int]]]:
         """The plan's state snapshots per cache group, as (row, snapshot slot)."""
-        for group, *_ in snapshots:
-            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
-                raise StepError(f"a state snapshot in cache group {group}, not a state group")
         return [snapshot_rows(seqs[g], snapshots, g, self.kv.num_blocks[g]) if state else []
                 for g, state in enumerate(self.state_groups)]
 

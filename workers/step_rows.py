@@ -179,6 +179,19 @@ class RequestBook:
         return out
 
 
+def check_state_plan(plan: StepPlan, state_groups: Sequence[bool],
+                     num_blocks: Sequence[int]) -> None:
+    """A plan's state copies and snapshots name state groups, and its copies slots of
+    them (``snapshot_rows`` checks the snapshots' slots against the step)."""
+    for entry in list(plan.state_copies_before) + list(plan.state_snapshots):
+        group = entry[0]
+        if not (0 <= group < len(state_groups) and state_groups[group]):
+            raise StepError(f"a state copy or snapshot in cache group {group}, not a state group")
+    for group, src, dst in plan.state_copies_before:
+        if not all(0 <= s < num_blocks[group] for s in (src, dst)):
+            raise StepError(f"state slots {src} -> {dst} outside [0, {num_blocks[group]})")
+
+
 def snapshot_rows(seqs: Sequence[ScheduledSeq], snapshots: Sequence[Sequence[int]],
                   group: int, num_slots: int) -> list[tuple[int, int]]:
     """A plan's ``state_snapshots`` of state group ``group`` (its view of the step:

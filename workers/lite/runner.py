@@ -27,7 +27,7 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook, StepError, snapshot_rows
+from ..step_rows import RequestBook, check_state_plan, snapshot_rows
 from .model import LiteModel, StepViews, step_view
 from ..sampler import numpy_ops
 from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
@@ -135,26 +135,15 @@ class LiteRunner:
         return TokenHistory(spec, prompt_ids, output_ids, self.model.cfg.vocab_size)
 
     def _step(self, plan: StepPlan) -> StepResult:
-        self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot
-        for group, *_ in plan.state_snapshots:
-            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
-                raise StepError(f"a state snapshot in cache group {group}, not a state group")
+        check_state_plan(plan, self.state_groups, self.num_blocks)
+        for group, src, dst in plan.state_copies_before:  # a prefix hit's snapshot
+            for pools in self._state_layers(group):
+                for pool in pools:
+                    pool[dst] = pool[src]
         return self._compute(plan)
 
     def _state_layers(self, group: int) -> list[tuple[np.ndarray, np.ndarray]]:
         return [c for c, (g, _w) in zip(self.caches, self.views) if g == group]
-
-    def _copy_states(self, copies: list[list[int]]) -> None:
-        """[group, source slot, destination slot] copies of a state group's slots."""
-        for group, src, dst in copies:
-            if not (0 <= group < len(self.state_groups) and self.state_groups[group]):
-                raise StepError(f"a state copy in cache group {group}, not a state group")
-            if not all(0 <= s < self.num_blocks[group] for s in (src, dst)):
-                raise StepError(f"state slots {src} -> {dst} outside [0, "
-                                f"{self.num_blocks[group]})")
-            for pools in self._state_layers(group):
-                for pool in pools:
-                    pool[dst] = pool[src]
 
     def _state_view(self, group: int, seqs, num_rows: int, snapshots) -> StepViews:
         """A state group's view of a step: each row's slot, zeroed first for a sequence
