@@ -14,27 +14,6 @@
 #define PQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define PQ_CLONES
-/* A float buffer of at least `elems`, grown on demand (each file's own, static; one caller thread: the worker's). */
-typedef struct {
-    float *p;
-    int64_t elems;
-} grown;
-
-static inline float *grow(grown *b, int64_t elems) {
-    if (elems > b->elems) {
-        free(b->p);
-        if (posix_memalign((void **)&b->p, 64, sizeof(float) * (size_t)elems) != 0) b->p = NULL;
-        b->elems = b->p != NULL ? elems : 0;
-    }
-    return b->p;
-}
-
-/* y [M, n] = x [M, K] . w [n, K]^T in float32 (a router's logits, Gated DeltaNet's b/a
- * rows), the n outputs split over the threads; each dot adds in the same order
- * whatever the split (ops.c). */
-void float_products(const float *w, int64_t n, const float *x, int64_t M, int64_t K, float *y,
-                    int nthreads);
-
 #endif
 
 #define LANES 16
