@@ -76,8 +76,9 @@ def refusal(info: ModelInfo, dummy: bool = False) -> Optional[str]:
     if cfg.hidden_act not in ACTIVATION_KINDS:
         return f"activation {cfg.hidden_act!r}"
     kinds = {p.get("rope_type", "default") for p in cfg.rope.values()}
-    if not kinds <= set(ROPE_TYPES) or rotary_dim(cfg) % 2:
-        return f"rope {sorted(kinds)} over {rotary_dim(cfg)} of {cfg.head_dim} dims"
+    if not kinds <= set(ROPE_TYPES) or rotary_dim(cfg) is None:
+        factors = sorted({p.get("partial_rotary_factor", 1.0) for p in cfg.rope.values()})
+        return f"rope {sorted(kinds)} turning {factors} of each head"
     if cfg.attn_sinks:
         return "attention sinks"
     if any(getattr(cfg, "linear_layers", ())):
@@ -90,11 +91,12 @@ def refusal(info: ModelInfo, dummy: bool = False) -> Optional[str]:
     return None
 
 
-def rotary_dim(cfg) -> int:
-    """The leading dims of a head that the rotary turns (Qwen3.5: a quarter); one for
-    every rope kind of the model."""
-    factors = {float(p.get("partial_rotary_factor", 1.0)) for p in cfg.rope.values()}
-    return int(cfg.head_dim * max(factors)) if len(factors) == 1 else -1
+def rotary_dim(cfg) -> Optional[int]:
+    """The leading dims of a head that the rotary turns (Qwen3.5: a quarter): one even
+    width for every rope kind of the model, else None (the library cannot)."""
+    widths = {int(cfg.head_dim * float(p.get("partial_rotary_factor", 1.0)))
+              for p in cfg.rope.values()}
+    return widths.pop() if len(widths) == 1 and next(iter(widths)) % 2 == 0 else None
 
 
 def _sparse(cfg) -> list[bool]:
