@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError
-from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
+from pocketllm.tokenizer.gguf_vocab import _firing_merges, _respaced, tokenizer_from_gguf
 
 TEXTS = [
     "Hello, world!",
@@ -102,7 +103,7 @@ def gemma_ref(gemma_path):
 def test_build_is_fast_and_torch_free(gemma_path):
     code = textwrap.dedent(f"""
         import sys, time
-        from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
+        from pocketllm.tokenizer.gguf_vocab import _firing_merges, _respaced, tokenizer_from_gguf
         start = time.perf_counter()
         tok = tokenizer_from_gguf({gemma_path!r})
         print(time.perf_counter() - start)
@@ -115,9 +116,10 @@ def test_build_is_fast_and_torch_free(gemma_path):
     assert seconds < 8, f"building the 262k-token tokenizer took {seconds:.1f}s"  # ~1.3s when idle
 
 
-def test_stages_with_cached_merges_start_without_numpy(gemma_path, tmp_path):
-    """numpy's import is ~0.1 s of CPU in each stage's start on two cores: the detokenizer's
-    vocabulary never needs it, the tokenizer's only to recover merges the cache lacks."""
+def test_stages_start_without_numpy(gemma_path, tmp_path):
+    """numpy's import is ~0.1 s of CPU in each stage's start on two cores: neither the
+    detokenizer's vocabulary nor the tokenizer's needs it, whether the merges come from the
+    cache or are recovered."""
     code = textwrap.dedent(f"""
         import sys
         from pocketllm.config import EngineArgs
@@ -138,9 +140,48 @@ def test_stages_with_cached_merges_start_without_numpy(gemma_path, tmp_path):
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr
         runs.append(out.stdout.split())
-    assert runs[0] == ["detokenizer", "False", "tokenizer", "True"]  # it recovered the merges
-    assert runs[1] == ["detokenizer", "False", "tokenizer", "False"]  # and read them back
+    assert runs == [["detokenizer", "False", "tokenizer", "False"]] * 2  # recovered, read back
     assert len(list((tmp_path / "vocab").iterdir())) == 1
+
+
+def _every_split(tokens: list[str], ranks) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, in the conversion's order (the whole token's
+    rank, longer left piece first, longer right piece first, token order)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found = [(ranks[i], -k, k - len(t), i, t[:k], t[k:]) for t, i in ids.items()
+             for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
+    return [(a, b) for *_, a, b in sorted(found)]
+
+
+def _assert_firing_merges_encode_alike(tokens: list[str], ranks) -> tuple[int, int]:
+    """The merges that can fire build a BPE that encodes as the one built from every split:
+    on each token's own text, and on texts of joined tokens and pieces of tokens."""
+    every, firing = _every_split(tokens, ranks), _firing_merges(tokens, ranks)
+    assert set(firing) <= set(every)
+    vocab = {t: i for i, t in enumerate(tokens)}
+
+    def bpe(merges):
+        return Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    rng = random.Random(0)
+    texts = [t for t in tokens if t] + ["".join(rng.choice(tokens)[rng.randint(0, 2):]
+                                                for _ in range(rng.randint(1, 12)))
+                                        for _ in range(4000)]
+    texts += ["\u2581" + t.replace(" ", "\u2581") for t in TEXTS + CORPUS]
+    full, pruned = bpe(every).encode_batch(texts), bpe(firing).encode_batch(texts)
+    assert [e.ids for e in pruned] == [e.ids for e in full]
+    return len(firing), len(every)
+
+
+def test_gemma_firing_merges_encode_as_every_split(gemma_path):
+    from pocketllm.gguf_meta import read_gguf_header
+    tokens = _respaced(list(read_gguf_header(gemma_path).metadata["tokenizer.ggml.tokens"]))
+    firing, every = _assert_firing_merges_encode_alike(tokens, list(range(len(tokens))))
+    assert firing < 0.5 * every  # 236,335 of 514,906
+
+
+def test_score_ranked_firing_merges_encode_as_every_split(spm_vocab):
+    tokens, _types, scores = spm_vocab  # tied scores: the byte tokens'
+    _assert_firing_merges_encode_alike(tokens, [-s for s in scores])
 
 
 def test_gemma_special_tokens(gemma):

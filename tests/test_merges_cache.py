@@ -11,7 +11,7 @@ import pytest
 
 from pocketllm.gguf_meta import LazyStrings, string_array_digest
 from pocketllm.tokenizer import merges_cache
-from pocketllm.tokenizer.gguf_vocab import _merges_from_vocab
+from pocketllm.tokenizer.gguf_vocab import _firing_merges
 
 TOKENS = ["a", "b", "c", "ab", "bc", "abc", "\u2581", "\u2581a", "\u2581ab", "\udcff", "\udcffa"]
 RANKS = np.arange(len(TOKENS), dtype=np.float64)
@@ -33,12 +33,12 @@ def counting(tokens=TOKENS, ranks=RANKS):
 
     def recover(decoded):
         calls.append("recover")
-        return _merges_from_vocab(decoded, ranks)
+        return _firing_merges(decoded, ranks)
     return decode, recover, calls
 
 
 def expected(tokens=TOKENS, ranks=RANKS):
-    return list(tokens), _merges_from_vocab(list(tokens), ranks)
+    return list(tokens), _firing_merges(list(tokens), ranks)
 
 
 def test_second_read_comes_from_the_cache_and_equals_the_computation(cache):
