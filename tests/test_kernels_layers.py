@@ -103,6 +103,52 @@ def test_rotary_with_qk_norms_matches_norm_then_rotary(dtype):
         K.rotary.apply_rotary_qk(q, k, cos, sin, (q_norm.weight[:8], k_norm.weight, 1e-6))
 
 
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_on_gated_query_views(dtype, norms):
+    # Qwen3.5's gated attention: each query head sits beside its output gate in q_proj's
+    # row, a quarter of each head rotates (the rest passes through, normed when q/k norms)
+    heads, kv_heads, dim, tokens = 4, 2, 48, 5
+    table = RotaryTable(dim, {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}, 64,
+                        DEVICE, dtype)
+    cos, sin = table.lookup(torch.tensor([0, 3, 9, 30, 2], device=DEVICE), 40)
+    assert cos.shape[-1] == dim // 8  # 12 of 48 dimensions rotate
+    q_norm, k_norm = reference_norm(dim, 1e-6, seed=43), reference_norm(dim, 1e-6, seed=44)
+    qkv = rand(tokens, (2 * heads + 2 * kv_heads) * dim, dtype=dtype, seed=45) * 3
+    q_gate = qkv[:, :2 * heads * dim].view(tokens, heads, 2 * dim)
+    q = q_gate[..., :dim]
+    k = qkv[:, 2 * heads * dim:(2 * heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    gate_before, v_before = q_gate[..., dim:].clone(), qkv[:, (2 * heads + kv_heads) * dim:].clone()
+    with torch.no_grad():
+        expected_q = apply_rotary(q_norm(q) if norms else q, cos, sin)
+        expected_k = apply_rotary(k_norm(k) if norms else k, cos, sin)
+        got_q, got_k = K.rotary.apply_rotary_qk(
+            q, k, cos, sin, (q_norm.weight, k_norm.weight, q_norm.eps) if norms else None)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, expected_k, **TOL[dtype])
+    assert torch.equal(q_gate[..., dim:], gate_before)  # the gates untouched
+    assert torch.equal(qkv[:, (2 * heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate_matches_torch_on_gated_query_views(dtype):
+    # Qwen3.5's attention output gate: the gates are strided views of q_proj's row
+    heads, dim, tokens = 4, 48, 5
+    q_gate = rand(tokens, heads, 2 * dim, dtype=dtype, seed=46) * 4
+    gate = q_gate[..., dim:]
+    x = rand(tokens, heads, dim, dtype=dtype, seed=47)
+    expected = x * torch.sigmoid(gate)
+    got = K.gated_act.sigmoid_gate_(x, gate)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    # torch's roundings when compiled; the interpreter truncates float32 -> bfloat16 instead
+    # of rounding, twice (an ulp or two)
+    ulps = 1 if DEVICE.type == "cuda" or dtype == torch.float32 else 4
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=ulps * 2 ** -8)
+    with pytest.raises(ValueError, match="unit stride"):
+        K.gated_act.sigmoid_gate_(x, gate[:, :2])
+
+
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_activation_matches_layer(hidden_act, dtype):

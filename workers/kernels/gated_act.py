@@ -62,3 +62,32 @@ def act_and_mul(gate_up: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor
         gate_up, out, inter, gate_up.stride(0), out.stride(0), ACT=act, BLOCK=block,
         num_warps=4 if block >= 512 else 1)
     return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(X, Gate, stride_xt, stride_xh, stride_gt, stride_gh,
+                         D: tl.constexpr, BLOCK: tl.constexpr):
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    g = tl.load(Gate + token * stride_gt + head * stride_gh + d, mask=ok, other=0.0)
+    # torch's roundings: the sigmoid in the model dtype, then the product
+    s = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(X.dtype.element_ty).to(tl.float32)
+    at = X + token * stride_xt + head * stride_xh + d
+    x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(at, (x * s).to(X.dtype.element_ty), mask=ok)
+
+
+def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x *= sigmoid(gate)`` in place, one launch: x and gate [T, H, D] (any token and head
+    strides, unit stride along D: gated attention's gates sit beside the queries in
+    q_proj's row). Returns x."""
+    if x.shape != gate.shape or x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("sigmoid_gate_ needs equal [T, H, D] shapes with unit stride along D")
+    tokens, heads, dim = x.shape
+    if tokens:
+        block = triton.next_power_of_2(dim)
+        _sigmoid_gate_kernel[(tokens, heads)](
+            x, gate, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), dim, block,
+            num_warps=2 if block >= 256 else 1)
+    return x

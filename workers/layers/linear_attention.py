@@ -157,6 +157,11 @@ class GatedDeltaNet(nn.Module):
         states [slots, channels, kernel - 1], states [slots, v_heads, k_dim, v_dim]):
         -> gated, normed outputs [T, v_heads * v_dim]."""
         conv_states, states = cache
+        if not meta.prefills and meta.decode_rows == slice(0, proj.shape[0]):
+            # only decodes, every row in order: their outputs are the layer's (no copy)
+            normed = self._decode(proj, conv_states, states, meta.decode_slots)
+            self._snapshot(meta, -1, conv_states, states)
+            return normed
         normed = torch.empty(proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype,
                              device=proj.device)
         if meta.decode_rows is not None:

@@ -96,11 +96,13 @@ class Attention(nn.Module):
         self.sinks = (nn.Parameter(torch.empty(self.num_heads, device=device, dtype=torch.float32),
                                    requires_grad=False) if cfg.attn_sinks else None)
         self.backend = backend
-        # in place, q and k; a partial rotary (part of each head) takes the torch form
+        # in place, q and k (a partial rotary too: part of each head)
+        self.rotary_kernel = fused_kernel(device, "rotary", "apply_rotary_qk")
+        # One-row steps rotate q/k inside the projection, unless a q/k norm comes between
+        # or the rotary is partial.
         partial = rotary_dim(d, cfg.rope[cfg.layer_rope[layer]]) < d
-        self.rotary_kernel = None if partial else fused_kernel(device, "rotary", "apply_rotary_qk")
-        # One-row steps rotate q/k inside the projection, unless a q/k norm comes between.
-        self.rotary_in_projection = self.rotary_kernel is not None and self.q_norm is None
+        self.rotary_in_projection = (self.rotary_kernel is not None and self.q_norm is None
+                                     and not partial)
         self.rotated_rows = (self.num_heads + self.num_kv_heads) * d
         self.output_shape = (self.num_heads, d)  # of each token's row ``attend`` writes
 

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import TPGroup
+from ..distributed import SINGLE, TPGroup
+from ..kernels import fused_kernel
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import ColumnParallelLinear, Shard
 from ..layers.linear_attention import GatedDeltaNet
@@ -45,6 +46,11 @@ class GatedAttention(Attention):
 
     q_per_head = 2
 
+    def __init__(self, cfg: HybridArchConfig, layer: int, backend: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE):
+        super().__init__(cfg, layer, backend, device, dtype, tp)
+        self.gate_kernel = fused_kernel(device, "gated_act", "sigmoid_gate_")
+
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: RopeCosSin):
         """-> q, k, v, gate, residual."""
@@ -53,15 +59,19 @@ class GatedAttention(Attention):
         q_gate, k, v = qkv.split(self.split, dim=-1)
         q_gate = q_gate.view(t, self.num_heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))
-        return (apply_rotary(q, *rope), apply_rotary(k, *rope),
-                v.reshape(t, self.num_kv_heads, d), gate, residual)
+        k, v = k.view(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
+        if self.rotary_kernel is not None:  # the q/k norms and the partial rotary, one launch
+            return (*self.rotary_kernel(q, k, *rope, self.qk_norms), v, gate, residual)
+        q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v, gate, residual
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
                ) -> torch.Tensor:
-        return super().attend(q, k, v, meta, kv_cache) * torch.sigmoid(gate)
+        out = super().attend(q, k, v, meta, kv_cache)
+        if self.gate_kernel is not None and out.stride(-1) == 1:  # one launch, in place
+            return self.gate_kernel(out, gate)
+        return out * torch.sigmoid(gate)
 
 
 class SharedExpertMoE(nn.Module):
