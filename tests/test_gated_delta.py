@@ -284,9 +284,10 @@ def test_the_triton_forms_equal_the_torch_forms(dims, dtype):
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=6e-2, rtol=5e-2)
     cuda = lambda x: x.cuda().to(dtype)  # noqa: E731
     states, starts = torch.stack([state, state * 0.5]), [0, 60, 150]  # two sequences
-    want_out, want_state = gd.chunked_varlen(q, k, v, g, beta, states, starts)
+    want_out, want_state = gd.chunked_varlen(q, k, v, g, beta, states,
+                                             gd.Segments(starts, torch.device("cpu")))
     out, s = fla_forms.chunked_varlen(cuda(q), cuda(k), cuda(v), g.cuda(), beta.cuda(),
-                                      states.cuda(), starts)
+                                      states.cuda(), gd.Segments(starts, torch.device("cuda")))
     torch.testing.assert_close(out.float().cpu(), want_out, **tol)
     torch.testing.assert_close(s.float().cpu(), want_state, **tol)
     args = [torch.cat([b[i] for b in batch]) for i in range(5)]
@@ -311,8 +312,9 @@ def test_the_varlen_forms_equal_one_call_per_sequence():
     x = torch.randn(starts[-1], 12, generator=gen)
     weight = torch.randn(12, 4, generator=gen)
     conv_states = torch.randn(len(counts), 12, 3, generator=gen)
-    y, conv_new = gd.causal_conv_varlen(x, weight, conv_states, starts)
-    out, finals = gd.chunked_varlen(q, k, v, g, beta, states, starts)
+    seg = gd.Segments(starts, torch.device("cpu"))
+    y, conv_new = gd.causal_conv_varlen(x, weight, conv_states, seg)
+    out, finals = gd.chunked_varlen(q, k, v, g, beta, states, seg)
     for i, (a, b) in enumerate(zip(starts, starts[1:])):
         want_y, want_conv = gd.causal_conv(x[a:b], weight, conv_states[i])
         torch.testing.assert_close(y[a:b], want_y, atol=1e-6, rtol=1e-5)

@@ -203,12 +203,19 @@ def test_multimodal_checkpoint_serves_its_text_tower(tmp_path):
     assert run(runner, {"r": PROMPT}, new_tokens=12)[0]["r"] == out[0, len(PROMPT):].tolist()
 
 
-def test_prefix_cache_serves_a_shared_prefix_and_a_later_turn_from_state_snapshots():
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device,graphs", [("cpu", None), pytest.param("cuda", True, marks=GPU),
+                                           pytest.param("cuda", False, marks=GPU)])
+def test_prefix_cache_serves_a_shared_prefix_and_a_later_turn_from_state_snapshots(device,
+                                                                                     graphs):
     """Through the engine, blocks of 16: prompt a (1,050 tokens) leaves state snapshots at
     1,024 (every STATE_SNAPSHOT_TOKENS) and at its last boundary, 1,040. Prompt b shares its
     first 1,030 tokens and resumes at 1,024; c, a's next turn (a, its answer and more),
-    resumes at 1,040. Each answer equals the one computed from scratch; the hits are the
-    prefix-cache tokens the engine counts (its /metrics' prefix_cache_hits_tokens)."""
+    resumes at 1,040. Each answer equals the one computed from scratch (on a GPU, by the
+    same engine without the cache, CUDA graphs on and off); the hits are the prefix-cache
+    tokens the engine counts (its /metrics' prefix_cache_hits_tokens)."""
     from pocketllm.bench.throughput import settled_stats
 
     path = make_tiny_checkpoint("qwen3_5", overrides={"max_position_embeddings": 2048})
@@ -216,15 +223,23 @@ def test_prefix_cache_serves_a_shared_prefix_and_a_later_turn_from_state_snapsho
     a = [rng.randrange(3, 512) for _ in range(1050)]
     b = a[:1030] + [rng.randrange(3, 512) for _ in range(9)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, max_num_seqs=4,
-                      num_kv_blocks=600)
-    runner = ModelRunner(load_model_info(args), args)
-    with LLM(EngineArgs(model=path, device="cpu", enable_prefix_caching=True,
-                        shutdown_timeout=3)) as llm:
+    extra = {} if graphs is None else dict(dtype="float32", cuda_graphs=graphs)
+
+    def engine(caching: bool) -> LLM:
+        return LLM(EngineArgs(model=path, device=device, enable_prefix_caching=caching,
+                              shutdown_timeout=3, **extra))
+    with engine(True) as llm:
         out_a = llm.generate([a], params)[0].token_ids
         c = a + out_a + [rng.randrange(3, 512) for _ in range(12)]
         outs = [llm.generate([p], params)[0].token_ids for p in (b, c)]
         stats = settled_stats(llm)
-    for prompt, got in zip((a, b, c), [out_a] + outs):
-        assert got == run(runner, {"x": prompt}, new_tokens=6)[0]["x"]
+    if device == "cpu":
+        args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
+                          max_num_seqs=4, num_kv_blocks=600)
+        runner = ModelRunner(load_model_info(args), args)
+        want = [run(runner, {"x": p}, new_tokens=6)[0]["x"] for p in (a, b, c)]
+    else:
+        with engine(False) as llm:
+            want = [llm.generate([p], params)[0].token_ids for p in (a, b, c)]
+    assert [out_a] + outs == want
     assert stats.prefix_cache_hits == 1024 + 1040

@@ -40,7 +40,7 @@ import torch
 
 from pocketllm.proto.messages import CacheGroup
 
-from .device import populated_cpu_zeros
+from .device import populated_cpu_zeros, to_device
 from .kv_plan import (CacheLayout, cache_layout, check_available,  # noqa: F401  (the runner's)
                       plan_blocks)
 
@@ -103,7 +103,7 @@ class PagedKVCache:
 
     def start_states(self, group: int, slots: list[int]) -> None:
         """Zero the state slots of requests that start at position 0."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.pools[group][0].device)
+        index = to_device(slots, self.pools[group][0].device, torch.long)
         for pool in self.pools[group]:
             pool.index_fill_(1, index, 0)
 

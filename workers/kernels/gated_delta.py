@@ -9,25 +9,34 @@ from __future__ import annotations
 
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fla.ops.utils.index import prepare_chunk_indices
+
+from ..device import to_device
+from ..layers.gated_delta import Segments
+
+CHUNK = 64  # chunk_gated_delta_rule's default chunk size, which its chunk map must match
 
 
 def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, states: torch.Tensor, starts: list[int]
+                   beta: torch.Tensor, states: torch.Tensor, seg: Segments
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Several sequences' chunks laid end to end (``layers/gated_delta.chunked_varlen``'s
-    signature), one kernel call per sequence: the form measured on the GPU so far (the
-    kernels' own variable-length launch, ``cu_seqlens``, is the next step: it has not run
-    on a GPU here yet)."""
-    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
-    finals = torch.empty_like(states, dtype=torch.float32)
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
-        o, final = chunk_gated_delta_rule(
-            q[None, a:b].contiguous(), k[None, a:b].contiguous(), v[None, a:b].contiguous(),
-            g=g[None, a:b].float(), beta=beta[None, a:b].to(v.dtype),
-            initial_state=states[i:i + 1].float(), output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
-        out[a:b], finals[i] = o[0], final[0]
-    return out, finals
+    signature) in one variable-length call. Its sequence bounds (``cu_seqlens``) and chunk
+    map (``chunk_indices``) are built on the host once a step (``seg.memo``) and copied
+    without waiting: left to the kernels, the map is read back from the GPU, a stall per
+    layer."""
+    cu_seqlens, chunk_indices = seg.memo("fla", lambda: _bounds(seg))
+    out, finals = chunk_gated_delta_rule(
+        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g=g[None].float(),
+        beta=beta[None].to(v.dtype), initial_state=states.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return out[0], finals
+
+
+def _bounds(seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    host = torch.tensor(seg.starts, dtype=torch.long)
+    chunks = prepare_chunk_indices(host, CHUNK, cu_seqlens_cpu=host)
+    return to_device(host, seg.device), to_device(chunks, seg.device)
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..device import to_device
+
 L2_EPS = 1e-6  # the reference's eps inside the rsqrt of q's and k's squared norms
 
 
@@ -102,40 +104,72 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return out.transpose(0, 1), s
 
 
+class Segments:
+    """Several sequences' rows laid end to end: sequence i holds rows
+    ``starts[i]:starts[i + 1]``. The index tensors the varlen forms gather by are built
+    once, on first use, and shared by every layer of the step (``memo``); on a GPU they are
+    copied without waiting for the stream (``device.to_device``), since a plain copy in a
+    layer would stall the host until the GPU caught up, once per layer."""
+
+    def __init__(self, starts: list[int], device: torch.device):
+        self.starts, self.device = starts, device
+        self._memo: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def spans(self):
+        return zip(self.starts, self.starts[1:])
+
+    def memo(self, key, build):
+        """``build()``'s result, computed once per ``key``."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def conv_gathers(self, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``causal_conv_varlen``'s rows of cat([states' rows, x]): each segment's ``keep``
+        state rows then its tokens' (the padded input); the outputs' rows in it (the window
+        ending at token r starts ``keep`` before); the new states' rows."""
+        def build():
+            n = len(self)
+            order, outputs, lasts, at = [], [], [], 0
+            for i, (a, b) in enumerate(self.spans()):
+                order += list(range(i * keep, (i + 1) * keep)) + [n * keep + r for r in range(a, b)]
+                outputs += range(at, at + b - a)
+                lasts += range(at + b - a, at + b - a + keep)
+                at += b - a + keep
+            return tuple(to_device(rows, self.device, torch.long)
+                         for rows in (order, outputs, lasts))
+        return self.memo(("conv", keep), build)
+
+
 def chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, states: torch.Tensor, starts: list[int]
+                   beta: torch.Tensor, states: torch.Tensor, seg: Segments
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunked`` over several sequences' rows laid end to end: sequence i holds rows
-    ``starts[i]:starts[i + 1]`` and starts from ``states[i]`` -> (out [T, v_heads, v_dim]
-    float32, the final states [N, ...])."""
+    """``chunked`` over several sequences' rows laid end to end (``seg``), sequence i
+    starting from ``states[i]`` -> (out [T, v_heads, v_dim] float32, the final states
+    [N, ...])."""
     out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
     finals = torch.empty_like(states, dtype=torch.float32)
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+    for i, (a, b) in enumerate(seg.spans()):
         out[a:b], finals[i] = chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], states[i])
     return out, finals
 
 
 def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
-                       starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv`` over several sequences' rows laid end to end (``starts`` as in
-    ``chunked_varlen``; ``states`` [N, channels, kernel - 1]) in one convolution: each
-    sequence's rows follow its own state, so no output window crosses into another
-    sequence -> (out [T, channels], the new states)."""
-    n, taps = len(starts) - 1, weight.shape[1]
-    keep = taps - 1
-    old = states.to(x.dtype).transpose(1, 2).reshape(n * keep, -1)  # oldest first
-    # segment i: its state's rows, then its tokens' (indices into cat([old, x]))
-    order, outputs, lasts, at = [], [], [], 0
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
-        order += list(range(i * keep, (i + 1) * keep)) + [n * keep + r for r in range(a, b)]
-        outputs += range(at, at + b - a)  # the window ending at token r starts keep before
-        lasts += range(at + b - a, at + b - a + keep)
-        at += b - a + keep
-    index = lambda rows: torch.tensor(rows, dtype=torch.long, device=x.device)  # noqa: E731
-    padded = torch.cat([old, x]).index_select(0, index(order))
+                       seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv`` over several sequences' rows laid end to end (``seg``; ``states``
+    [N, channels, kernel - 1]) in one convolution: each sequence's rows follow its own
+    state, so no output window crosses into another sequence -> (out [T, channels], the
+    new states)."""
+    keep = weight.shape[1] - 1
+    order, outputs, lasts = seg.conv_gathers(keep)
+    old = states.to(x.dtype).transpose(1, 2).reshape(len(seg) * keep, -1)  # oldest first
+    padded = torch.cat([old, x]).index_select(0, order)
     y = F.conv1d(padded.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
-    out = F.silu(y.t().index_select(0, index(outputs))).to(x.dtype)
-    new = padded.index_select(0, index(lasts)).view(n, keep, -1).transpose(1, 2)
+    out = F.silu(y.t().index_select(0, outputs)).to(x.dtype)
+    new = padded.index_select(0, lasts).view(len(seg), keep, -1).transpose(1, 2)
     return out, new
 
 

@@ -41,15 +41,34 @@ Rows = Union[slice, torch.Tensor]
 logger = logging.getLogger("pocketllm.worker")
 
 
+class PrefillRound:
+    """One round of a step's prompt chunks, each (first row, rows, slot), laid end to end
+    (``gated_delta.Segments``), with the row and slot indices every layer gathers by,
+    built once a step and copied without waiting for the stream."""
+
+    def __init__(self, chunks: Sequence[tuple[int, int, int]], device: torch.device):
+        self.chunks = tuple(chunks)
+        starts, rows = [0], []
+        for row, n, _slot in chunks:
+            starts.append(starts[-1] + n)
+            rows += range(row, row + n)
+        self.segments = gated_delta.Segments(starts, device)
+        first = chunks[0][0]
+        self.rows: Rows = (slice(first, first + len(rows))
+                           if rows == list(range(first, first + len(rows)))
+                           else to_device(rows, device, torch.long))
+        self.slots = to_device([slot for *_, slot in chunks], device, torch.long)
+
+
 @dataclass
 class StateMetadata:
     """A step's sequences as the recurrent layers read them."""
 
     decode_rows: Optional[Rows]  # rows of the one-token sequences (None: none)
     decode_slots: Optional[torch.Tensor]  # [B] their slots
-    # The longer chunks as (first row, rows, slot), in rounds: a chunk cut where a
-    # snapshot is taken runs its pieces in successive rounds.
-    prefills: tuple[tuple[tuple[int, int, int], ...], ...]
+    # The longer chunks in rounds: a chunk cut where a snapshot is taken runs its pieces
+    # in successive rounds.
+    prefills: tuple[PrefillRound, ...]
     # (round after which, its slot, the snapshot's slot): -1 after the decodes
     snapshots: tuple[tuple[int, int, int], ...] = ()
 
@@ -87,7 +106,8 @@ def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device,
                 if r in taken:
                     after.append((piece, slot, taken[r]))
                 start, piece = r + 1, piece + 1
-    return StateMetadata(rows, slots, tuple(tuple(r) for r in rounds), tuple(after))
+    return StateMetadata(rows, slots, tuple(PrefillRound(r, device) for r in rounds),
+                         tuple(after))
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,8 +192,8 @@ class GatedDeltaNet(nn.Module):
             else:
                 normed.index_copy_(0, rows, o)
         self._snapshot(meta, -1, conv_states, states)
-        for i, prefills in enumerate(meta.prefills):
-            self._prefill(proj, prefills, conv_states, states, normed)
+        for i, round_ in enumerate(meta.prefills):
+            self._prefill(proj, round_, conv_states, states, normed)
             self._snapshot(meta, i, conv_states, states)
         return normed
 
@@ -186,32 +206,24 @@ class GatedDeltaNet(nn.Module):
                 conv_states[snapshot].copy_(conv_states[slot])
                 states[snapshot].copy_(states[slot])
 
-    def _prefill(self, proj: torch.Tensor, prefills: tuple[tuple[int, int, int], ...],
-                 conv_states: torch.Tensor, states: torch.Tensor, normed: torch.Tensor) -> None:
+    def _prefill(self, proj: torch.Tensor, round_: PrefillRound, conv_states: torch.Tensor,
+                 states: torch.Tensor, normed: torch.Tensor) -> None:
         """Every chunk of more than one token at once, laid end to end: one convolution,
         the chunk form over them (``chunked_varlen``), one norm."""
-        starts, rows = [0], []
-        for row, n, _slot in prefills:
-            starts.append(starts[-1] + n)
-            rows += range(row, row + n)
-        first = prefills[0][0]
-        contiguous = rows == list(range(first, first + len(rows)))
-        index = None if contiguous else torch.tensor(rows, device=proj.device)
-        part = proj[first:first + len(rows)] if contiguous else proj.index_select(0, index)
-        slots = torch.tensor([slot for *_, slot in prefills], device=proj.device)
-        mixed, z, b, a = part.split(self.widths, dim=-1)
+        seg, slots = round_.segments, round_.slots
+        mixed, z, b, a = _take(proj, round_.rows).split(self.widths, dim=-1)
         y, conv_new = causal_conv_varlen(mixed, self.conv_weight,
-                                         conv_states.index_select(0, slots), starts)
+                                         conv_states.index_select(0, slots), seg)
         conv_states.index_copy_(0, slots, conv_new.to(conv_states.dtype))
         g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
         core, final = self.chunked_varlen(*self._heads(y), g, beta,
-                                          states.index_select(0, slots), starts)
+                                          states.index_select(0, slots), seg)
         states.index_copy_(0, slots, final)
         out = self._norm(core, z)
-        if contiguous:
-            normed[first:first + len(rows)] = out
+        if isinstance(round_.rows, slice):
+            normed[round_.rows] = out
         else:
-            normed.index_copy_(0, index, out)
+            normed.index_copy_(0, round_.rows, out)
 
     def _decode(self, proj: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
