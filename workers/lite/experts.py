@@ -33,7 +33,7 @@ from ..models.config import ACTIVATION_KINDS
 
 MAX_PARTS = 128  # PQ_MAX_PARTS (cpu_quant.h): the most parts one library call takes
 # The families whose experts the library computes, and their routing: layer.c's rule only.
-ROUTING = {"qwen3_moe": "softmax_topk", "qwen3_5_moe": "softmax_topk"}
+ROUTING = {"qwen3_moe": "softmax_topk", "qwen3_5_moe": "softmax_topk", "qwen3_next": "softmax_topk"}
 _PART = ctypes.sizeof(Part)
 
 

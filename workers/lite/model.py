@@ -52,7 +52,11 @@ MLP_NORMS = {
     # hybrid: Gated DeltaNet layers (gdn.c) between gated full-attention layers
     "qwen3_5": (None, "post_attention_layernorm", None),
     "qwen3_5_moe": (None, "post_attention_layernorm", None),  # and a shared expert
+    "qwen3_next": (None, "post_attention_layernorm", None),  # as Qwen3.5-MoE's
 }
+# The linear-attention in projections the mixer reads: Qwen3.5's b and a rows apart, or
+# Qwen3-Next's interleaved per key head (``_gdn`` regroups them)
+GDN_LAYOUTS = ("qkv_z_b_a", "qkv_z_ba")
 ROPE_TYPES = ("default", "linear", "llama3")
 # From this many rows a step attends by matrix products per sequence (prefill.py) rather
 # than through a gather row per row (the decode stack): about even at 256 rows on the
@@ -82,7 +86,7 @@ def refusal(info: ModelInfo, dummy: bool = False) -> Optional[str]:
     if cfg.attn_sinks:
         return "attention sinks"
     if any(getattr(cfg, "linear_layers", ())):
-        if cfg.gdn.in_proj_layout != "qkv_z_b_a":
+        if cfg.gdn.in_proj_layout not in GDN_LAYOUTS:
             return f"linear-attention projections laid out as {cfg.gdn.in_proj_layout}"
         if dummy:
             return "random weights for linear-attention layers"
@@ -371,9 +375,15 @@ class LiteModel:
 
         in_proj = linear([prefix + "in_proj_qkv", prefix + "in_proj_z"], E)
         out = linear([prefix + "out_proj"], g.num_v_heads * g.v_head_dim)
+        if g.in_proj_layout == "qkv_z_ba":  # [b | a] of each key head's value heads
+            per = g.num_v_heads // g.num_k_heads
+            ba = floats("in_proj_ba.weight", (g.num_k_heads, 2, per, E))
+            b_a = np.concatenate([ba[:, 0].reshape(-1, E), ba[:, 1].reshape(-1, E)])
+        else:
+            b_a = np.concatenate([floats("in_proj_b.weight", (g.num_v_heads, E)),
+                                  floats("in_proj_a.weight", (g.num_v_heads, E))])
         arrays = (floats("conv1d.weight", (g.conv_channels, g.conv_kernel)).T.copy(),  # [kernel, C]
-                  np.concatenate([floats("in_proj_b.weight", (g.num_v_heads, E)),
-                                  floats("in_proj_a.weight", (g.num_v_heads, E))]),
+                  b_a,
                   floats("A_log", (g.num_v_heads,)), floats("dt_bias", (g.num_v_heads,)),
                   floats("norm.weight", (g.v_head_dim,)))
         desc = cpu_lib.GdnLayer(g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim,
