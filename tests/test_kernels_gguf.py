@@ -1,0 +1,70 @@
+"""The GPU's GGUF block products (``kernels/gguf_gemv.py``) against dequantize-then-matmul:
+the blocks decoded by ``loader/gguf_quants.py`` (numpy), then a float64 product.
+Interpreted on the CPU at small sizes, compiled on CUDA at a real layer's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernel_modules import load_kernels
+
+K, DEVICE = load_kernels()
+import torch  # noqa: E402
+
+from pocketllm.workers.kernels import gguf_gemv  # noqa: E402
+from pocketllm.workers.loader.dummy_blocks import _SCALE_FIELDS, random_block_tensor  # noqa: E402
+from pocketllm.workers.loader.gguf_quants import GGML_TYPES  # noqa: E402
+
+TYPES = [gguf_gemv.Q8_0, gguf_gemv.Q4_K, gguf_gemv.Q6_K]
+CUDA = DEVICE.type == "cuda"
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int):
+    """Random blocks whose fp16 scales differ block to block (a real file's do), with
+    their numpy decoding."""
+    rng = np.random.default_rng(seed)
+    t = random_block_tensor(ggml_type, (n, k), rng)
+    name, per, size = GGML_TYPES[ggml_type]
+    raw = t.blocks.reshape(-1, size)
+    for offset in _SCALE_FIELDS[name.lower()][0]:
+        d = raw[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
+        jitter = rng.uniform(0.5, 1.5, size=d.shape).astype(np.float32)
+        raw[:, offset:offset + 2] = (d * jitter).astype(np.float16).view(np.uint8)
+    return t.blocks, t.read()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_block_gemv_equals_dequantize_then_matmul(ggml_type, m):
+    # rows not a multiple of the programs' (13), two super-blocks along the input
+    n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
+    blocks, dense = random_blocks(ggml_type, n, k, seed=ggml_type)
+    x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.astype(np.float64).T
+    got = gguf_gemv.block_gemv(torch.from_numpy(x).to(DEVICE), torch.from_numpy(blocks).to(DEVICE),
+                               ggml_type, n, k)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got.double().cpu().numpy(), want, atol=2e-5 * scale * np.sqrt(k / 512),
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_block_gemv_in_bfloat16(ggml_type):
+    """bf16 activations and output: the products sum in float32, one rounding at the end."""
+    n, k = 8, 256
+    blocks, dense = random_blocks(ggml_type, n, k, seed=3)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = x.double() @ torch.from_numpy(dense).double().T
+    got = gguf_gemv.block_gemv(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), ggml_type, n, k)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-3, rtol=1e-2)
+
+
+def test_refusals():
+    x = torch.zeros(1, 256, device=DEVICE)
+    with pytest.raises(Exception, match="no GPU kernel reads GGUF type 13"):
+        gguf_gemv.block_gemv(x, torch.zeros(4, 176, dtype=torch.uint8, device=DEVICE), 13, 4, 256)
+    with pytest.raises(ValueError, match="do not hold"):
+        gguf_gemv.block_gemv(x, torch.zeros(4, 100, dtype=torch.uint8, device=DEVICE),
+                             gguf_gemv.Q4_K, 4, 256)

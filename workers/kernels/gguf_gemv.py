@@ -1,0 +1,165 @@
+"""Products of a few rows with a GGUF block matrix on the GPU, read in its blocks.
+
+A batch-1 decode step reads every weight once, so a Q4_K matrix read as its blocks
+(4.5 bits a weight) costs about a third of the bytes of its bfloat16 copy. These
+kernels decode the blocks in registers and never write a float copy.
+
+The matrix is the file's bytes as a uint8 tensor [N, row_bytes] (GGUF lays a matrix out
+row by row, a row one output feature, each row a run of blocks along the input). Each
+program owns ``BLOCK_N`` rows and one row of x, and walks the whole input one block (or
+super-block) at a time. Within a (sub-)block every weight is scale * q (- min), so a
+row's sum is taken per sub-block first, sum(q * x), then scaled once: the decode work
+per weight is an unpack and a multiply-add.
+
+Layouts (``loader/gguf_quants.py`` decodes the same bytes in numpy, the reference):
+- Q8_0, 34 bytes per 32 weights: f16 d, int8 q[32]; w = d * q.
+- Q4_K, 144 bytes per 256: f16 d, f16 dmin, twelve bytes of eight 6-bit scales and
+  mins, q[128]: four runs of 32 bytes, each run's low nibbles one sub-block of 32
+  and its high nibbles the next; w = d * scale * q - dmin * min.
+- Q6_K, 210 bytes per 256: ql[128] (low nibbles), qh[64] (two high bits), int8
+  scales[16] (one per 16 weights), f16 d; w = d * scale * (q - 32). Each half of 128
+  weights reads ql[64 h:64 h + 64] (low nibbles: weights 0-63, high: 64-127) and
+  qh[32 h:32 h + 32] (bits 2j..2j+1: weights 32j..32j+31).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pocketllm.errors import UnsupportedFeatureError
+
+Q8_0, Q4_K, Q6_K = 8, 12, 14
+# ggml type -> (weights per block, bytes per block)
+BLOCKS = {Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+
+
+@triton.jit
+def _f16_at(ptrs, mask):
+    """The little-endian fp16 at byte pointers ``ptrs``, as float32 (0 where masked)."""
+    lo = tl.load(ptrs, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
+                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """GROUP blocks of 32 a loop step."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    base = W + rows.to(tl.int64)[:, None, None] * row_bytes
+    g = tl.arange(0, GROUP)[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
+    acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
+    for b0 in range(0, K // 32, GROUP):
+        blk = b0 + g
+        live = (blk < K // 32) & ok[:, None, None]
+        q = tl.load(base + blk * 34 + 2 + i, mask=live, other=0).to(tl.int8, bitcast=True)
+        x = tl.load(X + m * stride_x + blk * 32 + i, mask=blk < K // 32, other=0.0)
+        dot = tl.sum(q.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUP]
+        first = (b0 + tl.arange(0, GROUP))[None, :]
+        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 34,
+                    (first < K // 32) & ok[:, None])
+        acc += d * dot
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr):
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    row_ptr = W + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
+    run = tl.arange(0, 4)  # the four 32-byte runs: sub-blocks 2 run (low) and 2 run + 1
+    i = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = row_ptr + sb * 144
+        q = tl.load(blk[:, None, None] + 16 + run[None, :, None] * 32 + i[None, None, :],
+                    mask=ok[:, None, None], other=0)  # [BLOCK_N, 4, 32]
+        xs = X + m * stride_x + sb * 256 + run[:, None] * 64 + i[None, :]  # [4, 32]
+        x_lo = tl.load(xs).to(tl.float32)
+        x_hi = tl.load(xs + 32).to(tl.float32)
+        dot_lo = tl.sum((q & 15).to(tl.float32) * x_lo[None], 2)  # [BLOCK_N, 4]
+        dot_hi = tl.sum((q >> 4).to(tl.float32) * x_hi[None], 2)
+        # the 6-bit scale and min of sub-block s (get_scale_min_k4)
+        sc_lo, mn_lo = _k4_scale_min(blk, 2 * run, ok)
+        sc_hi, mn_hi = _k4_scale_min(blk, 2 * run + 1, ok)
+        d = _f16_at(blk, ok)
+        dmin = _f16_at(blk + 2, ok)
+        sums = d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
+        mins = dmin * tl.sum(mn_lo * tl.sum(x_lo, 1)[None, :] + mn_hi * tl.sum(x_hi, 1)[None, :], 1)
+        acc += sums - mins
+    tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _k4_scale_min(blk, s, ok):
+    """Sub-blocks ``s``' (of 8) 6-bit scales and mins from bytes 4-15: for s < 4 the low
+    six bits of bytes 4 + s and 8 + s; else nibbles of byte 8 + s topped by the high two
+    bits of bytes s and 4 + s. -> float32 [BLOCK_N, len(s)] each."""
+    j = s % 4
+    a = tl.load(blk[:, None] + 4 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    b = tl.load(blk[:, None] + 8 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    c = tl.load(blk[:, None] + 12 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    low = (s < 4)[None, :]
+    scale = tl.where(low, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(low, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return scale.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr):
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    row_ptr = W + rows.to(tl.int64) * row_bytes
+    sub = tl.arange(0, 4)  # four sub-blocks of 16 in each 64-weight quarter
+    i = tl.arange(0, 16)
+    lane = sub[:, None] * 16 + i[None, :]  # [4, 16]: a weight's place in its quarter
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = row_ptr[:, None, None] + sb * 210
+        d = _f16_at(row_ptr + sb * 210 + 208, ok)
+        for h in tl.static_range(2):
+            ql = tl.load(blk + 64 * h + lane[None], mask=ok[:, None, None], other=0).to(tl.int32)
+            qh = tl.load(blk + 128 + 32 * h + lane[None] % 32, mask=ok[:, None, None],
+                         other=0).to(tl.int32)
+            shift = 2 * (lane // 32)[None]  # weights 32j.. of a 64-run read bits 2j
+            for nib in tl.static_range(2):  # low nibbles: weights 0-63; high: 64-127
+                q = ((ql >> (4 * nib)) & 15) | (((qh >> (shift + 4 * nib)) & 3) << 4)
+                x = tl.load(X + m * stride_x + sb * 256 + 128 * h + 64 * nib + lane).to(tl.float32)
+                dot = tl.sum((q - 32).to(tl.float32) * x[None], 2)  # [BLOCK_N, 4]
+                sc = tl.load(row_ptr[:, None] + sb * 210 + 192 + 8 * h + 4 * nib + sub[None, :],
+                             mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
+                acc += d * tl.sum(sc.to(tl.float32) * dot, 1)
+    tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x [M, k] (a few rows) @ W.T for W [n, k] stored as GGUF ``ggml_type`` blocks
+    (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's)."""
+    if ggml_type not in BLOCKS:
+        raise UnsupportedFeatureError(f"no GPU kernel reads GGUF type {ggml_type} blocks")
+    per, size = BLOCKS[ggml_type]
+    if k % per or blocks.shape != (n, k // per * size) or blocks.dtype != torch.uint8:
+        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a [{n}, {k}] "
+                         f"matrix of type {ggml_type}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
+    if ggml_type == Q8_0:
+        block_n, extra = 8, dict(GROUP=8, num_warps=4)
+        kernel = _q8_0_kernel
+    else:
+        block_n, extra = 4, dict(num_warps=4)
+        kernel = _q4_k_kernel if ggml_type == Q4_K else _q6_k_kernel
+    grid = (triton.cdiv(n, block_n), x.shape[0])
+    kernel[grid](x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0),
+                 BLOCK_N=block_n, **extra)
+    return y
