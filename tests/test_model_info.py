@@ -13,6 +13,7 @@ from pocketllm.tokenizer.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("name, arch, layers", [("llama-3-8b", "LlamaForCausalLM", 32),
+                                                ("llama-3-70b", "LlamaForCausalLM", 80),
                                                 ("qwen3-8b", "Qwen3ForCausalLM", 36),
                                                 ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 48),
                                                 ("gpt-oss-20b", "GptOssForCausalLM", 24),
