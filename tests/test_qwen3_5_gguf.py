@@ -4,7 +4,8 @@ transformers computes on the checkpoints (greedy tokens and log probabilities fo
 steps), which checks every undoing of the converter (A_log from -exp(A_log), the value
 heads it tiles for ggml, Qwen3-Next's split projections, the (1 + w) norms but the
 linear-attention one); a Q8_0 file holds, block for block, the float file's tensors
-(rows moved, blocks kept); a file missing a tensor names it."""
+(rows moved, blocks kept), and serves at TP=2 over gloo as on one rank; a file missing a
+tensor names it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pocketllm.errors import CheckpointError  # noqa: E402
 from pocketllm.model_info import load_model_info  # noqa: E402
 from pocketllm.workers.loader.block_tensor import BlockTensor  # noqa: E402
 from pocketllm.workers.loader.gguf import load_gguf_weights  # noqa: E402
-from family_parity import assert_matches, run  # noqa: E402
+from family_parity import assert_matches, assert_tp2_equals_one_rank, run  # noqa: E402
 from llama_cpp_convert import convert  # noqa: E402
 from test_worker_parity import NEW_TOKENS, PROMPT, hf_greedy, make_runner  # noqa: E402
 from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
@@ -80,6 +81,24 @@ def without_tensor(path: str, name: str, out: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def test_tp2_over_gloo_on_llama_cpp_files_equals_one_rank(converted):
+    """Tensor parallelism on llama.cpp's files (the torch worker: blocks dequantized per
+    rank, each rank reading its key and value heads' rows). The tiny MoE checkpoints'
+    experts are 32 wide, one Q8_0 block: two ranks would cut it, which is refused at load
+    naming the tensor; their float32 files are served instead."""
+    from pocketllm import LLM
+    from pocketllm.errors import UnsupportedFeatureError
+
+    _, f32, out = converted
+    q8 = convert(converted[0], str(out / "q8_0_tp.gguf"), "q8_0", "--no-mtp")
+    path = q8
+    if "moe" in str(out) or "next" in str(out):
+        with pytest.raises(UnsupportedFeatureError, match=r"ffn_down_exps.*do not fall on its blocks"):
+            LLM(EngineArgs(model=q8, tensor_parallel_size=2, device="cpu", shutdown_timeout=3))
+        path = f32
+    assert_tp2_equals_one_rank(path, make_runner(path))
 
 
 def test_a_file_missing_a_tensor_names_it(converted, tmp_path):
