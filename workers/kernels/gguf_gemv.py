@@ -141,10 +141,16 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
     tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+# (rows a program, warps) per type
+CONFIGS = {Q8_0: (8, 4), Q4_K: (4, 4), Q6_K: (4, 4)}
+
+
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None,
+               config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """x [M, k] (a few rows) @ W.T for W [n, k] stored as GGUF ``ggml_type`` blocks
-    (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's)."""
+    (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's).
+    ``config``: (rows a program, warps) in place of ``CONFIGS``' (for tuning)."""
     if ggml_type not in BLOCKS:
         raise UnsupportedFeatureError(f"no GPU kernel reads GGUF type {ggml_type} blocks")
     per, size = BLOCKS[ggml_type]
@@ -153,13 +159,10 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
                          f"matrix of type {ggml_type}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
-    if ggml_type == Q8_0:
-        block_n, extra = 8, dict(GROUP=8, num_warps=4)
-        kernel = _q8_0_kernel
-    else:
-        block_n, extra = 4, dict(num_warps=4)
-        kernel = _q4_k_kernel if ggml_type == Q4_K else _q6_k_kernel
+    block_n, warps = config or CONFIGS[ggml_type]
+    kernel, extra = {Q8_0: (_q8_0_kernel, dict(GROUP=8)), Q4_K: (_q4_k_kernel, {}),
+                     Q6_K: (_q6_k_kernel, {})}[ggml_type]
     grid = (triton.cdiv(n, block_n), x.shape[0])
     kernel[grid](x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0),
-                 BLOCK_N=block_n, **extra)
+                 BLOCK_N=block_n, num_warps=warps, **extra)
     return y
