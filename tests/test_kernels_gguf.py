@@ -61,6 +61,30 @@ def test_block_gemv_in_bfloat16(ggml_type):
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_dequantize_equals_the_numpy_decoding(ggml_type):
+    n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
+    blocks, dense = random_blocks(ggml_type, n, k, seed=5)
+    b = torch.from_numpy(blocks).to(DEVICE)
+    got = gguf_gemv.dequantize(b, ggml_type, n, k, torch.float32)
+    np.testing.assert_array_equal(got.cpu().numpy(), dense)  # the same float32 arithmetic
+    got = gguf_gemv.dequantize(b, ggml_type, n, k, torch.bfloat16)
+    # rounded once when compiled; the interpreter truncates float32 -> bfloat16 (1 ulp)
+    torch.testing.assert_close(got.cpu(), torch.from_numpy(dense).to(torch.bfloat16), atol=0,
+                               rtol=0 if CUDA else 2 ** -7)
+
+
+def test_block_gemv_into_a_column_slice():
+    """A stacked layer's parts write their columns of one output."""
+    blocks, dense = random_blocks(gguf_gemv.Q8_0, 8, 64, seed=6)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(2, 20, device=DEVICE)
+    gguf_gemv.block_gemv(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), gguf_gemv.Q8_0, 8, 64,
+                         out=y[:, 4:12])
+    torch.testing.assert_close(y[:, 4:12].cpu(), x @ torch.from_numpy(dense).T, atol=1e-4, rtol=1e-4)
+    assert not y[:, :4].any() and not y[:, 12:].any()
+
+
 def test_refusals():
     x = torch.zeros(1, 256, device=DEVICE)
     with pytest.raises(Exception, match="no GPU kernel reads GGUF type 13"):

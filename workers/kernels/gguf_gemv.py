@@ -141,24 +141,110 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
     tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Program (row tile, GROUP blocks of 32)."""
+    pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = g0 + tl.arange(0, GROUP)
+    i = tl.arange(0, 32)
+    live = (rows < N)[:, None] & (g < K // 32)[None, :]
+    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * 34  # [BLOCK_N, GROUP]
+    q = tl.load(base[:, :, None] + 2 + i[None, None, :], mask=live[:, :, None], other=0)
+    d = _f16_at(base, live)
+    w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, :, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + g[None, :, None] * 32 + i[None, None, :]
+    tl.store(out, w.to(Out.dtype.element_ty), mask=live[:, :, None])
+
+
+@triton.jit
+def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
+    """Program (row tile, super-block)."""
+    pid, sb = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    blk = W + rows.to(tl.int64) * row_bytes + sb * 144
+    run = tl.arange(0, 4)
+    i = tl.arange(0, 32)
+    q = tl.load(blk[:, None, None] + 16 + run[None, :, None] * 32 + i[None, None, :],
+                mask=ok[:, None, None], other=0)
+    d = _f16_at(blk, ok)[:, None, None]
+    dmin = _f16_at(blk + 2, ok)[:, None, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + run[None, :, None] * 64 + i[None, None, :]
+    for half in tl.static_range(2):  # low nibbles: sub-block 2 run; high: 2 run + 1
+        sc, mn = _k4_scale_min(blk, 2 * run + half, ok)
+        w = d * sc[:, :, None] * ((q >> (4 * half)) & 15).to(tl.float32) - dmin * mn[:, :, None]
+        tl.store(out + 32 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
+
+
+@triton.jit
+def _dequant_q6_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
+    """Program (row tile, super-block)."""
+    pid, sb = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    row_ptr = W + rows.to(tl.int64) * row_bytes + sb * 210
+    blk = row_ptr[:, None, None]
+    sub = tl.arange(0, 4)
+    lane = sub[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4, 16]
+    d = _f16_at(row_ptr + 208, ok)[:, None, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + lane[None]
+    for h in tl.static_range(2):
+        ql = tl.load(blk + 64 * h + lane[None], mask=ok[:, None, None], other=0).to(tl.int32)
+        qh = tl.load(blk + 128 + 32 * h + lane[None] % 32, mask=ok[:, None, None],
+                     other=0).to(tl.int32)
+        shift = 2 * (lane // 32)[None]
+        for nib in tl.static_range(2):
+            q = ((ql >> (4 * nib)) & 15) | (((qh >> (shift + 4 * nib)) & 3) << 4)
+            sc = tl.load(row_ptr[:, None] + 192 + 8 * h + 4 * nib + sub[None, :],
+                         mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
+            w = d * sc.to(tl.float32)[:, :, None] * (q - 32).to(tl.float32)
+            tl.store(out + 128 * h + 64 * nib, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
+
+
+def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The [n, k] matrix of ``blocks`` in ``dtype`` (each weight rounded once from float32):
+    a product of many rows multiplies this with the library's GEMM."""
+    _check(blocks, ggml_type, n, k)
+    out = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    block_n = 16
+    if ggml_type == Q8_0:
+        _dequant_q8_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
+            blocks, out, n, k, blocks.shape[1], BLOCK_N=block_n, GROUP=8)
+    else:
+        kernel = _dequant_q4_k_kernel if ggml_type == Q4_K else _dequant_q6_k_kernel
+        kernel[(triton.cdiv(n, block_n), k // 256)](blocks, out, n, k, blocks.shape[1],
+                                                    BLOCK_N=block_n)
+    return out
+
+
+def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
+    if ggml_type not in BLOCKS:
+        raise UnsupportedFeatureError(f"no GPU kernel reads GGUF type {ggml_type} blocks")
+    per, size = BLOCKS[ggml_type]
+    if k % per or tuple(blocks.shape) != (n, k // per * size) or blocks.dtype != torch.uint8:
+        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a [{n}, {k}] "
+                         f"matrix of type {ggml_type}")
+
+
 # (rows a program, warps) per type
 CONFIGS = {Q8_0: (8, 4), Q4_K: (4, 4), Q6_K: (4, 4)}
 
 
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
-               out_dtype: Optional[torch.dtype] = None,
+               out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
                config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """x [M, k] (a few rows) @ W.T for W [n, k] stored as GGUF ``ggml_type`` blocks
-    (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's).
-    ``config``: (rows a program, warps) in place of ``CONFIGS``' (for tuning)."""
-    if ggml_type not in BLOCKS:
-        raise UnsupportedFeatureError(f"no GPU kernel reads GGUF type {ggml_type} blocks")
-    per, size = BLOCKS[ggml_type]
-    if k % per or blocks.shape != (n, k // per * size) or blocks.dtype != torch.uint8:
-        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a [{n}, {k}] "
-                         f"matrix of type {ggml_type}")
+    (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's), or into
+    ``out`` (a view of [M, n] with contiguous rows). ``config``: (rows a program, warps)
+    in place of ``CONFIGS``' (for tuning)."""
+    _check(blocks, ggml_type, n, k)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype,
+                                                device=x.device)
+    if y.shape != (x.shape[0], n) or y.stride(1) != 1:
+        raise ValueError(f"out {tuple(y.shape)} with strides {y.stride()} for [{x.shape[0]}, {n}]")
     block_n, warps = config or CONFIGS[ggml_type]
     kernel, extra = {Q8_0: (_q8_0_kernel, dict(GROUP=8)), Q4_K: (_q4_k_kernel, {}),
                      Q6_K: (_q6_k_kernel, {})}[ggml_type]
