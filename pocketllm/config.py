@@ -33,8 +33,9 @@ class EngineArgs:
     # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS)
     quantization: Optional[str] = None
     # Expand every GGUF block weight to the float dtype at load (the reference numerics of
-    # float products; ~4x the memory): the torch worker serves, not the torch-free CPU
-    # worker that computes on the blocks. See docs/cpu_kernels.md.
+    # float products; ~4x the memory): on a CPU the torch worker serves, not the torch-free
+    # worker that computes on the blocks (docs/cpu_kernels.md); on a GPU no layer keeps
+    # its blocks (docs/gpu_kernels.md).
     dequantize_weights: bool = False
     dtype: str = "auto"
     device: str = "auto"

@@ -13,7 +13,7 @@ K, DEVICE = load_kernels()
 import torch  # noqa: E402
 
 from pocketllm.workers.kernels import gguf_gemv  # noqa: E402
-from pocketllm.workers.loader.dummy_blocks import _SCALE_FIELDS, random_block_tensor  # noqa: E402
+from pocketllm.workers.loader.dummy_blocks import SCALE_FIELDS, random_block_tensor  # noqa: E402
 from pocketllm.workers.loader.gguf_quants import GGML_TYPES  # noqa: E402
 
 TYPES = [gguf_gemv.Q8_0, gguf_gemv.Q4_K, gguf_gemv.Q6_K]
@@ -27,7 +27,7 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int):
     t = random_block_tensor(ggml_type, (n, k), rng)
     name, per, size = GGML_TYPES[ggml_type]
     raw = t.blocks.reshape(-1, size)
-    for offset in _SCALE_FIELDS[name.lower()][0]:
+    for offset in SCALE_FIELDS[name.lower()][0]:
         d = raw[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
         jitter = rng.uniform(0.5, 1.5, size=d.shape).astype(np.float32)
         raw[:, offset:offset + 2] = (d * jitter).astype(np.float16).view(np.uint8)

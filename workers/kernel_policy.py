@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -52,6 +53,13 @@ import torch.nn.functional as F
 from . import kernels
 
 _building_batch_invariant = False
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("pocketllm.worker").warning(message)
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,30 @@ class KernelPolicy:
             return linear(x, weight, bias, out_dtype)
         y = F.linear(x, weight, bias)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+    def keeps_blocks(self) -> bool:
+        """Whether a GGUF file's blocks may stay blocks (``linear_method``)."""
+        return self.triton and not self.batch_invariant
+
+    def linear_method(self, stored: list[Optional[int]]):
+        """How a linear layer holds its weight (``layers/linear_method.py``), from the GGML
+        block types of the checkpoint tensors it stacks (None: a float tensor): on the GPU
+        path, blocks that the block kernels read (``kernels/gguf_gemv.BLOCKS``) stay
+        blocks, unless in batch-invariant mode (its one matmul takes float weights); else
+        the dense float weight, a block type without a GPU kernel said once by name."""
+        from .layers.linear_method import DENSE, GGUF_BLOCKS
+
+        if not self.keeps_blocks() or not stored or None in stored:
+            return DENSE
+        from .kernels.gguf_gemv import BLOCKS
+        from .loader.gguf_quants import type_name
+
+        missing = sorted({type_name(t) for t in stored if t not in BLOCKS})
+        if missing:
+            _warn_once(f"GGUF {', '.join(missing)} blocks have no GPU kernel: their layers "
+                       "are dequantized to the model dtype at load")
+            return DENSE
+        return GGUF_BLOCKS
 
     def moe_experts(self):
         """The experts' computation of ``layers/moe.FusedMoE`` (its signature is

@@ -74,7 +74,7 @@ class ModelRunner:
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
-            self.model = build_model(info, self.backend, self.device, self.dtype, self.tp)
+            self.model = self._build(info, args)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
         # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides
@@ -127,6 +127,39 @@ class ModelRunner:
                     "load %.1fs", info.architecture, self.device, dtype_name(self.dtype),
                     self.kv.capacity_tokens(), self._describe_groups(), self.block_size,
                     self.load_seconds)
+
+    def _build(self, info: ModelInfo, args: EngineArgs):
+        """The model, each linear layer with its method (``layers/linear_method.py``): a
+        GGUF file's blocks (or ``--quantization``'s random ones) may stay blocks on the GPU
+        path, so their layers are built with the weights deferred until the block types
+        choose."""
+        stored = self._stored_block_types(info, args)
+        if not stored:
+            return build_model(info, self.backend, self.device, self.dtype, self.tp)
+        from .layers import linear_method
+
+        with linear_method.deferred_weights():
+            model = build_model(info, self.backend, self.device, self.dtype, self.tp)
+        linear_method.materialize(model, stored, self.device)
+        return model
+
+    def _stored_block_types(self, info: ModelInfo, args: EngineArgs) -> dict[str, int]:
+        """HF name -> GGML block type of the checkpoint tensors that could stay blocks."""
+        if args.dequantize_weights or not self.policy.keeps_blocks():
+            return {}
+        if args.load_format == "dummy":
+            if args.quantization is None:
+                return {}
+            from .loader.dummy_blocks import dummy_block_types
+            from .models.registry import checkpoint_shapes
+
+            return dummy_block_types(args.quantization, checkpoint_shapes(info),
+                                     arch_config(info).num_layers)
+        if info.format != "gguf":
+            return {}
+        from .loader.gguf import stored_block_types
+
+        return stored_block_types(info.path, info)
 
     def _state_shapes(self, layout) -> tuple[Optional[tuple], int]:
         """One slot's (conv, recurrent) state shapes of a linear-attention layer and the

@@ -16,8 +16,11 @@ on the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
 residual add) before q/k/v and gate/up (``ColumnParallelLinear.normed``), the
 gated activation before the down projection (``RowParallelLinear(hidden_act=)``).
 
-Every layer holds one float parameter in the model dtype: a GGUF checkpoint's blocks
-are dequantized at load (``loader/block_tensor.BlockTensor.read``).
+How a layer's weight is held and multiplied is its method's (``linear_method.py``): one
+float parameter in the model dtype (``DENSE``: float checkpoints, and GGUF blocks that
+nothing reads in place, dequantized at load by ``BlockTensor.read``), or a GGUF file's
+blocks as stored, read by the GPU's block kernels (``GGUF_BLOCKS``). Only the dense
+method fuses the op before a one-row product (``fuses``).
 
 Each layer says, as a ``Shard``, which part of a checkpoint tensor it holds, so a
 loader reads only that part. At world 1 every shard is the whole tensor and the
@@ -36,6 +39,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TPGroup
 from ..kernel_policy import policy_for
+from .linear_method import DENSE, weight_param
 from .norm import RMSNorm
 
 
@@ -76,7 +80,7 @@ def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, Shard]:
 
 def _zero_padding(weight: torch.Tensor, valid: int) -> None:
     # Padding rows are never looked up and give zero logits, which rank 0 trims.
-    if valid < weight.shape[0]:
+    if valid < weight.shape[0] and not weight.is_meta:
         with torch.no_grad():
             weight[valid:].zero_()
 
@@ -97,7 +101,8 @@ class ColumnParallelLinear(nn.Module):
         self.out_sizes = [p.size for p in self.parts]
         self.in_features = in_features
         self.policy = policy_for(device)
-        self.weight = _param((sum(self.out_sizes), in_features), device, dtype)
+        self.method = DENSE
+        self.weight = weight_param((sum(self.out_sizes), in_features), device, dtype)
         self.bias: Optional[nn.Parameter] = (
             _param((sum(self.out_sizes),), device, dtype) if bias else None)
         self.gemv = self.policy.kernel("gemv", "gemv")
@@ -113,14 +118,30 @@ class ColumnParallelLinear(nn.Module):
         part = self.parts[index]
         return None if part.whole else part
 
+    def part_rows(self) -> list[int]:
+        return list(self.out_sizes)
+
+    def part_of(self, rows: Optional[slice]) -> Optional[int]:
+        """The stacked part a load target's ``rows`` fill (None: no single one)."""
+        spans = [self.out_rows(j) for j in range(len(self.parts))]
+        if rows is None:
+            return 0 if len(spans) == 1 else None
+        return spans.index(rows) if rows in spans else None
+
+    def part_target(self, index: int):
+        """The load target of the index-th checkpoint matrix (its method's)."""
+        shard = self.part_shard(index)
+        full = shard.full if shard is not None else self.out_sizes[index]
+        return self.method.target(self, index, self.out_rows(index), shard,
+                                  (full, self.in_features))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.policy.one_row(x):
-            return self.gemv(x, self.weight, self.bias)
-        return self.policy.linear(x, self.weight, self.bias)
+        return self.method.product(self, x, self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path."""
-        return self.policy.one_row(x)
+        """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path, of
+        a method that fuses."""
+        return self.method.fuses and self.policy.one_row(x)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +164,10 @@ class RowParallelLinear(nn.Module):
                  dtype: torch.dtype, tp: TPGroup = SINGLE):
         super().__init__()
         self.in_shard, self.tp = in_shard, tp
+        self.out_features = out_features
         self.policy = policy_for(device)
-        self.weight = _param((out_features, in_shard.size), device, dtype)
+        self.method = DENSE
+        self.weight = weight_param((out_features, in_shard.size), device, dtype)
         # The bias is added once, after the sum, so every rank holds all of it.
         self.bias: Optional[nn.Parameter] = _param((out_features,), device, dtype) if bias else None
         self.gemv = self.policy.kernel("gemv", "gemv")
@@ -153,9 +176,25 @@ class RowParallelLinear(nn.Module):
     def weight_shard(self) -> Optional[Shard]:
         return None if self.in_shard.whole else self.in_shard
 
+    def part_rows(self) -> list[int]:
+        return [self.out_features]
+
+    def part_of(self, rows: Optional[slice]) -> Optional[int]:
+        return 0 if rows is None else None
+
+    def part_target(self, index: int = 0):
+        return self.method.target(self, 0, None, self.weight_shard(),
+                                  (self.out_features, self.in_shard.full))
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether a one-row ``[gate | up]`` input can take its activation inside the
+        product (``hidden_act``)."""
+        return self.method.fuses and self.policy.one_row(x)
+
     def forward(self, x: torch.Tensor, hidden_act: str = "", reduce: bool = True) -> torch.Tensor:
-        """x @ W.T (+ bias). With ``hidden_act``, x is one ``[gate | up]`` row and the
-        input is its ``act(gate) * up`` (the GPU path's fused MLP tail: dense weights).
+        """x @ W.T (+ bias). With ``hidden_act`` (only where ``fuses(x)``), x is one
+        ``[gate | up]`` row and the input is its ``act(gate) * up`` (the GPU path's fused
+        MLP tail).
         ``reduce=False``: this rank's partial sum, the all-reduce left to the caller
         (who sums it with another partial first; no bias then)."""
         if self.tp.world == 1:
@@ -171,9 +210,7 @@ class RowParallelLinear(nn.Module):
                  ) -> torch.Tensor:
         if hidden_act:
             return self.gated_gemv(x, self.weight, bias, hidden_act)
-        if self.policy.one_row(x):
-            return self.gemv(x, self.weight, bias)
-        return self.policy.linear(x, self.weight, bias)
+        return self.method.product(self, x, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -222,22 +259,36 @@ class LMHead(nn.Module):
                  softcap: Optional[float] = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.tied_to, self.softcap, self.tp, self.vocab_size = tied_to, softcap, tp, vocab_size
+        self.hidden_size = hidden_size
         self.weight: Optional[nn.Parameter] = None
         self.policy = policy_for(device)
+        self.method = DENSE
         if tied_to is None:  # the same vocabulary split as the embedding
             self.rows, self.shard = vocab_shard(vocab_size, tp)
-            self.weight = _param((self.rows, hidden_size), device, dtype)
+            self.weight = weight_param((self.rows, hidden_size), device, dtype)
             _zero_padding(self.weight, self.shard.size)
         else:
             self.rows, self.shard = tied_to.rows, None
         self.gemv = self.policy.kernel("gemv", "gemv")
 
+    def part_rows(self) -> list[int]:
+        return [self.rows]
+
+    def part_of(self, rows: Optional[slice]) -> Optional[int]:
+        return 0 if rows is None or rows == slice(0, self.shard.size) else None
+
+    def part_target(self, index: int = 0):
+        """The padded vocabulary: only the first shard.size rows are real."""
+        whole = self.shard.whole and self.shard.size == self.rows
+        return self.method.target(self, 0, None if whole else slice(0, self.shard.size),
+                                  None if self.shard.whole else self.shard,
+                                  (self.vocab_size, self.hidden_size))
+
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        if self.policy.one_row(hidden):
-            logits = self.gemv(hidden, weight, out_dtype=torch.float32)
+        if self.tied_to is not None:  # the embedding's table: dense
+            logits = DENSE.product(self, hidden, None, torch.float32, weight=self.tied_to.weight)
         else:
-            logits = self.policy.linear(hidden, weight, out_dtype=torch.float32)
+            logits = self.method.product(self, hidden, None, torch.float32)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.tp.world == 1:
@@ -246,3 +297,7 @@ class LMHead(nn.Module):
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+# The layers a linear method serves (``linear_method.materialize``)
+LINEAR_LAYERS = (ColumnParallelLinear, RowParallelLinear, LMHead)

@@ -29,9 +29,12 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
     if fmt == "dummy":
         from .dummy import init_dummy_weights
 
-        if args.quantization is not None:
-            logger.warning("quantization=%s: the torch worker draws float weights of the model's "
-                        "shapes (random blocks are the torch-free CPU worker's)", args.quantization)
+        from ..models.base import block_buffers
+
+        if args.quantization is not None and not block_buffers(model):
+            logger.warning("quantization=%s: this worker draws float weights of the model's "
+                           "shapes (random blocks are the GPU block kernels' and the torch-free "
+                           "CPU worker's)", args.quantization)
 
         init_dummy_weights(model, args.seed)
     elif fmt == "safetensors":

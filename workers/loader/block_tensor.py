@@ -47,7 +47,9 @@ class BlockTensor:
         return GGML_TYPES[self.ggml_type][2]
 
     def part(self, shard: Optional["Shard"]) -> np.ndarray:
-        """This rank's bytes (rows, row_bytes of the part): a view where the part is rows."""
+        """This rank's bytes (rows, row_bytes of the part): a view (strided where the part
+        is block columns). ``blocks`` may also be a torch tensor (random blocks drawn on a
+        GPU: ``loader/dummy.py``)."""
         if shard is None or shard.whole:
             return self.blocks
         if shard.dim == 0:
@@ -60,7 +62,7 @@ class BlockTensor:
                 "that splits the input dimension at a multiple of the block size",
                 "tensor_parallel_size")
         lo, hi = (i // self.block_elems * self.block_bytes for i in (shard.start, shard.stop))
-        return np.ascontiguousarray(self.blocks[:, lo:hi])
+        return self.blocks[:, lo:hi]
 
     def read(self, shard: Optional["Shard"] = None) -> np.ndarray:
         """This rank's part, dequantized to float32 (the dense fallback)."""

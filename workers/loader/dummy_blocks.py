@@ -26,7 +26,7 @@ MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
 # the d that gives decoded values a spread near 0.02 (its integer codes times sub-scales),
 # and the min's scale as a multiple of d that centres the values near 0 (the mean code;
 # negative where the min is added, as in q4_1, rather than subtracted, as in q4_k).
-_SCALE_FIELDS = {
+SCALE_FIELDS = {
     "q4_0": ((0,), 0.02 / 4.6, 0), "q4_1": ((0, 2), 0.02 / 4.6, -7.5),
     "q5_0": ((0,), 0.02 / 9.2, 0), "q5_1": ((0, 2), 0.02 / 9.2, -15.5),
     "q8_0": ((0,), 0.02 / 74.0, 0), "q2_k": ((80, 82), 0.02 / 8.0, 1.5),
@@ -78,7 +78,7 @@ def random_block_tensor(ggml_type: int, shape: tuple[int, int], rng: np.random.G
     rows, cols = shape
     n_blocks = rows * (cols // block_elems)
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
-    offsets, d, centre = _SCALE_FIELDS[name.lower()]
+    offsets, d, centre = SCALE_FIELDS[name.lower()]
     for offset, value in zip(offsets, (d, centre * d)):
         raw[:, offset:offset + 2] = np.full((n_blocks, 1), value, np.float16).view(np.uint8)
     return BlockTensor(ggml_type, shape, raw.reshape(rows, cols // block_elems * block_bytes))

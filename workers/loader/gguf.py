@@ -155,3 +155,19 @@ def load_gguf_weights(path: str, info: "ModelInfo", as_stored: bool = False
         elif family.gguf_norm_offset and name.endswith("norm.weight"):
             w = (w.read() if isinstance(w, BlockTensor) else w) - family.gguf_norm_offset
         yield name, w
+
+
+def stored_block_types(path: str, info: "ModelInfo") -> dict[str, int]:
+    """HF name -> GGML block type of each tensor whose name maps plainly (not a family
+    hook's, not a stack of experts), from the header alone: what a model's linear layers
+    hold, known before any weight is read (``layers/linear_method.materialize``)."""
+    family = BY_NAME[info.family]
+    types = {}
+    for gguf_name, t in read_gguf_header(path).tensors.items():
+        if t.ggml_type in FLOAT_TYPES or gguf_name in GGUF_DERIVED_TENSORS:
+            continue
+        try:
+            types[hf_name(gguf_name, family.name)] = t.ggml_type
+        except CheckpointError:  # a hooked or stacked tensor: its layer stays dense
+            continue
+    return types

@@ -189,7 +189,7 @@ class GatedMLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         if self.act_kernel is not None:
-            if self.down_proj.policy.one_row(gate_up):
+            if self.down_proj.fuses(gate_up):
                 # one launch: the activation inside the product
                 return self.down_proj(gate_up, hidden_act=self.hidden_act, reduce=reduce)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act), reduce=reduce)
@@ -295,8 +295,10 @@ class CausalLM(nn.Module):
         """Bytes of weights a one-token decode step reads on this rank (``bench latency``'s
         roofline): every parameter, less what a module declares it leaves unread
         (``unread_bytes``: the experts a token is not routed to, an input embedding's rows
-        but one). A table the LM head shares is read whole."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        but one). A table the LM head shares is read whole. A layer that keeps a GGUF
+        file's blocks reads their bytes."""
+        total = sum(t.numel() * t.element_size()
+                    for t in [*self.parameters(), *block_buffers(self)])
         return total - sum(m.unread_bytes() for m in self.modules()
                            if hasattr(m, "unread_bytes") and m is not self.lm_head.tied_to)
 
@@ -351,7 +353,7 @@ class CausalLM(nn.Module):
                                                        self.embed_tokens.shard),
             "model.norm.weight": WeightTarget(self.norm.weight)}
         if self.lm_head.tied_to is None:
-            t["lm_head.weight"] = vocab_target(self.lm_head.weight, self.lm_head.shard)
+            t["lm_head.weight"] = self.lm_head.part_target()
         for i, layer in enumerate(self.layers):
             t.update(self.layer_weight_targets(f"model.layers.{i}.", layer))
         return t
@@ -403,6 +405,10 @@ class CausalLM(nn.Module):
                 if tuple(tensor.shape) != target.checkpoint_shape:
                     raise CheckpointError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {target.checkpoint_shape}")
+                if target.ggml_type is not None:  # blocks kept as the file stores them
+                    target.dest.copy_(torch.from_numpy(_stored_blocks(raw_name, tensor, target)))
+                    loaded.add(name)
+                    continue
                 if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor
                     tensor = torch.from_numpy(tensor)
                 if isinstance(tensor, torch.Tensor):
@@ -418,3 +424,20 @@ class CausalLM(nn.Module):
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}"
                                   + (f"; also missing {missing[1:5]}{more}" if len(missing) > 1 else ""))
+
+
+def block_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Every linear layer's GGUF blocks (``layers/linear_method.GGUF_BLOCKS``)."""
+    return [b for m in model.modules() for b in getattr(m, "blocks", ())]
+
+
+def _stored_blocks(name: str, tensor, target: WeightTarget) -> np.ndarray:
+    """This rank's bytes of a block tensor, of the type its target was built for."""
+    from ..loader.block_tensor import BlockTensor
+    from ..loader.gguf_quants import type_name
+
+    if not isinstance(tensor, BlockTensor) or tensor.ggml_type != target.ggml_type:
+        got = type_name(tensor.ggml_type) if isinstance(tensor, BlockTensor) else "float values"
+        raise CheckpointError(f"tensor {name!r}: {got} where the model was built for "
+                              f"{type_name(target.ggml_type)} blocks")
+    return np.ascontiguousarray(tensor.part(target.shard))

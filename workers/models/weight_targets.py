@@ -22,9 +22,13 @@ class WeightTarget:
     rows: Optional[slice] = None
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     shard: Optional[Shard] = None
-    # The whole checkpoint tensor's shape where ``transform`` reshapes it (a transpose);
-    # None: the destination's, with the shard's dimension at full size.
+    # The whole checkpoint tensor's shape where ``transform`` reshapes it (a transpose),
+    # or where the destination holds its blocks; None: the destination's, with the
+    # shard's dimension at full size.
     stored_shape: Optional[tuple[int, ...]] = None
+    # The GGUF block type the destination holds as stored (``linear_method.GGUF_BLOCKS``):
+    # the tensor's bytes are copied, never decoded. None: float values.
+    ggml_type: Optional[int] = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,8 +61,7 @@ def stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, .
                      layer: ColumnParallelLinear) -> None:
     """q/k/v or gate/up: each checkpoint matrix fills its rows of the fused parameter."""
     for j, name in enumerate(names):
-        t[f"{prefix}{name}.weight"] = WeightTarget(layer.weight, layer.out_rows(j),
-                                                   shard=layer.part_shard(j))
+        t[f"{prefix}{name}.weight"] = layer.part_target(j)
         if layer.bias is not None:
             t[f"{prefix}{name}.bias"] = WeightTarget(layer.bias, layer.out_rows(j),
                                                      shard=layer.part_shard(j))
@@ -66,6 +69,6 @@ def stacked_targets(t: dict[str, WeightTarget], prefix: str, names: tuple[str, .
 
 def row_parallel_targets(t: dict[str, WeightTarget], prefix: str,
                           layer: RowParallelLinear) -> None:
-    t[f"{prefix}weight"] = WeightTarget(layer.weight, shard=layer.weight_shard())
+    t[f"{prefix}weight"] = layer.part_target()
     if layer.bias is not None:
         t[f"{prefix}bias"] = WeightTarget(layer.bias)  # replicated: added after the sum
