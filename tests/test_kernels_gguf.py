@@ -36,14 +36,15 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("m", [1, 3])
-def test_block_gemv_equals_dequantize_then_matmul(ggml_type, m):
+@pytest.mark.parametrize("config", [None, (1, 1, 1), (8, 2, 4)])  # tuning's other shapes
+def test_block_gemv_equals_dequantize_then_matmul(ggml_type, m, config):
     # rows not a multiple of the programs' (13), two super-blocks along the input
     n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
     blocks, dense = random_blocks(ggml_type, n, k, seed=ggml_type)
     x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
     want = x.astype(np.float64) @ dense.astype(np.float64).T
     got = gguf_gemv.block_gemv(torch.from_numpy(x).to(DEVICE), torch.from_numpy(blocks).to(DEVICE),
-                               ggml_type, n, k)
+                               ggml_type, n, k, config=config)
     scale = np.abs(want).max()
     np.testing.assert_allclose(got.double().cpu().numpy(), want, atol=2e-5 * scale * np.sqrt(k / 512),
                                rtol=1e-4)

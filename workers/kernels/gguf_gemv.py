@@ -47,22 +47,22 @@ def _f16_at(ptrs, mask):
 
 @triton.jit
 def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
-                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """GROUP blocks of 32 a loop step."""
+                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+    """DEPTH blocks of 32 a loop step."""
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
     base = W + rows.to(tl.int64)[:, None, None] * row_bytes
-    g = tl.arange(0, GROUP)[None, :, None]
+    g = tl.arange(0, DEPTH)[None, :, None]
     i = tl.arange(0, 32)[None, None, :]
-    acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
-    for b0 in range(0, K // 32, GROUP):
+    acc = tl.zeros([BLOCK_N, DEPTH], dtype=tl.float32)
+    for b0 in range(0, K // 32, DEPTH):
         blk = b0 + g
         live = (blk < K // 32) & ok[:, None, None]
         q = tl.load(base + blk * 34 + 2 + i, mask=live, other=0).to(tl.int8, bitcast=True)
         x = tl.load(X + m * stride_x + blk * 32 + i, mask=blk < K // 32, other=0.0)
-        dot = tl.sum(q.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUP]
-        first = (b0 + tl.arange(0, GROUP))[None, :]
+        dot = tl.sum(q.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, DEPTH]
+        first = (b0 + tl.arange(0, DEPTH))[None, :]
         d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 34,
                     (first < K // 32) & ok[:, None])
         acc += d * dot
@@ -70,39 +70,44 @@ def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
 
 
 @triton.jit
-def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr):
+def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
+                 DEPTH: tl.constexpr):
+    """DEPTH super-blocks of each row a loop step: the (row, super-block) pairs are one
+    axis of BLOCK_N * DEPTH, summed per row at the end."""
     pid, m = tl.program_id(0), tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_N * DEPTH)
+    rows = pid * BLOCK_N + p // DEPTH
     ok = rows < N
-    row_ptr = W + rows.to(tl.int64) * row_bytes  # [BLOCK_N]
-    run = tl.arange(0, 4)  # the four 32-byte runs: sub-blocks 2 run (low) and 2 run + 1
-    i = tl.arange(0, 32)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
+    row_ptr = W + rows.to(tl.int64) * row_bytes  # [P]
+    run = tl.arange(0, 4)[None, :, None]  # four 32-byte runs: sub-blocks 2 run (low), 2 run + 1
+    i = tl.arange(0, 32)[None, None, :]
+    sub = tl.arange(0, 4)
+    acc = tl.zeros([BLOCK_N * DEPTH], dtype=tl.float32)
+    for sb0 in range(0, K // 256, DEPTH):
+        sb = sb0 + p % DEPTH
+        live = ok & (sb < K // 256)
         blk = row_ptr + sb * 144
-        q = tl.load(blk[:, None, None] + 16 + run[None, :, None] * 32 + i[None, None, :],
-                    mask=ok[:, None, None], other=0)  # [BLOCK_N, 4, 32]
-        xs = X + m * stride_x + sb * 256 + run[:, None] * 64 + i[None, :]  # [4, 32]
-        x_lo = tl.load(xs).to(tl.float32)
-        x_hi = tl.load(xs + 32).to(tl.float32)
-        dot_lo = tl.sum((q & 15).to(tl.float32) * x_lo[None], 2)  # [BLOCK_N, 4]
-        dot_hi = tl.sum((q >> 4).to(tl.float32) * x_hi[None], 2)
-        # the 6-bit scale and min of sub-block s (get_scale_min_k4)
-        sc_lo, mn_lo = _k4_scale_min(blk, 2 * run, ok)
-        sc_hi, mn_hi = _k4_scale_min(blk, 2 * run + 1, ok)
-        d = _f16_at(blk, ok)
-        dmin = _f16_at(blk + 2, ok)
-        sums = d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
-        mins = dmin * tl.sum(mn_lo * tl.sum(x_lo, 1)[None, :] + mn_hi * tl.sum(x_hi, 1)[None, :], 1)
+        q = tl.load(blk[:, None, None] + 16 + run * 32 + i, mask=live[:, None, None], other=0)
+        xs = X + m * stride_x + sb[:, None, None] * 256 + run * 64 + i  # [P, 4, 32]
+        x_lo = tl.load(xs, mask=live[:, None, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xs + 32, mask=live[:, None, None], other=0.0).to(tl.float32)
+        dot_lo = tl.sum((q & 15).to(tl.float32) * x_lo, 2)  # [P, 4]
+        dot_hi = tl.sum((q >> 4).to(tl.float32) * x_hi, 2)
+        sc_lo, mn_lo = _k4_scale_min(blk, 2 * sub, live)
+        sc_hi, mn_hi = _k4_scale_min(blk, 2 * sub + 1, live)
+        sums = _f16_at(blk, live) * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
+        mins = _f16_at(blk + 2, live) * tl.sum(mn_lo * tl.sum(x_lo, 2) + mn_hi * tl.sum(x_hi, 2), 1)
         acc += sums - mins
-    tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
+    y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
+    out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + m * stride_y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 @triton.jit
 def _k4_scale_min(blk, s, ok):
     """Sub-blocks ``s``' (of 8) 6-bit scales and mins from bytes 4-15: for s < 4 the low
     six bits of bytes 4 + s and 8 + s; else nibbles of byte 8 + s topped by the high two
-    bits of bytes s and 4 + s. -> float32 [BLOCK_N, len(s)] each."""
+    bits of bytes s and 4 + s. -> float32 [len(blk), len(s)] each."""
     j = s % 4
     a = tl.load(blk[:, None] + 4 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
     b = tl.load(blk[:, None] + 8 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
@@ -114,31 +119,40 @@ def _k4_scale_min(blk, s, ok):
 
 
 @triton.jit
-def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr):
+def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
+                 DEPTH: tl.constexpr):
+    """(row, super-block) pairs as in ``_q4_k_kernel``."""
     pid, m = tl.program_id(0), tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_N * DEPTH)
+    rows = pid * BLOCK_N + p // DEPTH
     ok = rows < N
     row_ptr = W + rows.to(tl.int64) * row_bytes
     sub = tl.arange(0, 4)  # four sub-blocks of 16 in each 64-weight quarter
-    i = tl.arange(0, 16)
-    lane = sub[:, None] * 16 + i[None, :]  # [4, 16]: a weight's place in its quarter
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
-        blk = row_ptr[:, None, None] + sb * 210
-        d = _f16_at(row_ptr + sb * 210 + 208, ok)
+    lane = (sub[:, None] * 16 + tl.arange(0, 16)[None, :])[None]  # [1, 4, 16]
+    shift = 2 * (lane // 32)  # weights 32j.. of a 64-run read bits 2j
+    acc = tl.zeros([BLOCK_N * DEPTH], dtype=tl.float32)
+    for sb0 in range(0, K // 256, DEPTH):
+        sb = sb0 + p % DEPTH
+        live = ok & (sb < K // 256)
+        blk = row_ptr + sb * 210
+        d = _f16_at(blk + 208, live)
+        xrow = X + m * stride_x + sb[:, None, None] * 256 + lane
         for h in tl.static_range(2):
-            ql = tl.load(blk + 64 * h + lane[None], mask=ok[:, None, None], other=0).to(tl.int32)
-            qh = tl.load(blk + 128 + 32 * h + lane[None] % 32, mask=ok[:, None, None],
+            ql = tl.load(blk[:, None, None] + 64 * h + lane, mask=live[:, None, None],
                          other=0).to(tl.int32)
-            shift = 2 * (lane // 32)[None]  # weights 32j.. of a 64-run read bits 2j
+            qh = tl.load(blk[:, None, None] + 128 + 32 * h + lane % 32, mask=live[:, None, None],
+                         other=0).to(tl.int32)
             for nib in tl.static_range(2):  # low nibbles: weights 0-63; high: 64-127
                 q = ((ql >> (4 * nib)) & 15) | (((qh >> (shift + 4 * nib)) & 3) << 4)
-                x = tl.load(X + m * stride_x + sb * 256 + 128 * h + 64 * nib + lane).to(tl.float32)
-                dot = tl.sum((q - 32).to(tl.float32) * x[None], 2)  # [BLOCK_N, 4]
-                sc = tl.load(row_ptr[:, None] + sb * 210 + 192 + 8 * h + 4 * nib + sub[None, :],
-                             mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
+                x = tl.load(xrow + 128 * h + 64 * nib, mask=live[:, None, None],
+                            other=0.0).to(tl.float32)
+                dot = tl.sum((q - 32).to(tl.float32) * x, 2)  # [P, 4]
+                sc = tl.load(blk[:, None] + 192 + 8 * h + 4 * nib + sub[None, :],
+                             mask=live[:, None], other=0).to(tl.int8, bitcast=True)
                 acc += d * tl.sum(sc.to(tl.float32) * dot, 1)
-    tl.store(Y + m * stride_y + rows, acc.to(Y.dtype.element_ty), mask=ok)
+    y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
+    out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + m * stride_y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 @triton.jit
@@ -228,8 +242,8 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
                          f"matrix of type {ggml_type}")
 
 
-# (rows a program, warps) per type
-CONFIGS = {Q8_0: (8, 4), Q4_K: (4, 4), Q6_K: (4, 4)}
+# (rows a program, blocks or super-blocks of each row a loop step, warps) per type
+CONFIGS = {Q8_0: (2, 8, 2), Q4_K: (4, 4, 4), Q6_K: (4, 4, 4)}
 
 
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
@@ -237,18 +251,17 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
                config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """x [M, k] (a few rows) @ W.T for W [n, k] stored as GGUF ``ggml_type`` blocks
     (``blocks``: uint8 [n, row_bytes]) -> [M, n] in ``out_dtype`` (default x's), or into
-    ``out`` (a view of [M, n] with contiguous rows). ``config``: (rows a program, warps)
-    in place of ``CONFIGS``' (for tuning)."""
+    ``out`` (a view of [M, n] with contiguous rows). ``config``: in place of
+    ``CONFIGS``' (for tuning)."""
     _check(blocks, ggml_type, n, k)
     x = x.contiguous()
     y = out if out is not None else torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype,
                                                 device=x.device)
     if y.shape != (x.shape[0], n) or y.stride(1) != 1:
         raise ValueError(f"out {tuple(y.shape)} with strides {y.stride()} for [{x.shape[0]}, {n}]")
-    block_n, warps = config or CONFIGS[ggml_type]
-    kernel, extra = {Q8_0: (_q8_0_kernel, dict(GROUP=8)), Q4_K: (_q4_k_kernel, {}),
-                     Q6_K: (_q6_k_kernel, {})}[ggml_type]
+    block_n, depth, warps = config or CONFIGS[ggml_type]
+    kernel = {Q8_0: _q8_0_kernel, Q4_K: _q4_k_kernel, Q6_K: _q6_k_kernel}[ggml_type]
     grid = (triton.cdiv(n, block_n), x.shape[0])
     kernel[grid](x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0),
-                 BLOCK_N=block_n, num_warps=warps, **extra)
+                 BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
     return y
