@@ -242,8 +242,10 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
                          f"matrix of type {ggml_type}")
 
 
-# (rows a program, blocks or super-blocks of each row a loop step, warps) per type
-CONFIGS = {Q8_0: (2, 8, 2), Q4_K: (4, 4, 4), Q6_K: (4, 4, 4)}
+# (rows a program, blocks or super-blocks of each row a loop step, warps) per type: the
+# fastest on an H100 over Llama-3-8B's gate_up and down (.devrun's bench_gguf sweep,
+# docs/benchmarks.md, session 26); each checked there against dequantize-then-matmul
+CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4)}
 
 
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
