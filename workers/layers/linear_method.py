@@ -82,8 +82,8 @@ class DenseMethod:
         return layer.policy.linear(x, weight, bias, out_dtype=out_dtype)
 
     def materialize(self, layer, types: Sequence[int], device: torch.device) -> None:
-        w = layer.weight
-        layer.weight = nn.Parameter(torch.empty(w.shape, device=device, dtype=w.dtype),
+        w = layer.weight  # zeros: a padded vocabulary's rows stay zero
+        layer.weight = nn.Parameter(torch.zeros(w.shape, device=device, dtype=w.dtype),
                                     requires_grad=False)
 
 
