@@ -299,8 +299,6 @@ def test_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq():
 
 
 @pytest.mark.parametrize("arch, overrides, error, match", [
-    (V3, {"quantization_config": {"quant_method": "fp8"}}, UnsupportedFeatureError,
-     "quantization_config"),
     (V3, {"scoring_func": "softmax"}, UnsupportedFeatureError, "scoring_func='softmax'"),
     (V3, {"topk_method": "greedy"}, UnsupportedFeatureError, "topk_method='greedy'"),
     (V2, {"topk_method": "noaux_tc"}, UnsupportedFeatureError, "topk_method='noaux_tc'"),

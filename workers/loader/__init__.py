@@ -40,8 +40,17 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
     elif fmt == "safetensors":
         from .safetensors import load_safetensors_weights
 
+        from .fp8 import dequantized, fp8_scheme
+
         # lazy: each rank reads only its part of each tensor
-        model.load_weights(tracked(load_safetensors_weights(info.path, lazy=True)))
+        tensors = load_safetensors_weights(info.path, lazy=True)
+        fp8 = fp8_scheme(info.hf_config)
+        if fp8 is not None:
+            logger.info("FP8 weights (%s) are expanded to %s at load: no FP8 kernels yet",
+                        "blocks of %d x %d" % fp8.block if fp8.block else "per tensor or row",
+                        args.dtype)
+            tensors = dequantized(tensors, fp8)
+        model.load_weights(tracked(tensors))
     elif fmt == "gguf":
         from .gguf import load_gguf_weights  # one tensor dequantized at a time, then sliced
 

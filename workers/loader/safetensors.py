@@ -42,6 +42,7 @@ class SafetensorsSlice:
     def __init__(self, handle, name: str):
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.dtype = self._slice.get_dtype()  # safetensors' name: "BF16", "F8_E4M3", ...
 
     def read(self, shard: Optional["Shard"] = None) -> torch.Tensor:
         if shard is None:

@@ -156,9 +156,6 @@ def _routing(hf: dict, architecture: str, d: dict, num_experts: int) -> Deepseek
 
 def deepseek_arch_config(hf: dict, architecture: str) -> DeepseekArchConfig:
     d = _DEFAULTS[architecture]
-    _refuse(bool(hf.get("quantization_config")),
-            f"{architecture}: quantization_config (e.g. DeepSeek-V3's FP8 block weights) is "
-            "not supported; use a bfloat16 conversion of the checkpoint")
     _refuse(bool(get(hf, "attention_bias", False)), "DeepSeek: attention_bias=true is not "
             "supported (no released checkpoint has it)")
     _refuse(bool(get(hf, "mlp_bias", False)), "DeepSeek: mlp_bias=true is not supported")
