@@ -24,7 +24,6 @@ then gives each layer its method and storage (``materialize``).
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
@@ -33,8 +32,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..models.weight_targets import WeightTarget
-
-logger = logging.getLogger("pocketllm.worker")
 
 # A product of more rows dequantizes and multiplies: past a few rows the block gemv
 # reads its weights once per row.
@@ -63,7 +60,6 @@ def weight_param(shape: Sequence[int], device: torch.device, dtype: torch.dtype)
 
 
 class DenseMethod:
-    name = "dense"
     fuses = True  # the one-row gemv takes the op before it
 
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
@@ -88,7 +84,6 @@ class DenseMethod:
 
 
 class GGUFBlockMethod:
-    name = "gguf_blocks"
     fuses = False
 
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
