@@ -39,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", help="auto | torch")
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     g.add_argument("--quantization", default=None,
-                   help="with --load-format dummy: random weights in GGUF block types, one "
-                        "type (q8_0, q4_k, ...) or a mix (q4_k_m, q5_k_m)")
+                   help="fp8: hold the linear weights in FP8 (e4m3, a scale per row) on a GPU "
+                        "with FP8 tensor cores; with --load-format dummy also random weights "
+                        "in GGUF block types, one type (q8_0, q4_k, ...) or a mix (q4_k_m)")
     g.add_argument("--dequantize-weights", action="store_true",
                    help="expand GGUF block weights to float at load (reference numerics, ~4x "
                         "the memory) instead of running the CPU block kernels on them")

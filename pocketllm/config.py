@@ -18,6 +18,9 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_xml")
 # Dummy weights in GGUF block types (workers/loader/dummy_blocks.py): one type, or a mix
 QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
                  "iq4_nl", "iq4_xs", "q4_k_m", "q5_k_m")
+# Any float checkpoint (or dummy weights) quantized at load to e4m3 with row scales, on a
+# GPU with FP8 tensor cores (workers/loader/stored_types.py)
+FP8_QUANTIZATION = "fp8"
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -30,7 +33,8 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     backend: str = "auto"
     load_format: str = "auto"
-    # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS)
+    # load_format="dummy" only: random weights in these GGUF block types (QUANTIZATIONS);
+    # or "fp8": any float checkpoint's linear weights held in e4m3 on the GPU
     quantization: Optional[str] = None
     # Expand every GGUF block weight to the float dtype at load (the reference numerics of
     # float products; ~4x the memory): on a CPU the torch worker serves, not the torch-free
@@ -99,15 +103,19 @@ class EngineArgs:
         _choice("backend", self.backend, BACKENDS, UnsupportedFeatureError)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None:
-            _choice("quantization", self.quantization, QUANTIZATIONS)
-            if self.load_format != "dummy":
+            _choice("quantization", self.quantization, QUANTIZATIONS + (FP8_QUANTIZATION,))
+            if self.load_format == "gguf" and self.quantization == FP8_QUANTIZATION:
                 raise UnsupportedFeatureError(
-                    "quantization applies to dummy weights (load_format='dummy'): a GGUF file "
-                    "is served in the types it stores, and quantizing a safetensors checkpoint "
-                    "at load is not supported", "quantization")
+                    "quantization=fp8 quantizes a float checkpoint: a GGUF file is served in "
+                    "the types it stores", "quantization")
+            if self.load_format != "dummy" and self.quantization != FP8_QUANTIZATION:
+                raise UnsupportedFeatureError(
+                    "GGUF block types apply to dummy weights (load_format='dummy'): a GGUF "
+                    "file is served in the types it stores, and a safetensors checkpoint is "
+                    "quantized at load only to fp8", "quantization")
             if self.dequantize_weights:
                 raise UnsupportedFeatureError(
-                    "quantization with dequantize_weights: random block weights expanded at "
+                    "quantization with dequantize_weights: weights quantized and expanded at "
                     "load are plain float weights; drop one of the two", "quantization")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)

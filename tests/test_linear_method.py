@@ -64,9 +64,9 @@ def load(model, tensors):
     for name, target in model.weight_targets().items():
         w = tensors[name]
         if target.ggml_type is not None:
-            target.dest.copy_(torch.from_numpy(_stored_blocks(name, w, target)))
+            target.write(torch.from_numpy(_stored_blocks(name, w, target)))
         else:
-            target.dest.copy_(torch.from_numpy(w.read(target.shard)))
+            target.write(torch.from_numpy(w.read(target.shard)))
 
 
 TYPES = {"attn.q_proj.weight": Q4_K, "attn.k_proj.weight": Q4_K, "attn.v_proj.weight": Q6_K,

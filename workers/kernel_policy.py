@@ -128,11 +128,14 @@ class KernelPolicy:
         block types of the checkpoint tensors it stacks (None: a float tensor): on the GPU
         path, blocks that the block kernels read (``kernels/gguf_gemv.BLOCKS``) stay
         blocks, unless in batch-invariant mode (its one matmul takes float weights); else
-        the dense float weight, a block type without a GPU kernel said once by name."""
-        from .layers.linear_method import DENSE, GGUF_BLOCKS
+        the dense float weight, a block type without a GPU kernel said once by name. ``FP8``
+        parts (the runner names them only where ``fp8_refusal`` is None) keep e4m3 rows."""
+        from .layers.linear_method import DENSE, FP8, FP8_ROWS, GGUF_BLOCKS
 
         if not self.keeps_blocks() or not stored or None in stored:
             return DENSE
+        if FP8 in stored:
+            return FP8_ROWS if set(stored) == {FP8} else DENSE
         from .kernels.gguf_gemv import BLOCKS
         from .loader.gguf_quants import type_name
 
@@ -142,6 +145,18 @@ class KernelPolicy:
                        "are dequantized to the model dtype at load")
             return DENSE
         return GGUF_BLOCKS
+
+    def fp8_refusal(self, device: torch.device) -> Optional[str]:
+        """Why weights cannot stay FP8 here (None: they can): FP8 tensor cores (compute
+        capability 8.9: Ada, Hopper and later) and the GPU path's kernels."""
+        if not self.keeps_blocks():
+            return ("FP8 weights need the GPU path's kernels (a CUDA device, not in "
+                    "batch-invariant mode)")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return (f"FP8 weights need FP8 tensor cores (compute capability 8.9 or later); "
+                    f"this GPU has {major}.{minor}")
+        return None
 
     def moe_experts(self):
         """The experts' computation of ``layers/moe.FusedMoE`` (its signature is

@@ -131,9 +131,11 @@ class ModelRunner:
     def _build(self, info: ModelInfo, args: EngineArgs):
         """The model, each linear layer with its method (``layers/linear_method.py``): a
         GGUF file's blocks (or ``--quantization``'s random ones) may stay blocks on the GPU
-        path, so their layers are built with the weights deferred until the block types
-        choose."""
-        stored = self._stored_block_types(info, args)
+        path, and FP8 weights FP8, so their layers are built with the weights deferred
+        until the stored types choose."""
+        from .loader.stored_types import stored_types
+
+        stored = stored_types(info, args, self.policy, self.device)
         if not stored:
             return build_model(info, self.backend, self.device, self.dtype, self.tp)
         from .layers import linear_method
@@ -142,24 +144,6 @@ class ModelRunner:
             model = build_model(info, self.backend, self.device, self.dtype, self.tp)
         linear_method.materialize(model, stored, self.device)
         return model
-
-    def _stored_block_types(self, info: ModelInfo, args: EngineArgs) -> dict[str, int]:
-        """HF name -> GGML block type of the checkpoint tensors that could stay blocks."""
-        if args.dequantize_weights or not self.policy.keeps_blocks():
-            return {}
-        if args.load_format == "dummy":
-            if args.quantization is None:
-                return {}
-            from .loader.dummy_blocks import dummy_block_types
-            from .models.registry import checkpoint_shapes
-
-            return dummy_block_types(args.quantization, checkpoint_shapes(info),
-                                     arch_config(info).num_layers)
-        if info.format != "gguf":
-            return {}
-        from .loader.gguf import stored_block_types
-
-        return stored_block_types(info.path, info)
 
     def _state_shapes(self, layout) -> tuple[Optional[tuple], int]:
         """One slot's (conv, recurrent) state shapes of a linear-attention layer and the

@@ -63,10 +63,11 @@ def _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, wr
 
 
 @triton.jit
-def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, stride_w, x_half,
-                 eps, rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PRE: tl.constexpr,
-                 HALF: tl.constexpr, WRITE_NORMED: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N, K, stride_w,
+                 x_half, eps, rot_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                 PRE: tl.constexpr, HALF: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
     # Each program owns two groups of BLOCK_N / 2 rows: adjacent ones, or (HALF > 0) the
     # same dims of the two halves of a head, the pairs the rotary epilogue rotates.
@@ -117,6 +118,9 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Bias, Y, Cos, Sin, N, K, str
         acc_b += wb.to(tl.float32) * xf[None, :]
         wa, wb = wa_next, wb_next
     ya, yb = tl.sum(acc_a, 1), tl.sum(acc_b, 1)
+    if SCALED:  # FP8 weights: each row's scale, once, on its sum
+        ya *= tl.load(Scale + rows_a)
+        yb *= tl.load(Scale + rows_b)
     if HAS_BIAS:
         ya += tl.load(Bias + rows_a).to(tl.float32)
         yb += tl.load(Bias + rows_b).to(tl.float32)
@@ -177,17 +181,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
             eps: float = 0.0, out_dtype: Optional[torch.dtype] = None,
             rotary: Optional["Rotary"] = None, config: Optional[tuple[int, int, int]] = None,
-            normed_out: Optional[torch.Tensor] = None
+            normed_out: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("a gemv needs a weight whose rows are contiguous")
+    if (scale is None) == (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError("an FP8 weight takes its row scales, and only it")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError(f"row scales {tuple(scale.shape)} {scale.dtype} for {n} float32 rows")
     y = torch.empty(1, n, device=x.device, dtype=out_dtype or x.dtype)
     res_out = torch.empty_like(x) if pre == "add_norm" else None
     block_n, block_k, warps = config or _config(n, k, pre, rotary is not None)
     if normed_out is not None and (normed_out.shape != x.shape or normed_out.dtype != x.dtype
                                    or not normed_out.is_contiguous()):
         raise ValueError("normed_out must be a contiguous tensor like x")
+    if weight.element_size() == 1:  # FP8: a chunk of as many bytes as a bf16 one's
+        block_k *= 2
     block_k = min(block_k, triton.next_power_of_2(k))
     half, cos, sin, rot_rows = 0, y, y, 0
     if rotary is not None:
@@ -201,46 +211,53 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
         normed_out if normed_out is not None else y, weight,
-        bias if bias is not None else weight, y, cos, sin, n, k, weight.stride(0), k, eps,
-        rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=min(triton.next_power_of_2(k), 8192), HAS_BIAS=bias is not None, PRE=pre,
-        HALF=half, WRITE_NORMED=normed_out is not None, num_warps=warps,
+        scale if scale is not None else weight, bias if bias is not None else weight, y, cos,
+        sin, n, k, weight.stride(0), k, eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=min(triton.next_power_of_2(k), 8192), HAS_BIAS=bias is not None,
+        SCALED=scale is not None, PRE=pre, HALF=half, WRITE_NORMED=normed_out is not None,
+        num_warps=warps,
         **pdl.launch_options(x.device))
     return y, res_out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out_dtype: Optional[torch.dtype] = None,
-         config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [1, K] -> [1, N] (``out_dtype``: x's if None)."""
+         config: Optional[tuple[int, int, int]] = None,
+         scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [1, K] -> [1, N] (``out_dtype``: x's if None).
+    ``scale``: float32 [N] for an FP8 (e4m3) weight, w = weight * scale[:, None]."""
     x = _check_row(x, weight.shape[1], "x")
-    return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config)[0]
+    return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config, scale=scale)[0]
 
 
 def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               hidden_act: str, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """``F.linear(act_and_mul(gate_up), weight, bias)`` for a ``[gate | up]`` row [1, 2K]."""
+               hidden_act: str, config: Optional[tuple[int, int, int]] = None,
+               scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(act_and_mul(gate_up), weight, bias)`` for a ``[gate | up]`` row [1, 2K]
+    (``scale``: as ``gemv``'s)."""
     act = KERNEL_ACTIVATIONS.get(hidden_act)
     if act is None:
         raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
     gate_up = _check_row(gate_up, 2 * weight.shape[1], "gate_up")
-    return _launch(gate_up, weight, bias, act, config=config)[0]
+    return _launch(gate_up, weight, bias, act, config=config, scale=scale)[0]
 
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               rotary: Optional[Rotary] = None, config: Optional[tuple[int, int, int]] = None,
-              normed_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              normed_out: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
     to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x.
     ``rotary`` = (cos, sin, head_dim, rows): the first ``rows`` outputs are heads of
     ``head_dim`` that leave rotated by the token's cos/sin ([D/2] each), as
     ``rotary.apply_rotary_qk`` rotates q and k. ``normed_out`` (like x): receives the
-    normed row itself, for a second product of it (the experts after their router)."""
+    normed row itself, for a second product of it (the experts after their router).
+    ``scale``: as ``gemv``'s."""
     x = _check_row(x, weight.shape[1], "x")
     if residual is None:
         return _launch(x, weight, bias, "norm", None, norm_weight, eps, rotary=rotary,
-                       config=config, normed_out=normed_out)[0], x
+                       config=config, normed_out=normed_out, scale=scale)[0], x
     residual = _check_row(residual, weight.shape[1], "residual")
     return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, rotary=rotary,
-                   config=config, normed_out=normed_out)
+                   config=config, normed_out=normed_out, scale=scale)

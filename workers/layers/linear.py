@@ -150,7 +150,7 @@ class ColumnParallelLinear(nn.Module):
         ``rotary`` (only where ``fuses(x)``): see ``kernels.gemv.norm_gemv``."""
         if self.fuses(x):
             return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                  rotary)
+                                  rotary, scale=self.method.scale(self))
         if rotary is not None:
             raise ValueError("rotary is fused only into a one-row projection on the GPU path")
         h, residual = norm.add(x, residual) if residual is not None else (norm(x), x)
@@ -209,7 +209,8 @@ class RowParallelLinear(nn.Module):
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor], hidden_act: str
                  ) -> torch.Tensor:
         if hidden_act:
-            return self.gated_gemv(x, self.weight, bias, hidden_act)
+            return self.gated_gemv(x, self.weight, bias, hidden_act,
+                                   scale=self.method.scale(self))
         return self.method.product(self, x, bias)
 
 

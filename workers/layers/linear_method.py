@@ -14,9 +14,18 @@ layer itself never branches on storage.
   ``GEMV_ROWS`` rows run the block gemv of ``kernels/gguf_gemv.py`` per part, more rows
   dequantize each part to the model dtype and take the GEMM. Weight memory is the file's
   bytes.
+* ``FP8``: float8_e4m3fn ``layer.weight`` with one float32 scale per output row,
+  ``layer.weight_scale``, quantized as the float values arrive (``WeightTarget.quantize``):
+  ``--quantization fp8`` on a float checkpoint, and an FP8 checkpoint (its per-tensor,
+  per-channel or block scales are expanded as it is read, ``loader/fp8.py``, then each row
+  requantized). One row runs the fused gemv with the scale on each sum (so this method
+  fuses the norm, activation and rotary as the dense one does); more rows run on the FP8
+  tensor cores (``kernels/fp8_linear.scaled_linear``). Half the dense bytes.
 
 The kernel policy chooses (``KernelPolicy.linear_method``) from the stored types of the
-checkpoint tensors a layer holds, which a GGUF header names before any weight is read:
+checkpoint tensors a layer holds (a GGUF block type, or ``FP8`` where the weights are to
+be held in e4m3), which a GGUF header or the engine arguments name before any weight is
+read:
 the runner builds the model with its linear weights deferred (``deferred_weights``) and
 then gives each layer its method and storage (``materialize``).
 """
@@ -36,6 +45,8 @@ if TYPE_CHECKING:
 # A product of more rows dequantizes and multiplies: past a few rows the block gemv
 # reads its weights once per row.
 GEMV_ROWS = 4
+# The stored type of a weight held in float8_e4m3fn with row scales (beside GGML's ints)
+FP8 = "fp8_e4m3"
 
 _deferred = False
 
@@ -62,11 +73,16 @@ def weight_param(shape: Sequence[int], device: torch.device, dtype: torch.dtype)
 class DenseMethod:
     fuses = True  # the one-row gemv takes the op before it
 
+    @staticmethod
+    def scale(layer) -> None:
+        """The weight's row scales, for the fused gemv (none: float values)."""
+        return None
+
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
 
-        return WeightTarget(layer.weight, rows, shard=shard)
+        return WeightTarget(layer.weight, rows, shard=shard, by_method=True)
 
     def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: Optional[torch.dtype] = None,
@@ -94,7 +110,7 @@ class GGUFBlockMethod:
         held = shard.size if shard is not None and shard.dim == 0 else stored_shape[0]
         return WeightTarget(buf, None if held == buf.shape[0] else slice(0, held),  # padding
                             shard=shard, stored_shape=stored_shape,
-                            ggml_type=layer.block_types[part])
+                            ggml_type=layer.block_types[part], by_method=True)
 
     def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -128,7 +144,43 @@ class GGUFBlockMethod:
         layer.weight = None
 
 
-DENSE, GGUF_BLOCKS = DenseMethod(), GGUFBlockMethod()
+class Fp8Method:
+    fuses = True  # the gemv reads e4m3 rows and scales each sum
+
+    @staticmethod
+    def scale(layer) -> torch.Tensor:
+        return layer.weight_scale
+
+    def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
+               ) -> "WeightTarget":
+        from ..models.weight_targets import WeightTarget
+
+        def quantize(value: torch.Tensor, rows: Optional[slice]) -> None:
+            from ..kernels.fp8_linear import quantize_weight
+
+            q, scale = quantize_weight(value.to(layer.weight.device))
+            span = slice(None) if rows is None else rows
+            layer.weight[span] = q
+            layer.weight_scale[span] = scale
+
+        return WeightTarget(layer.weight, rows, shard=shard, quantize=quantize, by_method=True)
+
+    def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if layer.policy.one_row(x):
+            return layer.gemv(x, layer.weight, bias, out_dtype=out_dtype, scale=layer.weight_scale)
+        from ..kernels.fp8_linear import scaled_linear
+
+        return scaled_linear(x, layer.weight, layer.weight_scale, bias, out_dtype)
+
+    def materialize(self, layer, types: Sequence[int], device: torch.device) -> None:
+        rows, k = layer.weight.shape
+        layer.weight = nn.Parameter(torch.zeros(rows, k, device=device, dtype=torch.float8_e4m3fn),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(rows, device=device), requires_grad=False)
+
+
+DENSE, GGUF_BLOCKS, FP8_ROWS = DenseMethod(), GGUFBlockMethod(), Fp8Method()
 
 
 def materialize(model: nn.Module, stored_types: dict[str, int], device: torch.device) -> None:
@@ -136,7 +188,8 @@ def materialize(model: nn.Module, stored_types: dict[str, int], device: torch.de
     its method (``KernelPolicy.linear_method``, from the stored types of the checkpoint
     tensors that fill it: ``stored_types``, HF name -> GGML type of a block tensor) and
     its storage. A layer filled through a transform (rows regrouped, a transpose) stays
-    dense: only whole rows or block columns of a file's tensor can be copied as blocks."""
+    dense: only whole rows or block columns of a file's tensor can be copied as blocks;
+    so does one whose family builds a target of its own (whose weight it reads itself)."""
     from .linear import LINEAR_LAYERS
 
     feeds: dict[int, list] = {}
@@ -149,7 +202,7 @@ def materialize(model: nn.Module, stored_types: dict[str, int], device: torch.de
         by_part: list[Optional[int]] = [None] * len(parts)
         plain = True
         for name, target in feeds.get(id(layer.weight), []):
-            plain &= target.transform is None and target.stored_shape is None
+            plain &= target.by_method and target.transform is None
             j = layer.part_of(target.rows)
             if j is None:
                 plain = False

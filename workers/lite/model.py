@@ -123,6 +123,8 @@ def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
         return "a GPU"  # whether torch can use it is torch's to say
     if args.dtype not in ("auto", "float32"):
         return f"dtype {args.dtype}"
+    if args.quantization == "fp8":
+        return "FP8 weights"  # the torch worker says why they cannot run here
     if args.load_format == "dummy" and args.quantization is None:
         return "dummy float weights (no quantization)"
     if args.dequantize_weights or args.batch_invariant:

@@ -31,7 +31,7 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
 
         from ..models.base import block_buffers
 
-        if args.quantization is not None and not block_buffers(model):
+        if args.quantization not in (None, "fp8") and not block_buffers(model):
             logger.warning("quantization=%s: this worker draws float weights of the model's "
                            "shapes (random blocks are the GPU block kernels' and the torch-free "
                            "CPU worker's)", args.quantization)
@@ -46,8 +46,9 @@ def load_model_weights(model: "CausalLM", info: ModelInfo, args: EngineArgs,
         tensors = load_safetensors_weights(info.path, lazy=True)
         fp8 = fp8_scheme(info.hf_config)
         if fp8 is not None:
-            logger.info("FP8 weights (%s) are expanded to %s at load: no FP8 kernels yet",
-                        "blocks of %d x %d" % fp8.block if fp8.block else "per tensor or row",
+            logger.info("FP8 weights (scales %s) are read as float32: each layer stores them "
+                        "as its method holds them (e4m3 rows on an FP8 GPU, else %s)",
+                        "of %d x %d blocks" % fp8.block if fp8.block else "per tensor or row",
                         args.dtype)
             tensors = dequantized(tensors, fp8)
         model.load_weights(tracked(tensors))

@@ -27,7 +27,7 @@ def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> No
             if target.ggml_type is not None:  # a layer that keeps GGUF blocks
                 blocks = BlockTensor(target.ggml_type, shape,
                                      _random_blocks(target.ggml_type, shape, gen, device), name)
-                target.dest.copy_(blocks.part(target.shard))
+                target.write(blocks.part(target.shard))
                 continue
             if name.endswith("norm.weight"):  # identity norms (Gemma stores w of 1 + w)
                 fill = 0.0 if target.transform is not None else 1.0
@@ -40,7 +40,7 @@ def init_dummy_weights(model: CausalLM, seed: int, std: float = DUMMY_STD) -> No
                 value = target.shard.take(value)
             if target.transform is not None:
                 value = target.transform(value)
-            target.dest.copy_(value)
+            target.write(value)
 
 
 

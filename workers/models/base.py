@@ -406,7 +406,7 @@ class CausalLM(nn.Module):
                     raise CheckpointError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {target.checkpoint_shape}")
                 if target.ggml_type is not None:  # blocks kept as the file stores them
-                    target.dest.copy_(torch.from_numpy(_stored_blocks(raw_name, tensor, target)))
+                    target.write(torch.from_numpy(_stored_blocks(raw_name, tensor, target)))
                     loaded.add(name)
                     continue
                 if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor
@@ -417,7 +417,7 @@ class CausalLM(nn.Module):
                     part = torch.as_tensor(tensor.read(target.shard))
                 if target.transform is not None:
                     part = target.transform(part.float())
-                target.dest.copy_(part)
+                target.write(part)
                 loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:

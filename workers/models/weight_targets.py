@@ -29,6 +29,19 @@ class WeightTarget:
     # The GGUF block type the destination holds as stored (``linear_method.GGUF_BLOCKS``):
     # the tensor's bytes are copied, never decoded. None: float values.
     ggml_type: Optional[int] = None
+    # Float values stored otherwise (``linear_method.FP8``): called with this rank's part
+    # and ``rows`` in place of a copy.
+    quantize: Optional[Callable[[torch.Tensor, Optional[slice]], None]] = None
+    # Built by the layer's linear method (``part_target``): only a layer whose every
+    # tensor arrives so may hold its weight other than as one float parameter.
+    by_method: bool = False
+
+    def write(self, value: torch.Tensor) -> None:
+        """Store this rank's part of the tensor (float values, or a block target's bytes)."""
+        if self.quantize is not None:
+            self.quantize(value, self.rows)
+        else:
+            self.dest.copy_(value)
 
     @property
     def shape(self) -> tuple[int, ...]:
