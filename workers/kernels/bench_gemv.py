@@ -3,9 +3,11 @@ launch inside a chain of launches with distinct weights, as a decode step runs t
 (each launch ramps up while the one before drains; the weights of the chain exceed L2),
 and, with ``--tune``, a sweep of its (BLOCK_N, BLOCK_K, warps).
 
-    python -m pocketllm.workers.kernels.bench_gemv [--model NAME ...] [--tune] [--out DIR]
+    python -m pocketllm.workers.kernels.bench_gemv [--model NAME ...] [--tune] [--fp8] [--out DIR]
 
-CUDA only. ``tb_s`` is the weight bytes of one launch over its time.
+CUDA only. ``tb_s`` is the weight bytes of one launch over its time. ``--fp8``: the
+weights in e4m3 with row scales (``fp8_linear.quantize_weight``), swept over
+``FP8_SWEEP``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ SHAPES = {
 }
 SWEEP = [c for c in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8))
          if c[0] * c[1] <= 16384]
+FP8_SWEEP = list(itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8)))
 L2_MULTIPLE = 4  # a chain's weights are at least this many times the L2 cache
 
 
-def chain(n: int, k: int, pre: str, head_dim: int):
+def chain(n: int, k: int, pre: str, head_dim: int, fp8: bool = False):
     """A call launching one gemv per weight copy, enough copies to defeat L2."""
+    from .fp8_linear import quantize_weight
+
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    copies = max(8, -(-L2_MULTIPLE * l2 // (n * k * 2)))
-    weights = [torch.randn(n, k, device=DEV).to(BF16) * k ** -0.5 for _ in range(copies)]
+    copies = max(8, -(-L2_MULTIPLE * l2 // (n * k * (1 if fp8 else 2))))
+    weights = [torch.randn(n, k, device=DEV) * k ** -0.5 for _ in range(copies)]
+    weights = [quantize_weight(w) if fp8 else (w.to(BF16), None) for w in weights]
     width = 2 * k if pre == "silu" else k
     x = torch.randn(1, width, device=DEV).to(BF16)
     res = torch.randn(1, k, device=DEV).to(BF16)
@@ -49,36 +55,37 @@ def chain(n: int, k: int, pre: str, head_dim: int):
         cos = torch.rand(head_dim // 2, device=DEV).to(BF16)
         rotary = (cos, cos, head_dim, n - n // 3)  # q and k rotated, v (a third) not
 
-    def launch(config, w):
+    def launch(config, w, scale):
         if pre == "silu":
-            return gemv_mod.gated_gemv(x, w, None, "silu", config=config)
+            return gemv_mod.gated_gemv(x, w, None, "silu", config=config, scale=scale)
         if pre:
             return gemv_mod.norm_gemv(x, res if pre == "add_norm" else None, norm_w, 1e-6, w,
-                                      rotary=rotary, config=config)
-        return gemv_mod.gemv(x, w, config=config)
+                                      rotary=rotary, config=config, scale=scale)
+        return gemv_mod.gemv(x, w, config=config, scale=scale)
 
     def run(config):
-        for w in weights:
-            launch(config, w)
+        for w, scale in weights:
+            launch(config, w, scale)
     return run, copies
 
 
-def default_config(n: int, k: int, pre: str, head_dim: int):
-    block_n, block_k, warps = gemv_mod._config(n, k, pre, bool(head_dim))
+def default_config(n: int, k: int, pre: str, head_dim: int, fp8: bool = False):
+    block_n, block_k, warps = gemv_mod._config(n, k, pre, bool(head_dim), fp8)
     return (gemv_mod.rotary_block_n(block_n, head_dim) if head_dim else block_n, block_k, warps)
 
 
-def measure(model: str, tune: bool) -> list[dict]:
+def measure(model: str, tune: bool, fp8: bool = False) -> list[dict]:
     rows = []
+    size = 1 if fp8 else 2
     for proj, n, k, pre, head_dim in SHAPES[model]:
-        run, copies = chain(n, k, pre, head_dim)
-        default = default_config(n, k, pre, head_dim)
+        run, copies = chain(n, k, pre, head_dim, fp8)
+        default = default_config(n, k, pre, head_dim, fp8)
         us = lambda c: 1e3 * graph_ms(lambda: run(c)) / copies  # noqa: E731
         row = dict(model=model, proj=proj, n=n, k=k, pre=pre, default=default, us=us(None))
-        row["tb_s"] = n * k * 2 / row["us"] / 1e6
+        row["tb_s"] = n * k * size / row["us"] / 1e6
         if tune:
             times = {}
-            for c in SWEEP:
+            for c in FP8_SWEEP if fp8 else SWEEP:
                 if head_dim and gemv_mod.rotary_block_n(c[0], head_dim) != c[0]:
                     continue
                 try:
@@ -86,7 +93,7 @@ def measure(model: str, tune: bool) -> list[dict]:
                 except Exception as e:  # e.g. out of registers or shared memory
                     print(f"{proj} {c}: {type(e).__name__}: {str(e)[:80]}")
             best = min(times, key=times.get)
-            row.update(best=best, best_us=times[best], best_tb_s=n * k * 2 / times[best] / 1e6,
+            row.update(best=best, best_us=times[best], best_tb_s=n * k * size / times[best] / 1e6,
                        top5=sorted(times.items(), key=lambda t: t[1])[:5])
         print(json.dumps(row, default=str), flush=True)
         rows.append(row)
@@ -97,9 +104,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights with row scales")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = [row for model in args.model for row in measure(model, args.tune)]
+    rows = [row for model in args.model for row in measure(model, args.tune, args.fp8)]
     print(f"{'model':18} {'proj':14} {'N x K':>14} {'us':>7} {'TB/s':>5}"
           + ("  best (BN, BK, warps)    us   TB/s" if args.tune else ""))
     for r in rows:

@@ -34,6 +34,8 @@ from .gated_act import KERNEL_ACTIVATIONS, activate
 from .pdl import wait_for_prior
 
 # (cos, sin, head_dim, rows): see norm_gemv.
+# 2^120: e4m3's exponent bias (7) against float32's (127), see _weights
+E4M3_UNBIAS: tl.constexpr = tl.constexpr(2.0 ** 120)
 Rotary = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
@@ -60,6 +62,19 @@ def _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, wr
         up = tl.load(X + x_half + cols, mask=k_ok, other=0.0).to(tl.float32)
         xf = (activate(xf, PRE) * up).to(X.dtype.element_ty).to(tl.float32)
     return xf
+
+
+@triton.jit
+def _weights(w, SCALED: tl.constexpr):
+    """A chunk of weights as float32. FP8 (e4m3 bytes, SCALED): the byte's exponent and
+    mantissa moved into float32's, which is the value times 2^-120, exact for subnormals
+    too (``E4M3_UNBIAS`` restores it on the sum): two logic ops a weight, where a converting
+    instruction (e4m3 -> f16 -> f32) runs at a quarter of the ALU's rate and bounds the
+    kernel below the memory's."""
+    if SCALED:
+        b = w.to(tl.int32)
+        return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+    return w.to(tl.float32)
 
 
 @triton.jit
@@ -114,13 +129,13 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
         wb_next = tl.load(wb_ptrs, mask=next_ok, other=0.0, eviction_policy="evict_first")
         xf = _input_chunk(X, Res, NormW, ResOut, NormOut, cols, k_ok, x_half, inv_rms, pid == 0,
                           PRE, WRITE_NORMED)
-        acc_a += wa.to(tl.float32) * xf[None, :]
-        acc_b += wb.to(tl.float32) * xf[None, :]
+        acc_a += _weights(wa, SCALED) * xf[None, :]
+        acc_b += _weights(wb, SCALED) * xf[None, :]
         wa, wb = wa_next, wb_next
     ya, yb = tl.sum(acc_a, 1), tl.sum(acc_b, 1)
     if SCALED:  # FP8 weights: each row's scale, once, on its sum
-        ya *= tl.load(Scale + rows_a)
-        yb *= tl.load(Scale + rows_b)
+        ya = ya * E4M3_UNBIAS * tl.load(Scale + rows_a)
+        yb = yb * E4M3_UNBIAS * tl.load(Scale + rows_b)
     if HAS_BIAS:
         ya += tl.load(Bias + rows_a).to(tl.float32)
         yb += tl.load(Bias + rows_b).to(tl.float32)
@@ -148,9 +163,14 @@ ROUTER_CONFIG = (4, 1024, 4)
 # 17.0 us against 19.0 with CONFIG, bench_gemv --tune)
 ROTARY_CONFIG = (8, 256, 2)
 WIDE, NARROW, ROUTER = 16384, 4096, 512
+# FP8 weights (one byte each), every projection: bench_gemv --fp8 --tune on an H100
+FP8_CONFIG = (8, 1024, 4)
 
 
-def _config(n: int, k: int, pre: str, rotates: bool = False) -> tuple[int, int, int]:
+def _config(n: int, k: int, pre: str, rotates: bool = False, fp8: bool = False
+            ) -> tuple[int, int, int]:
+    if fp8:
+        return FP8_CONFIG
     if rotates:
         return ROTARY_CONFIG
     if n >= WIDE:
@@ -192,12 +212,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         raise ValueError(f"row scales {tuple(scale.shape)} {scale.dtype} for {n} float32 rows")
     y = torch.empty(1, n, device=x.device, dtype=out_dtype or x.dtype)
     res_out = torch.empty_like(x) if pre == "add_norm" else None
-    block_n, block_k, warps = config or _config(n, k, pre, rotary is not None)
+    block_n, block_k, warps = config or _config(n, k, pre, rotary is not None,
+                                                 weight.element_size() == 1)
     if normed_out is not None and (normed_out.shape != x.shape or normed_out.dtype != x.dtype
                                    or not normed_out.is_contiguous()):
         raise ValueError("normed_out must be a contiguous tensor like x")
-    if weight.element_size() == 1:  # FP8: a chunk of as many bytes as a bf16 one's
-        block_k *= 2
     block_k = min(block_k, triton.next_power_of_2(k))
     half, cos, sin, rot_rows = 0, y, y, 0
     if rotary is not None:
@@ -210,7 +229,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, res_out if res_out is not None else y,
-        normed_out if normed_out is not None else y, weight,
+        normed_out if normed_out is not None else y,
+        weight if scale is None else weight.view(torch.uint8),  # FP8 read as bytes: _weights
         scale if scale is not None else weight, bias if bias is not None else weight, y, cos,
         sin, n, k, weight.stride(0), k, eps, rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=min(triton.next_power_of_2(k), 8192), HAS_BIAS=bias is not None,
