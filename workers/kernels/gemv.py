@@ -163,14 +163,18 @@ ROUTER_CONFIG = (4, 1024, 4)
 # 17.0 us against 19.0 with CONFIG, bench_gemv --tune)
 ROTARY_CONFIG = (8, 256, 2)
 WIDE, NARROW, ROUTER = 16384, 4096, 512
-# FP8 weights (one byte each), every projection: bench_gemv --fp8 --tune on an H100
-FP8_CONFIG = (8, 1024, 4)
+# FP8 weights (one byte each): taller tiles than bf16's (a program's norm is redone over
+# fewer of them), longer chunks for a long input (Llama-3-8B's down); narrow products as
+# bf16's. bench_gemv --fp8 --tune on an H100 (docs/benchmarks.md)
+FP8_CONFIG, FP8_LONG_CONFIG, FP8_NARROW_CONFIG = (16, 512, 4), (16, 1024, 4), (8, 512, 8)
 
 
 def _config(n: int, k: int, pre: str, rotates: bool = False, fp8: bool = False
             ) -> tuple[int, int, int]:
     if fp8:
-        return FP8_CONFIG
+        if n <= NARROW and k <= NARROW and pre not in ("norm", "add_norm"):
+            return FP8_NARROW_CONFIG
+        return FP8_LONG_CONFIG if k > NARROW else FP8_CONFIG
     if rotates:
         return ROTARY_CONFIG
     if n >= WIDE:
