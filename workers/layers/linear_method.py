@@ -155,10 +155,12 @@ class Fp8Method:
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
 
-        def quantize(value: torch.Tensor, rows: Optional[slice]) -> None:
+        def quantize(value, rows: Optional[slice]) -> None:
+            """Float values, or (codes, row scales) of an FP8 checkpoint, kept as stored."""
             from ..kernels.fp8_linear import quantize_weight
 
-            q, scale = quantize_weight(value.to(layer.weight.device))
+            q, scale = value if isinstance(value, tuple) else quantize_weight(
+                value.to(layer.weight.device))
             span = slice(None) if rows is None else rows
             layer.weight[span] = q
             layer.weight_scale[span] = scale
