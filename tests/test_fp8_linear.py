@@ -168,37 +168,6 @@ def test_fp8_layers_quantize_float_tensors_as_they_load(rows):
     assert torch.isfinite(err)
 
 
-def test_an_fp8_checkpoints_codes_and_scales_load_as_stored():
-    """``loader/fp8.Fp8Rows`` (per-tensor or per-row scales) into an FP8 layer: the codes
-    and scales are copied, not requantized; a float layer reads their values."""
-    from pocketllm.workers.loader.fp8 import Fp8Rows
-    from pocketllm.workers.models.base import CausalLM
-
-    g = torch.Generator().manual_seed(12)
-    tensors = {}
-    for name, shape in {"attn.q_proj.weight": (64, H), "attn.k_proj.weight": (32, H),
-                        "attn.v_proj.weight": (32, H), "mlp.down_proj.weight": (H, INTER)}.items():
-        q = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        scale = torch.rand(1 if name.startswith("attn.k") else shape[0], generator=g) + 0.1
-        tensors[name] = Fp8Rows(q, scale.expand(shape[0]).contiguous())
-    tensors["lm_head.weight"] = torch.randn(VOCAB, H, generator=g)
-    with linear_method.deferred_weights():
-        model = Tiny()
-    linear_method.materialize(model, {n: linear_method.FP8 for n in tensors if "lm_head" not in n},
-                              DEVICE)
-    model.canonical_name = lambda name: name
-    model.cfg = None
-    CausalLM.load_weights(model, tensors.items())
-    want_q = torch.cat([tensors[f"attn.{p}_proj.weight"].q for p in "qkv"])
-    assert torch.equal(model.qkv.weight.cpu().view(torch.uint8), want_q.view(torch.uint8))
-    want_s = torch.cat([tensors[f"attn.{p}_proj.weight"].scale for p in "qkv"])
-    assert torch.equal(model.qkv.weight_scale.cpu(), want_s)
-    assert torch.equal(model.down.weight.cpu().view(torch.uint8),
-                       tensors["mlp.down_proj.weight"].q.view(torch.uint8))
-    torch.testing.assert_close(Fp8Rows(want_q, want_s).read(Shard(0, 64, 96, 128)),
-                               want_q[64:96].float() * want_s[64:96, None])
-
-
 def test_fp8_is_refused_where_it_cannot_stay_fp8():
     from pocketllm.model_info import load_model_info
     from pocketllm.workers.loader.stored_types import stored_types
@@ -251,39 +220,22 @@ def assert_tracks(got_tokens, got, want_tokens, want, atol=0.15):
 
 
 @gpu
-def test_a_per_row_fp8_checkpoint_stays_fp8_on_the_gpu(tmp_path):
-    """The codes and scales as stored: the weights equal the float checkpoint's exactly,
-    and what remains is e4m3's rounding of the activations in the prompt's products."""
+@pytest.mark.parametrize("scheme", ["compressed-tensors", "fp8"])
+def test_an_fp8_checkpoint_stays_fp8_on_the_gpu(tmp_path, scheme):
+    """Per-row scales requantize exactly; 48 x 32 blocks round once more per row. What
+    remains is e4m3's rounding of the activations in the prompt's products (per token: on
+    this tiny model's wide-ranging activations up to 0.08 in a log probability, H100)."""
     from test_fp8_checkpoints import fp8_pair
     from test_worker_parity import PROMPT, make_runner
 
-    fp8_dir, ref_dir = fp8_pair(tmp_path, "compressed-tensors")
+    fp8_dir, ref_dir = fp8_pair(tmp_path, scheme)
     runner = make_runner(fp8_dir, device="cuda")
     layer = runner.model.layers[0]
     assert layer.self_attn.qkv_proj.method is linear_method.FP8_ROWS
     assert layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    ref = make_runner(ref_dir, device="cuda")
-    dense = ref.model.layers[0].mlp.down_proj.weight
-    held = layer.mlp.down_proj.weight.float() * layer.mlp.down_proj.weight_scale[:, None]
-    assert torch.equal(held, dense)
-    got_tokens, got = _greedy(runner, PROMPT)
-    want_tokens, want = _greedy(ref, PROMPT)
-    assert_tracks(got_tokens, got, want_tokens, want)
-
-
-@gpu
-def test_a_block_scaled_fp8_checkpoint_is_expanded_on_the_gpu(tmp_path, caplog):
-    from test_fp8_checkpoints import fp8_pair
-    from test_worker_parity import PROMPT, make_runner
-
-    fp8_dir, ref_dir = fp8_pair(tmp_path, "fp8")
-    runner = make_runner(fp8_dir, device="cuda")
-    assert runner.model.layers[0].self_attn.qkv_proj.method is linear_method.DENSE
-    assert "block scales are not read by the FP8 kernels" in caplog.text
     got_tokens, got = _greedy(runner, PROMPT)
     want_tokens, want = _greedy(make_runner(ref_dir, device="cuda"), PROMPT)
-    assert got_tokens == want_tokens
-    np.testing.assert_array_equal(got, want)
+    assert_tracks(got_tokens, got, want_tokens, want)
 
 
 @gpu

@@ -155,12 +155,10 @@ class Fp8Method:
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
 
-        def quantize(value, rows: Optional[slice]) -> None:
-            """Float values, or (codes, row scales) of an FP8 checkpoint, kept as stored."""
+        def quantize(value: torch.Tensor, rows: Optional[slice]) -> None:
             from ..kernels.fp8_linear import quantize_weight
 
-            q, scale = value if isinstance(value, tuple) else quantize_weight(
-                value.to(layer.weight.device))
+            q, scale = quantize_weight(value.to(layer.weight.device))
             span = slice(None) if rows is None else rows
             layer.weight[span] = q
             layer.weight_scale[span] = scale

@@ -11,13 +11,10 @@ A checkpoint says how its weights are stored in ``quantization_config``:
   Static activation scales (``*.input_scale``) are not used: activations stay in the
   model dtype.
 
-Each pair is joined as it arrives (in either order; a pair split across shard files waits
-for its other half). A matrix of one scale per tensor or per row arrives as ``Fp8Rows``:
-the codes as stored with a scale per row, which a layer of the FP8 linear method
-(``layers/linear_method.py``, on a GPU with FP8 tensor cores) takes as they are, and any
-other target reads as float32. A block-scaled matrix is expanded to float32: the FP8
-kernels read one scale per row, and requantizing a row of blocks on one scale would round
-its small blocks coarsely (``loader/stored_types.py`` keeps such layers dense). Any other
+Each matrix is expanded to float32 as its pair arrives (in either order; a pair split
+across shard files waits for its other half), then loaded as a float checkpoint's. So an
+FP8 checkpoint serves with the float model's memory and speed; FP8 kept in GPU memory and
+multiplied on FP8 tensor cores is a linear method still to come (issue 36). Any other
 ``quant_method`` is refused by name (gpt-oss's ``mxfp4`` is its family's own).
 """
 
@@ -86,29 +83,6 @@ def _block(size) -> Optional[tuple[int, int]]:
     return int(size[0]), int(size[1])
 
 
-@dataclass(frozen=True)
-class Fp8Rows:
-    """An e4m3 matrix with one float32 scale per row, as stored: w = q * scale[:, None]."""
-
-    q: torch.Tensor
-    scale: torch.Tensor  # float32 [rows]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
-
-    def part(self, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's codes and their rows' scales."""
-        if shard is None:
-            return self.q, self.scale
-        return shard.take(self.q), self.scale if shard.dim == 1 else shard.take(self.scale)
-
-    def read(self, shard=None) -> torch.Tensor:
-        """This rank's part as float32 values (a target that holds floats)."""
-        q, scale = self.part(shard)
-        return q.float() * scale[:, None]
-
-
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
                    name: str = "") -> torch.Tensor:
     """float32 weights of an e4m3 matrix and its scales (one per block, per channel or
@@ -131,8 +105,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[i
 
 def dequantized(tensors: Iterable, scheme: Fp8Scheme) -> Iterator[tuple[str, object]]:
     """``tensors`` (HF name, tensor or lazy slice) with each FP8 matrix and its scale
-    replaced under the matrix's name by its ``Fp8Rows`` (a scale per tensor or row) or its
-    float32 values (block scales); everything else as it comes."""
+    replaced by the float32 matrix under the matrix's name; everything else as it comes."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     suffix = "." + scheme.scale_suffix
@@ -151,11 +124,7 @@ def dequantized(tensors: Iterable, scheme: Fp8Scheme) -> Iterator[tuple[str, obj
             yield name, t
             continue
         if key in weights and key in scales:
-            q, scale = weights.pop(key), scales.pop(key)
-            if scheme.block is not None:
-                yield key, dequantize_fp8(q, scale, scheme.block, key)
-            else:
-                yield key, Fp8Rows(q, _row_scales(scale, q.shape[0], key))
+            yield key, dequantize_fp8(weights.pop(key), scales.pop(key), scheme.block, key)
     if skipped:
         logger.info("FP8 checkpoint: %d static activation scales not used (activations stay "
                     "in the model dtype)", skipped)
@@ -164,14 +133,6 @@ def dequantized(tensors: Iterable, scheme: Fp8Scheme) -> Iterator[tuple[str, obj
     for key in scales:
         raise CheckpointError(f"{key[:-len('.weight')]}.{scheme.scale_suffix} scales no FP8 "
                               "weight")
-
-
-def _row_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
-    """A per-tensor or per-row scale as float32 [rows]."""
-    if scale.numel() not in (1, rows):
-        raise CheckpointError(f"{name}: {scale.numel()} scales for {rows} rows "
-                              "(want one, or one per row)")
-    return scale.float().reshape(-1).expand(rows).contiguous()
 
 
 def _is_fp8(t) -> bool:

@@ -5,11 +5,9 @@ the input to ``layers/linear_method.materialize``.
   random blocks of a dummy model, may stay blocks on the GPU path.
 * ``--quantization fp8`` holds every linear weight but the LM head in e4m3 with row
   scales (the head's logits stay in the model dtype, as FP8 checkpoints ship it); an FP8
-  checkpoint of per-tensor or per-row scales keeps in e4m3 exactly the weights it stores
-  so, codes and scales as stored. Where FP8 cannot stay FP8 (``KernelPolicy.fp8_refusal``),
-  ``--quantization fp8`` is refused with the reason and an FP8 checkpoint is expanded to
-  the model dtype with a one-line warning, as is a block-scaled one (DeepSeek-V3's,
-  Qwen3-FP8's 128 x 128) everywhere: the kernels read one scale a row.
+  checkpoint keeps in e4m3 exactly the weights it stores so. Where FP8 cannot stay FP8
+  (``KernelPolicy.fp8_refusal``), ``--quantization fp8`` is refused with the reason and an
+  FP8 checkpoint is expanded to the model dtype with a one-line warning.
 """
 
 from __future__ import annotations
@@ -53,9 +51,6 @@ def stored_types(info: ModelInfo, args: EngineArgs, policy, device: torch.device
         if scheme is None:
             return {}
         why = policy.fp8_refusal(device)
-        if why is None and scheme.block is not None:
-            why = ("its %d x %d block scales are not read by the FP8 kernels (one scale a row)"
-                   % scheme.block)
         if why is not None:
             if device.type == "cuda":
                 logger.warning("FP8 checkpoint expanded to %s at load: %s", args.dtype, why)

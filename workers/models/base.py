@@ -24,7 +24,6 @@ from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear, Shard,
                              VocabParallelEmbedding, even_shard)
 from ..layers.norm import RMSNorm
-from ..loader.fp8 import Fp8Rows
 from ..layers.rotary import RotaryTable, apply_rotary, rotary_dim
 from .config import ArchConfig
 from .weight_targets import WeightTarget, row_parallel_targets, stacked_targets, vocab_target
@@ -408,10 +407,6 @@ class CausalLM(nn.Module):
                                           f"expected {target.checkpoint_shape}")
                 if target.ggml_type is not None:  # blocks kept as the file stores them
                     target.write(torch.from_numpy(_stored_blocks(raw_name, tensor, target)))
-                    loaded.add(name)
-                    continue
-                if target.quantize is not None and isinstance(tensor, Fp8Rows):
-                    target.quantize(tensor.part(target.shard), target.rows)  # codes as stored
                     loaded.add(name)
                     continue
                 if isinstance(tensor, np.ndarray):  # a GGUF file's float tensor

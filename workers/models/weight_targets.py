@@ -30,8 +30,8 @@ class WeightTarget:
     # the tensor's bytes are copied, never decoded. None: float values.
     ggml_type: Optional[int] = None
     # Float values stored otherwise (``linear_method.FP8``): called with this rank's part
-    # (or an FP8 checkpoint's codes and row scales) and ``rows`` in place of a copy.
-    quantize: Optional[Callable[[object, Optional[slice]], None]] = None
+    # and ``rows`` in place of a copy.
+    quantize: Optional[Callable[[torch.Tensor, Optional[slice]], None]] = None
     # Built by the layer's linear method (``part_target``): only a layer whose every
     # tensor arrives so may hold its weight other than as one float parameter.
     by_method: bool = False
