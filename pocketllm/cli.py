@@ -32,7 +32,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="checkpoint directory or .gguf file (default: embedded Gemma 3 270M)")
+                   help="checkpoint directory or .gguf file, or a Hugging Face id org/name "
+                        "(org/name-GGUF:Q4_K_M picks a GGUF quantization), fetched into the "
+                        "Hugging Face cache (default: embedded Gemma 3 270M)")
+    g.add_argument("--revision", default=None,
+                   help="with a Hugging Face id: the branch, tag or commit (default: main)")
     g.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json, a directory holding one, or a .gguf whose vocabulary "
                         "replaces the checkpoint's (default: the checkpoint's own)")
@@ -180,6 +184,13 @@ def port_number(text: str) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from .server.serve import ServeOptions, serve
 
+    if ns.model_arg is not None:
+        if ns.model is not None and ns.model != ns.model_arg:
+            print(f"pocketllm: error: two models given: {ns.model_arg!r} and --model "
+                  f"{ns.model!r}", file=sys.stderr)
+            return 2
+        ns.model = ns.model_arg
+
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = ServeOptions(host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
@@ -191,6 +202,23 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         access_log=not ns.no_access_log,
                         admission=admission_limits_from(ns))
     return serve(engine_args_from(ns), opts)
+
+
+def cmd_download(ns: argparse.Namespace) -> int:
+    """Resolve and fetch; one line and exit 1 on failure (as ``serve`` fails)."""
+    from .hub import looks_local, resolve
+
+    logging.basicConfig(level="INFO", format="%(message)s")
+    if looks_local(ns.model):
+        print(os.path.abspath(os.path.expanduser(ns.model)))
+        return 0
+    try:
+        resolved = resolve(ns.model, ns.revision)
+    except PocketLLMError as e:
+        print(f"pocketllm: error: {e}", file=sys.stderr)
+        return 1
+    print(resolved.path)
+    return 0
 
 
 def admission_limits_from(ns: argparse.Namespace):
@@ -319,13 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server",
                          formatter_class=HelpWithDefaults)
+    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                     help="the same as --model")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port_number, default=8000,
                      help="port to listen on (0: any free port)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model id clients send and /v1/models shows (default: the "
-                          "checkpoint's file or directory name)")
+                          "Hugging Face id as given, or the checkpoint's file or directory "
+                          "name)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (or POCKETLLM_API_KEY)")
     srv.add_argument("--request-timeout", type=float, default=600.0,
@@ -374,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    dl = sub.add_parser("download", help="fetch a Hugging Face model (org/name, or "
+                        "org/name-GGUF:QUANT) into the Hugging Face cache without serving it; "
+                        "prints the local path", formatter_class=HelpWithDefaults)
+    dl.add_argument("model", help="org/name[:QUANT] (a local path is printed as it is)")
+    dl.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    dl.set_defaults(func=cmd_download)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lat = bench.add_parser("latency", help="load time, TTFT and decode tokens/s at batch 1")

@@ -30,6 +30,8 @@ class EngineArgs:
 
     model: Optional[str] = None
     tokenizer: Optional[str] = None  # defaults to the model's own
+    # A Hugging Face id's branch, tag or commit (pocketllm/hub.py); None: main
+    revision: Optional[str] = None
     served_model_name: Optional[str] = None
     backend: str = "auto"
     load_format: str = "auto"

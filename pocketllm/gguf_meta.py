@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
     ggml_type: int
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in its file
+    file: str = ""  # the file holding it (a split model's part); "" : the one read
 
 
 @dataclass(frozen=True)
@@ -170,10 +172,39 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
+# llama.cpp's split models: NAME-00001-of-00003.gguf, ... (gguf-split, convert_hf_to_gguf's
+# --split-max-*): the first part holds the metadata, every part some tensors
+_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
 @lru_cache(maxsize=4)
 def read_gguf_header(path: str) -> GGUFHeader:
-    """The file's metadata and tensor index. An array of ``_LAZY_MIN`` strings or more (a
-    vocabulary, a merges list) is a ``LazyStrings``: a read-only sequence, not a list."""
+    """The model's metadata and tensor index, each tensor with the file that holds it: one
+    file, or every part of a split model named by its first (``split.count`` parts beside
+    it). An array of ``_LAZY_MIN`` strings or more (a vocabulary, a merges list) is a
+    ``LazyStrings``: a read-only sequence, not a list."""
+    header = _read_one(path)
+    count = int(header.metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return header
+    m = _SPLIT_PART.search(path)
+    if m is None or int(m[1]) != 1 or int(m[2]) != count:
+        raise CheckpointError(f"{path!r} is part of a model split in {count} files: load its "
+                              f"first part, NAME-00001-of-{count:05d}.gguf")
+    tensors = dict(header.tensors)
+    for i in range(2, count + 1):
+        part = f"{path[:m.start()]}-{i:05d}-of-{count:05d}.gguf"
+        if not os.path.exists(part):
+            raise CheckpointError(f"{path!r} is split in {count} files; part {part!r} is missing")
+        tensors.update(_read_one(part).tensors)
+    total = header.metadata.get("split.tensors.count")
+    if total is not None and int(total) != len(tensors):
+        raise CheckpointError(f"{path!r}: the {count} parts hold {len(tensors)} tensors, "
+                              f"the first says {total}")
+    return GGUFHeader(header.metadata, tensors)
+
+
+def _read_one(path: str) -> GGUFHeader:
     try:
         with open(path, "rb") as f:
             # Mapped, not read: only the header's pages are touched (reading copied 64 MiB).
@@ -204,7 +235,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
         raise
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read GGUF file {path!r}: {e}") from None
-    tensors = {n: GGUFTensorInfo(n, s, t, start + r) for n, s, t, r in infos}
+    tensors = {n: GGUFTensorInfo(n, s, t, start + r, path) for n, s, t, r in infos}
     return GGUFHeader(meta, tensors)
 
 

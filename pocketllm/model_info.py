@@ -38,6 +38,10 @@ class ModelInfo:
     tokenizer_config: dict = field(default_factory=dict)
     # The checkpoint's own context length, before DEFAULT_MAX_MODEL_LEN_CAP or --max-model-len.
     context_length: Optional[int] = None
+    # A model named by its Hugging Face id (pocketllm/hub.py): the id as served and the
+    # commit its files came from
+    hub_id: Optional[str] = None
+    revision: Optional[str] = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -78,11 +82,37 @@ def shipped_config_dir(name: str) -> Optional[str]:
     return os.path.dirname(str(candidate)) if candidate.is_file() else None
 
 
+def checkpoint_path(args: EngineArgs):
+    """(the checkpoint's local path, the ``hub.Resolved`` it came from or None): a local
+    path first, then a shape shipped for dummy weights, then a Hugging Face id, fetched
+    here (the control plane; no worker process downloads)."""
+    if args.model is None:
+        path, local = default_model_path(), "the embedded default"
+    else:
+        path = os.path.expanduser(args.model)
+        local = repr(path)
+        if not os.path.exists(path) and args.load_format == "dummy" and shipped_config_dir(path):
+            path = shipped_config_dir(path)  # e.g. --model llama-3-8b --load-format dummy
+    if os.path.exists(path) or args.model is None:
+        if args.revision is not None:
+            raise CheckpointError(f"revision applies to a Hugging Face id; {local} is a local "
+                                  "checkpoint", "revision")
+        return path, None
+    from . import hub
+
+    if hub.parse(args.model) is None:
+        raise CheckpointError(f"checkpoint not found: {path!r} (neither a local path nor a "
+                              "Hugging Face id, org/name)")
+    if args.nnodes > 1 and not hub.is_commit(args.revision):
+        raise CheckpointError(
+            f"{args.model!r} on {args.nnodes} hosts needs --revision set to a commit (the same "
+            "40-hex sha on every host), so that every rank serves the same files", "revision")
+    resolved = hub.resolve(args.model, args.revision, config_only=args.load_format == "dummy")
+    return resolved.path, resolved
+
+
 def load_model_info(args: EngineArgs) -> ModelInfo:
-    path = args.model or default_model_path()
-    path = os.path.expanduser(path)
-    if not os.path.exists(path) and args.load_format == "dummy" and shipped_config_dir(path):
-        path = shipped_config_dir(path)  # e.g. --model llama-3-8b --load-format dummy
+    path, resolved = checkpoint_path(args)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint not found: {path!r}")
     if not os.access(path, os.R_OK):
@@ -101,6 +131,8 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
         info.chat_template = _read_chat_template(os.path.expanduser(args.chat_template))
     if args.max_model_len is not None:
         info.max_model_len = args.max_model_len
+    if resolved is not None:
+        info.hub_id, info.revision = resolved.ref.name, resolved.commit
     return info
 
 

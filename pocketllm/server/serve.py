@@ -58,9 +58,14 @@ class ServeOptions:
 
 
 def default_model_name(args: EngineArgs) -> str:
+    """The embedded default's name, a Hugging Face id as given (``org/name[:TAG]``), else
+    the checkpoint's file or directory name."""
+    from ..hub import looks_local, parse
+
     if args.model is None:
         return "gemma-3-270m-q4_k_m"
-    return os.path.basename(os.path.normpath(args.model))
+    ref = None if looks_local(args.model) else parse(args.model)
+    return ref.name if ref is not None else os.path.basename(os.path.normpath(args.model))
 
 
 def bind_failure(e: OSError) -> str:

@@ -130,15 +130,19 @@ def load_gguf_weights(path: str, info: "ModelInfo", as_stored: bool = False
     cfg = info.hf_config
     n_heads = int(cfg["num_attention_heads"])
     n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
-    # copy-on-write: the views are writable for torch.from_numpy, and nothing writes them
-    data = np.memmap(path, dtype=np.uint8, mode="c")
+    # copy-on-write: the views are writable for torch.from_numpy, and nothing writes them;
+    # one map per file (a split model's parts)
+    maps: dict[str, np.memmap] = {}
     hook = _hook(family.gguf_tensor_hook)
     for gguf_name, t in header.tensors.items():
         if gguf_name in GGUF_DERIVED_TENSORS:
             logger.warning("%s: skipping %s (derived from the config, not an HF parameter)",
                            path, gguf_name)
             continue
-        w = _read_tensor(data, t, path)
+        file = t.file or path
+        if file not in maps:
+            maps[file] = np.memmap(file, dtype=np.uint8, mode="c")
+        w = _read_tensor(maps[file], t, file)
         mapped = hook(gguf_name, w, cfg, as_stored) if hook is not None else None
         if mapped is not None:  # the family's own mapping (gguf_hybrid.py)
             yield from mapped
