@@ -287,6 +287,20 @@ def test_download_fails_in_one_line_with_exit_1(cache, capsys, tiny_llama):
     assert capsys.readouterr().out.strip() == snap
 
 
+def test_serve_fails_in_one_line_with_exit_1_offline(cache):
+    """``pocketllm serve ID`` offline with the model not cached: one line, exit 1, and
+    nothing written to the cache."""
+    from server_process import free_port
+    from test_readme_newcomer import _one_error_line
+
+    out = subprocess.run([sys.executable, "-m", "pocketllm", "serve", "nobody/nothing-GGUF:Q8_0",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    line = _one_error_line(out)
+    assert "'nobody/nothing-GGUF:Q8_0' is not in the Hugging Face cache" in line
+    assert str(cache) in line and os.listdir(cache) == []
+
+
 def test_serve_takes_the_model_as_its_argument():
     from pocketllm.cli import build_parser
 
