@@ -185,6 +185,59 @@ def test_an_unreachable_hub_falls_back_to_the_cache(cache, tiny_llama, monkeypat
         hub.resolve("tiny-org/elsewhere")
 
 
+def _hub_error(cls):
+    e = cls.__new__(cls)  # their constructors want an HTTP response
+    Exception.__init__(e, "from the Hub")
+    return e
+
+
+@pytest.mark.parametrize("error,message", [
+    ("GatedRepoError", "'o/m' is gated: accept its terms on https://huggingface.co/o/m and "
+                       "set HF_TOKEN"),
+    ("RepositoryNotFoundError", "no model 'o/m' on the Hugging Face Hub \\(a private one needs "
+                                "HF_TOKEN\\)"),
+    ("RevisionNotFoundError", "'o/m' has no revision 'v9'")])
+def test_the_hubs_answers_are_one_line_each(cache, monkeypatch, error, message):
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def refuse(self, repo_id, revision=None):
+        raise _hub_error(getattr(errors, error))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", refuse)
+    with pytest.raises(CheckpointError, match=message):
+        hub.resolve("o/m", "v9")
+
+
+def test_online_only_the_files_serving_reads_are_fetched_at_the_listed_commit(cache, monkeypatch):
+    """The Hub's listing of the revision (mocked: no network here) decides the files;
+    ``snapshot_download`` fetches exactly those, at the commit the listing named."""
+    import types
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    listing = types.SimpleNamespace(sha=SHA2, siblings=[types.SimpleNamespace(rfilename=f)
+                                                        for f in GGUF_REPO])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda self, repo_id, revision=None: listing)
+    calls = []
+
+    def fetch(repo_id, revision=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision, allow_patterns, kw))
+        return str(cache / "snap")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetch)
+    got = hub.resolve("hf.co/o/m:bf16", "main")
+    assert calls == [("o/m", SHA2, ["BF16/M-BF16-00001-of-00002.gguf",
+                                    "BF16/M-BF16-00002-of-00002.gguf"], {})]
+    assert got.path == str(cache / "snap" / "BF16" / "M-BF16-00001-of-00002.gguf")
+    assert (got.commit, got.ref.name) == (SHA2, "o/m:bf16")
+
+
 def test_an_incomplete_snapshot_is_not_served(cache, tiny_llama):
     files = tiny_files(tiny_llama)
     files["model.safetensors.index.json"] = (
