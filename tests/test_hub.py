@@ -159,6 +159,19 @@ def test_an_id_in_the_cache_serves_offline_with_its_revision(cache, tiny_llama):
         hub.resolve("tiny-org/tiny-llama", "v3")
 
 
+def test_the_library_serves_an_id_from_the_cache(cache, tiny_llama):
+    """``LLM(EngineArgs(model=ID))``: the same tokens as the local directory."""
+    from pocketllm import LLM, SamplingParams
+
+    cache_repo(cache, "tiny-org/tiny-llama", tiny_files(tiny_llama))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    outs = []
+    for model in ("tiny-org/tiny-llama", tiny_llama):
+        with LLM(EngineArgs(model=model, device="cpu", seed=0)) as llm:
+            outs.append(llm.generate("hello world", params)[0].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
 def test_offline_and_not_cached_names_the_id_and_the_cache(cache):
     with pytest.raises(CheckpointError) as e:
         load_model_info(EngineArgs(model="nobody/nothing-GGUF:Q4_K_M"))
