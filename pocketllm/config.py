@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -119,6 +120,10 @@ class EngineArgs:
                 raise UnsupportedFeatureError(
                     "quantization with dequantize_weights: weights quantized and expanded at "
                     "load are plain float weights; drop one of the two", "quantization")
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not re.fullmatch(r"[\w./-]{1,256}", self.revision)):
+            raise InvalidRequestError("revision must name a branch, tag or commit (letters, "
+                                      "digits, '.', '_', '-', '/')", "revision")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         # Whether the model's heads split across this many ranks is the worker's check.

@@ -276,6 +276,15 @@ def test_a_local_path_comes_first_and_takes_no_revision(cache, tiny_llama, tmp_p
         load_model_info(EngineArgs(model="./no/such/dir"))
 
 
+def test_a_revision_is_a_name():
+    from pocketllm.errors import InvalidRequestError
+
+    for bad in ("", "main branch", "x" * 300, 7, "v1;rm"):
+        with pytest.raises(InvalidRequestError, match="revision must name a branch"):
+            EngineArgs(revision=bad)
+    EngineArgs(revision="refs/pr/12")
+
+
 def test_several_hosts_need_a_pinned_commit(cache, tiny_llama):
     cache_repo(cache, "tiny-org/tiny-llama", tiny_files(tiny_llama))
     args = dict(model="tiny-org/tiny-llama", tensor_parallel_size=2, nnodes=2, master_port=29500)
