@@ -335,6 +335,11 @@ def test_a_split_gguf_is_one_model(split_gguf, cache):
     assert lite["r"] == lite_whole["r"]
     assert [lp.logprob for lp in lite_driver.reqs["r"].logprobs] == \
         [lp.logprob for lp in whole_driver.reqs["r"].logprobs]
+    from pocketllm.tokenizer.tokenizer import load_tokenizer  # the vocabulary: the first part's
+
+    text = "hello split world"
+    assert load_tokenizer(load_model_info(EngineArgs(model=parts[0]))).tokenizer.encode(text).ids \
+        == load_tokenizer(load_model_info(EngineArgs(model=whole))).tokenizer.encode(text).ids
     with pytest.raises(CheckpointError, match="load its first part"):
         load_model_info(EngineArgs(model=parts[1]))
     # through the cache, by tag: every part is fetched and the first one loaded
