@@ -381,6 +381,37 @@ def test_serve_fails_in_one_line_with_exit_1_offline(cache):
     assert str(cache) in line and os.listdir(cache) == []
 
 
+def test_a_stop_while_fetching_exits_at_once(tmp_path):
+    """Ctrl-C while the Hub is being asked (here a port that takes the connection and
+    never answers): the server exits at once, exit 0, not after the download."""
+    import signal
+    import time
+
+    from server_process import free_port
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: every request waits
+    env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}",
+               HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "pocketllm", "serve", "slow-org/slow-model",
+                             "--port", str(free_port())], env=env, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "loading slow-org/slow-model" not in proc.stderr.readline():
+            assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(1.0)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - stopped < 20
+        assert "stopped while fetching slow-org/slow-model" in proc.stderr.read()
+    finally:
+        proc.kill()
+        silent.close()
+
+
 def test_serve_takes_the_model_as_its_argument():
     from pocketllm.cli import build_parser
 
