@@ -367,6 +367,24 @@ def test_download_fails_in_one_line_with_exit_1(cache, capsys, tiny_llama):
     assert capsys.readouterr().out.strip() == snap
 
 
+def test_serve_serves_an_id_under_its_name(cache, tiny_llama):
+    """``pocketllm serve ID`` from the cache: /v1/models says the id, and a completion runs."""
+    import httpx
+
+    from server_process import ServerProcess
+
+    cache_repo(cache, "tiny-org/tiny-llama", tiny_files(tiny_llama))
+    server = ServerProcess("tiny-org/tiny-llama", "--device", "cpu")  # HF_* from the fixture
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["tiny-org/tiny-llama"]
+        done = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny-org/tiny-llama", "prompt": "hello", "max_tokens": 3, "temperature": 0})
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.stop()
+
+
 def test_serve_fails_in_one_line_with_exit_1_offline(cache):
     """``pocketllm serve ID`` offline with the model not cached: one line, exit 1, and
     nothing written to the cache."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -169,11 +170,13 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
         await runner.cleanup()
         os._exit(0)  # nothing else runs yet; the fetching thread cannot be joined
     try:
-        fetch.result()
+        _, resolved = fetch.result()
     except PocketLLMError as e:
         await runner.cleanup()
         log.error("the engine failed to start: %s", e)
         return 1
+    if resolved is not None:  # the engine loads the commit fetched, even if the branch moves
+        args = dataclasses.replace(args, revision=resolved.commit)
     load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args, signals.cancel_load))
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # stopped while loading: the supervisor stops the load and reaps
