@@ -14,21 +14,16 @@ from kernel_modules import load_kernels
 
 K, DEVICE = load_kernels()
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from pocketllm.config import EngineArgs  # noqa: E402
 from pocketllm.errors import UnsupportedFeatureError  # noqa: E402
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
 from pocketllm.workers.kernels import fp8_linear, gemv  # noqa: E402
-from pocketllm.workers.layers import linear, linear_method  # noqa: E402
-from pocketllm.workers.layers.linear import (ColumnParallelLinear, LMHead,  # noqa: E402
-                                              RowParallelLinear, Shard)
+from pocketllm.workers.layers import linear_method  # noqa: E402
 from pocketllm.workers.layers.norm import RMSNorm  # noqa: E402
-from pocketllm.workers.models.weight_targets import row_parallel_targets, stacked_targets  # noqa: E402
+from test_linear_method import H, INTER, VOCAB, Tiny  # noqa: E402
 
 CUDA = DEVICE.type == "cuda"
-H, INTER, VOCAB = 256, 512, 40
-GPU_PATH = KernelPolicy(triton=True)
 
 
 def fp8_matrix(n: int, k: int, seed: int):
@@ -108,28 +103,6 @@ def test_many_rows_multiply_the_quantized_operands_on_fp8_tensor_cores(rows):
     xq, xs = fp8_linear.quantize_rows(x.to(DEVICE))
     want = (xq.float().cpu() * xs.cpu()) @ dense.T + bias.float()
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=1e-2)  # bf16 output
-
-
-class Tiny(nn.Module):
-    """q/k/v stacked, a row-parallel down projection, an LM head: built with the GPU
-    path's policy (its kernels interpreted on the CPU)."""
-
-    def __init__(self):
-        super().__init__()
-        kw = dict(device=DEVICE, dtype=torch.float32)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(linear, "policy_for", lambda device: GPU_PATH)
-            self.qkv = ColumnParallelLinear(H, [Shard(0, 0, n, n) for n in (64, 32, 32)], False,
-                                            **kw)
-            self.down = RowParallelLinear(Shard(1, 0, INTER, INTER), H, False, **kw)
-            self.head = LMHead(H, VOCAB, **kw)
-
-    def weight_targets(self):
-        t = {}
-        stacked_targets(t, "attn.", ("q_proj", "k_proj", "v_proj"), self.qkv)
-        row_parallel_targets(t, "mlp.down_proj.", self.down)
-        t["lm_head.weight"] = self.head.part_target()
-        return t
 
 
 @pytest.mark.parametrize("rows", [1, 3])

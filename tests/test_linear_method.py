@@ -18,7 +18,7 @@ from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E
 from pocketllm.workers.distributed import SINGLE, TPGroup  # noqa: E402
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
 from pocketllm.workers.kernels.gguf_gemv import Q4_K, Q6_K, Q8_0  # noqa: E402
-from pocketllm.workers.layers import linear_method  # noqa: E402
+from pocketllm.workers.layers import linear, linear_method  # noqa: E402
 from pocketllm.workers.layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear,  # noqa: E402
                                               Shard, even_shard)
 from pocketllm.workers.loader.dummy_blocks import random_block_tensor  # noqa: E402
@@ -29,17 +29,20 @@ GPU_PATH = KernelPolicy(triton=True)
 
 
 class Tiny(nn.Module):
-    """q/k/v stacked (Q4_K, Q4_K, Q6_K), down (Q8_0 or a type without a kernel), a head."""
+    """q/k/v stacked (64, 32, 32 rows), a row-parallel down projection, a head: built with
+    the GPU path's policy (its kernels interpreted on the CPU)."""
 
     def __init__(self, tp=None):
         super().__init__()
         kw = dict(device=DEVICE, dtype=torch.float32)
-        self.qkv = ColumnParallelLinear(H, [Shard(0, 0, n, n) for n in (64, 32, 32)], False, **kw)
-        self.down = RowParallelLinear(even_shard(INTER, tp, dim=1) if tp else Shard(1, 0, INTER, INTER),
-                                      H, False, tp=tp or SINGLE, **kw)
-        self.head = LMHead(H, VOCAB, **kw)
-        for layer in (self.qkv, self.down, self.head):
-            layer.policy = GPU_PATH
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(linear, "policy_for", lambda device: GPU_PATH)
+            self.qkv = ColumnParallelLinear(H, [Shard(0, 0, n, n) for n in (64, 32, 32)], False,
+                                            **kw)
+            self.down = RowParallelLinear(even_shard(INTER, tp, dim=1) if tp
+                                          else Shard(1, 0, INTER, INTER), H, False,
+                                          tp=tp or SINGLE, **kw)
+            self.head = LMHead(H, VOCAB, **kw)
 
     def weight_targets(self):
         t = {}

@@ -35,10 +35,14 @@ __all__ = ["EngineClient", "Sink", "error_from_wire"]
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs, cancel: Optional[threading.Event] = None):
-        """``cancel``: another thread sets it to abandon the startup (EngineStartupError)."""
+    def __init__(self, args: EngineArgs, cancel: Optional[threading.Event] = None,
+                 info: Optional[ModelInfo] = None):
+        """``cancel``: another thread sets it to abandon the startup (EngineStartupError).
+        ``info``: ``load_model_info(args)`` where the caller read it already (the server
+        does, first: a Hugging Face id is fetched once)."""
         self.args = args
-        self.info: ModelInfo = load_model_info(args)  # a bad checkpoint fails here, fast
+        # a bad checkpoint fails here, fast
+        self.info: ModelInfo = info if info is not None else load_model_info(args)
         # What a request may hold (protocol/limits.py): the engine's settings, the model's bounds.
         self.limits = RequestLimits.from_args(args).for_model(self.info.vocab_size,
                                                               self.info.max_model_len)

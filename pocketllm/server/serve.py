@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -19,7 +18,7 @@ from aiohttp import web
 from ..api.client import EngineClient
 from ..config import EngineArgs
 from ..errors import InvalidRequestError, PocketLLMError
-from ..model_info import checkpoint_path
+from ..model_info import load_model_info
 from ..protocol.limits import RequestLimits
 from .admission import Admission, AdmissionLimits
 from .app import ServerState, build_app
@@ -161,23 +160,21 @@ async def _serve(args: EngineArgs, opts: ServeOptions) -> int:
     loop = asyncio.get_running_loop()
     signals = _Signals(loop)
     stopper = asyncio.ensure_future(signals.stop.wait())
-    # A Hugging Face id is fetched first, on its own: a download cannot be interrupted
-    # inside its thread, and a stop during one should not wait for it to end.
-    fetch = asyncio.ensure_future(asyncio.to_thread(checkpoint_path, args))
+    # The checkpoint's metadata first, on its own (a Hugging Face id fetched): a download
+    # cannot be interrupted inside its thread, and a stop during one should not wait for it.
+    fetch = asyncio.ensure_future(asyncio.to_thread(load_model_info, args))
     await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not fetch.done():
         log.info("stopped while fetching %s (a download resumes where it stopped)", args.model)
         await runner.cleanup()
         os._exit(0)  # nothing else runs yet; the fetching thread cannot be joined
     try:
-        _, resolved = fetch.result()
+        info = fetch.result()
     except PocketLLMError as e:
         await runner.cleanup()
         log.error("the engine failed to start: %s", e)
         return 1
-    if resolved is not None:  # the engine loads the commit fetched, even if the branch moves
-        args = dataclasses.replace(args, revision=resolved.commit)
-    load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args, signals.cancel_load))
+    load = asyncio.ensure_future(asyncio.to_thread(EngineClient, args, signals.cancel_load, info))
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # stopped while loading: the supervisor stops the load and reaps
         log.info("stopping before the model finished loading")

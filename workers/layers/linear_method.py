@@ -183,10 +183,12 @@ class Fp8Method:
 DENSE, GGUF_BLOCKS, FP8_ROWS = DenseMethod(), GGUFBlockMethod(), Fp8Method()
 
 
-def materialize(model: nn.Module, stored_types: dict[str, int], device: torch.device) -> None:
+def materialize(model: nn.Module, stored_types: dict[str, "int | str"], device: torch.device
+                ) -> None:
     """Give every linear layer whose weight ``deferred_weights`` left on the meta device
     its method (``KernelPolicy.linear_method``, from the stored types of the checkpoint
-    tensors that fill it: ``stored_types``, HF name -> GGML type of a block tensor) and
+    tensors that fill it: ``stored_types``, HF name -> GGML type of a block tensor or
+    ``FP8``) and
     its storage. A layer filled through a transform (rows regrouped, a transpose) stays
     dense: only whole rows or block columns of a file's tensor can be copied as blocks;
     so does one whose family builds a target of its own (whose weight it reads itself)."""
