@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in blocks (default: sized from memory)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV-cache size in GiB (default: sized from memory)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) | fp8: e4m3 keys and values with a scale per "
+                        "position and head, about half the bytes (a GPU with FP8 support)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="share of free GPU memory the KV cache may take")
     g.add_argument("--no-prefix-caching", action="store_true",

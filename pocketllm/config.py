@@ -22,6 +22,9 @@ QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k",
 # Any float checkpoint (or dummy weights) quantized at load to e4m3 with row scales, on a
 # GPU with FP8 tensor cores (workers/loader/stored_types.py)
 FP8_QUANTIZATION = "fp8"
+# The KV cache's element type: the model dtype, or e4m3 with a scale per position and KV
+# head on the GPU path (workers/kernels/kv_fp8.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -54,6 +57,7 @@ class EngineArgs:
     num_kv_blocks: Optional[int] = None  # explicit KV budget in blocks
     kv_cache_memory_gb: Optional[float] = None  # explicit KV budget in GiB
     gpu_memory_utilization: float = 0.90  # share of free device memory for KV on CUDA
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -125,6 +129,7 @@ class EngineArgs:
             raise InvalidRequestError("revision must name a branch, tag or commit (letters, "
                                       "digits, '.', '_', '-', '/')", "revision")
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("device", self.device, DEVICES)
         # Whether the model's heads split across this many ranks is the worker's check.
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-MODULES = ("kv_write", "paged_decode_attention", "prefill_attention", "rmsnorm", "rotary",
+MODULES = ("kv_fp8", "kv_write", "paged_decode_attention", "prefill_attention", "rmsnorm", "rotary",
            "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv", "pdl",
            "gated_delta_decode", "gguf_gemv")
 

@@ -66,8 +66,11 @@ def gpu_free_bytes(device: torch.device) -> Optional[int]:
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
+    """K and V of ``block_size`` positions; FP8: a code a value and a scale byte a head."""
+    if dtype == torch.float8_e4m3fn:
+        return 2 * num_layers * block_size * num_kv_heads * (head_dim + 1)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem  # K and V
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:

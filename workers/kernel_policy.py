@@ -158,6 +158,28 @@ class KernelPolicy:
                     f"this GPU has {major}.{minor}")
         return None
 
+    def kv_cache_dtype(self, requested: str, device: torch.device, model_dtype: torch.dtype,
+                       latent: bool) -> torch.dtype:
+        """The K/V pools' element type for ``--kv-cache-dtype`` (``config.KV_CACHE_DTYPES``):
+        "fp8" is e4m3 with a scale per position and head (``kernels/kv_fp8.py``), read by
+        the Triton attention kernels; refused (``UnsupportedFeatureError``) with the reason
+        where they cannot read it."""
+        if requested == "auto":
+            return model_dtype
+        why = None
+        if not self.triton:
+            why = "the GPU path's Triton attention kernels (a CUDA device)"
+        elif latent:
+            why = "a K/V cache: MLA's latent cache (DeepSeek) has no FP8 form yet"
+        elif torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            why = f"e4m3 conversions (compute capability 8.9 or later; this GPU has {major}.{minor})"
+        if why:
+            from pocketllm.errors import UnsupportedFeatureError
+
+            raise UnsupportedFeatureError(f"kv_cache_dtype=fp8 needs {why}", "kv_cache_dtype")
+        return torch.float8_e4m3fn
+
     def moe_experts(self):
         """The experts' computation of ``layers/moe.FusedMoE`` (its signature is
         ``torch_experts``'): on the GPU path the Triton grouped GEMM of

@@ -25,7 +25,10 @@ slot per running sequence (``kv_plan.state_slots``: ``max_num_seqs``, fewer if h
 budget cannot hold them). Its "blocks" are those slots; the spare one past the end is the
 padding rows'.
 
-Each K/V pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``;
+Each K/V pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``
+(an FP8 pool, ``--kv-cache-dtype fp8``: bytes ``[..., slots, kv_heads * (head_dim + 1)]``,
+each position's codes then an exponent byte per head, ``kernels/kv_fp8.py``; the layers
+see the codes as float8_e4m3fn ``[slots, kv_heads, head_dim]`` views);
 the extra block past the end (``pad_blocks``) stays finite: the padding rows of batched
 decodes read and write it, and the runner points a sliding table's entries behind the
 window at it (their blocks may belong to another request by now).
@@ -53,8 +56,14 @@ class PagedKVCache:
     def __init__(self, layout: CacheLayout, num_blocks: list[int], block_size: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  latent_width: Optional[int] = None,
-                 state_shapes: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None):
-        """``state_shapes``: one slot's conv and recurrent state (a state group's layers)."""
+                 state_shapes: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None,
+                 kv_dtype: Optional[torch.dtype] = None):
+        """``state_shapes``: one slot's conv and recurrent state (a state group's layers);
+        ``kv_dtype``: the K/V pools' (None: ``dtype``; float8_e4m3fn: codes and scales)."""
+        self.kv_dtype = kv_dtype or dtype
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        if fp8:  # (a Triton module: the GPU path only)
+            from .kernels import kv_fp8
         self.layout, self.num_blocks, self.block_size = layout, list(num_blocks), block_size
         self.pad_blocks = list(num_blocks)  # the spare block past each pool's end
         latent = [spec.kind == "mla" for spec in layout.specs]
@@ -72,6 +81,9 @@ class PagedKVCache:
                 shapes.append(((layers, n + 1, *state_shapes[1]), torch.float32))
             elif latent[g]:
                 shapes.append(((layers, (n + 1) * block_size, latent_width), dtype))
+            elif fp8:
+                shapes.append(((layers, 2, (n + 1) * block_size,
+                                kv_fp8.row_bytes(kv_heads, head_dim)), torch.uint8))
             else:
                 shapes.append(((layers, 2, (n + 1) * block_size, kv_heads, head_dim), dtype))
         pools = self._allocate(shapes, device)  # zeroed: the spare block/slot stays so
@@ -82,8 +94,15 @@ class PagedKVCache:
         used = [0] * len(num_blocks)
         for g in layout.layer_group:
             pool, i = self.pools[g], used[g]
-            self.layer_caches.append((pool[0][i], pool[1][i]) if state[g] else
-                                     (pool[i], None) if latent[g] else (pool[i, 0], pool[i, 1]))
+            if state[g]:
+                self.layer_caches.append((pool[0][i], pool[1][i]))
+            elif latent[g]:
+                self.layer_caches.append((pool[i], None))
+            elif fp8:
+                self.layer_caches.append(tuple(kv_fp8.views(pool[i, j], kv_heads, head_dim)
+                                               for j in (0, 1)))
+            else:
+                self.layer_caches.append((pool[i, 0], pool[i, 1]))
             used[g] += 1
 
     @staticmethod

@@ -92,8 +92,10 @@ class ModelRunner:
                               cfg.linear_layers or None)
         self.model.layer_group = tuple(layout.layer_group)
         state_shapes, slot_bytes = self._state_shapes(layout)
+        kv_dtype = self.policy.kv_cache_dtype(args.kv_cache_dtype, self.device, self.dtype,
+                                              latent is not None)
         per_layer_block = (kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
-                                              self.dtype) if latent is None
+                                              kv_dtype) if latent is None
                            else self.block_size * latent * self.dtype.itemsize)
         if self.device.type == "cpu":  # the ranks of a host share one RAM budget
             per_layer_block *= ranks_on_this_host(args)
@@ -103,7 +105,7 @@ class ModelRunner:
             layout, args, self.max_model_len, per_layer_block, gpu_free_bytes(self.device),
             slot_bytes)]
         self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
-                               self.dtype, self.device, latent, state_shapes)
+                               self.dtype, self.device, latent, state_shapes, kv_dtype)
         self.kv_caches = self.kv.layer_caches
         self.num_kv_blocks = counts[0]
         self.group_windows = layout.layer_windows
@@ -123,9 +125,10 @@ class ModelRunner:
         self.graphs, self.mixed_graphs = self._capture_graphs()
         self._warm_up_sampler()
         self.load_seconds = time.perf_counter() - started
-        logger.info("worker ready: %s on %s/%s, KV capacity %d tokens (%s; blocks of %d), "
+        logger.info("worker ready: %s on %s/%s, KV capacity %d tokens (%s; blocks of %d%s), "
                     "load %.1fs", info.architecture, self.device, dtype_name(self.dtype),
                     self.kv.capacity_tokens(), self._describe_groups(), self.block_size,
+                    ", FP8 keys and values" if kv_dtype == torch.float8_e4m3fn else "",
                     self.load_seconds)
 
     def _build(self, info: ModelInfo, args: EngineArgs):
@@ -188,7 +191,7 @@ class ModelRunner:
                 kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
                 first = self.model.layer_group.index(g)
                 warm_up(*self.kv_caches[first], attn.num_heads, pad_block, self.block_size,
-                        kinds, attn.scale, sinks=attn.sinks is not None)
+                        kinds, attn.scale, sinks=attn.sinks is not None, dtype=self.dtype)
         logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
 
     def _warm_up_sampler(self) -> None:

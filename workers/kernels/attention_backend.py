@@ -95,14 +95,15 @@ class TritonAttention:
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                 pad_block: int, block_size: int,
                 layer_kinds: set[tuple[Optional[int], Optional[float]]], scale: float,
-                sinks: bool = False) -> None:
+                sinks: bool = False, dtype: Optional[torch.dtype] = None) -> None:
         """Compile, before serving, each kernel variant a step can meet (Triton compiles
         one on first use, seconds the first requests would wait): every prefill query
         tile, SDPA's fresh path, and decode with and without its k/v write, unsplit and
         each merge width. Scratch rows of zeros, in and out of the zero padding block
         only. ``layer_kinds``: the (window, softcap) pairs of the model's layers;
-        ``sinks``: its layers have attention sinks (the kernels' sink variants)."""
-        device, dtype = k_cache.device, k_cache.dtype
+        ``sinks``: its layers have attention sinks (the kernels' sink variants); ``dtype``:
+        the model's (default: the cache's; an FP8 cache's model dtype differs)."""
+        device, dtype = k_cache.device, dtype or k_cache.dtype
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
 
         def rows(n: int, heads: int) -> torch.Tensor:

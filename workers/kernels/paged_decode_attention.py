@@ -14,6 +14,8 @@ at 0 (``window`` 0 = full). Scores are ``scale * q.k``, optionally soft-capped
 ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2 style). Sinks (gpt-oss: a
 logit per query head in the denominator, no value) enter once: as the online softmax's
 starting point when unsplit, else as the merge's (the splits' partials leave them out).
+An FP8 cache (``kv_fp8.py``) is read as codes, each key's scale applied to its column of
+scores and each value's to its column of probabilities.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import kv_fp8, pdl
 from .pdl import wait_for_prior
 
 # Launch shape, tuned on an H200 under CUDA graphs (``bench --tune`` sweeps them). A
@@ -50,8 +52,8 @@ STEP_INTS = ["stride_bt", "stride_pb", "stride_ph", "partition", "min_partition"
 
 
 @triton.jit(do_not_specialize=STEP_INTS)
-def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLens, QRows,
-                   KNew, VNew, Slots, Sinks,
+def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTables,
+                   SeqLens, QRows, KNew, VNew, Slots, Sinks,
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
                    stride_knt, stride_knh, stride_vnt, stride_vnh,
@@ -60,7 +62,8 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    WRITE_KV: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                   SINKS: tl.constexpr, SHRINK: tl.constexpr, PDL: tl.constexpr):
+                   SINKS: tl.constexpr, SHRINK: tl.constexpr, PDL: tl.constexpr,
+                   FP8: tl.constexpr):
     # Before the wait (pdl.py) only the step's inputs are read: lengths, rows, tables.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,13 +86,15 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
         if WRITE_KV:
             # The cache as it was before this launch: the first keys' tile is in flight before
             # the wait. The new rows this launch writes are taken from k/v_new, not read back.
-            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
-                                  stride_kh, stride_vslot, stride_vh, PAGE)
+            k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
+                                          dim_ok, stride_kslot, stride_kh, stride_vslot,
+                                          stride_vh, PAGE, FP8)
             new_slot = tl.load(Slots + row)
         wait_for_prior(PDL)
         if not WRITE_KV:  # the kv_write launch before this one wrote the new rows
-            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
-                                  stride_kh, stride_vslot, stride_vh, PAGE)
+            k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
+                                          dim_ok, stride_kslot, stride_kh, stride_vslot,
+                                          stride_vh, PAGE, FP8)
         q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
         if WRITE_KV:  # the split holding the new token stores its k/v (no kv_write launch)
@@ -97,14 +102,25 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                             other=0.0)
             v_new = tl.load(VNew + row * stride_vnt + kv_head * stride_vnh + dims, mask=dim_ok,
                             other=0.0)
+            if FP8:  # the new rows as the cache will hold them: codes and a scale each
+                ek_new = kv_fp8.exponent_of(tl.max(tl.abs(k_new.to(tl.float32)), 0))
+                ev_new = kv_fp8.exponent_of(tl.max(tl.abs(v_new.to(tl.float32)), 0))
+                k_new, v_new = kv_fp8.encode(k_new, ek_new), kv_fp8.encode(v_new, ev_new)
+                if end == seq_len:
+                    if new_slot >= 0:
+                        tl.store(KExp + new_slot * stride_kslot + kv_head, ek_new.to(tl.uint8))
+                        tl.store(VExp + new_slot * stride_vslot + kv_head, ev_new.to(tl.uint8))
             if end == seq_len:
                 if new_slot >= 0:
                     tl.store(K + new_slot * stride_kslot + kv_head * stride_kh + dims, k_new,
                              mask=dim_ok)
                     tl.store(V + new_slot * stride_vslot + kv_head * stride_vh + dims, v_new,
                              mask=dim_ok)
-            new = (pos == seq_len - 1)[:, None]
-            k, v = tl.where(new, k_new[None, :], k), tl.where(new, v_new[None, :], v)
+            new = pos == seq_len - 1
+            k, v = tl.where(new[:, None], k_new[None, :], k), tl.where(new[:, None], v_new[None, :], v)
+            if FP8:
+                ks = tl.where(new, kv_fp8.scale_of(ek_new), ks)
+                vs = tl.where(new, kv_fp8.scale_of(ev_new), vs)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if SINKS:
@@ -112,17 +128,22 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
                 m_i = tl.load(Sinks + heads, mask=head_ok, other=0.0) * 1.4426950408889634
                 l_i = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP,
-                                     PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, ok, m_i, l_i, acc, scale, softcap,
+                                     SOFTCAP, PRECISION, FP8)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            k, v, ok = _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
-                                  stride_kh, stride_vslot, stride_vh, PAGE)
+            k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
+                                          dim_ok, stride_kslot, stride_kh, stride_vslot,
+                                          stride_vh, PAGE, FP8)
             if WRITE_KV:
-                new = (pos == seq_len - 1)[:, None]
-                k, v = tl.where(new, k_new[None, :], k), tl.where(new, v_new[None, :], v)
-            m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP,
-                                         PRECISION)
+                new = pos == seq_len - 1
+                k = tl.where(new[:, None], k_new[None, :], k)
+                v = tl.where(new[:, None], v_new[None, :], v)
+                if FP8:
+                    ks = tl.where(new, kv_fp8.scale_of(ek_new), ks)
+                    vs = tl.where(new, kv_fp8.scale_of(ev_new), vs)
+            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, ok, m_i, l_i, acc, scale, softcap,
+                                         SOFTCAP, PRECISION, FP8)
         out_mask = head_ok[:, None] & dim_ok[None, :]
         out_rows = Out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         if SPLIT:
@@ -149,25 +170,38 @@ def _decode_kernel(Q, K, V, Out, PartOut, PartLse, Counters, BlockTables, SeqLen
 
 
 @triton.jit
-def _load_tile(K, V, table, pos, end, kv_head, dims, dim_ok, stride_kslot, stride_kh,
-               stride_vslot, stride_vh, PAGE: tl.constexpr):
-    """The cached keys and values at positions ``pos`` (those before ``end``) of one KV head."""
+def _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
+               stride_kh, stride_vslot, stride_vh, PAGE: tl.constexpr, FP8: tl.constexpr):
+    """The cached keys and values at positions ``pos`` (those before ``end``) of one KV
+    head, and (FP8) each position's key and value scale (else ones)."""
     ok = pos < end
     page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
     slot = page * PAGE + pos % PAGE
     kv_mask = ok[:, None] & dim_ok[None, :]
     k = tl.load(K + slot[:, None] * stride_kslot + kv_head * stride_kh + dims[None, :],
-                mask=kv_mask, other=0.0)
+                mask=kv_mask, other=0)
     v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
-                mask=kv_mask, other=0.0)
-    return k, v, ok
+                mask=kv_mask, other=0)
+    if FP8:
+        ks = kv_fp8.scale_of(tl.load(KExp + slot * stride_kslot + kv_head, mask=ok, other=127))
+        vs = kv_fp8.scale_of(tl.load(VExp + slot * stride_vslot + kv_head, mask=ok, other=127))
+    else:
+        ks = tl.full(pos.shape, 1.0, tl.float32)
+        vs = ks
+    return k, v, ks, vs, ok
 
 
 @triton.jit
-def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """One tile of keys into the online softmax (m_i, l_i, acc), in the exp2 domain."""
+def _attend_tile(q, k, v, ks, vs, ok, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constexpr,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """One tile of keys into the online softmax (m_i, l_i, acc), in the exp2 domain. FP8:
+    k and v are e4m3 codes, ks and vs their positions' scales."""
+    if FP8:
+        k = kv_fp8.decode(k, q.dtype)
+        v = kv_fp8.decode(v, q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if FP8:
+        s = s * ks[None, :]
     if SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
@@ -177,7 +211,8 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale, softcap, SOFTCAP: tl.constex
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    pv = p * vs[None, :] if FP8 else p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -303,8 +338,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = triton.next_power_of_2(dim)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q_rows)
+    fp8 = kv_fp8.is_fp8(k_cache)
+    exps = (kv_fp8.exponents(k_cache), kv_fp8.exponents(v_cache)) if fp8 else (q, q)
+    if fp8:
+        k_cache, v_cache = kv_fp8.codes(k_cache), kv_fp8.codes(v_cache)
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, seq_lens, q_rows,
+        q, k_cache, v_cache, *exps, out, part_out, part_lse, counters, block_tables, seq_lens, q_rows,
         k_new, v_new, slots, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
@@ -316,6 +355,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,
         WRITE_KV=new_kv is not None, BLOCK_G=triton.next_power_of_2(group),
         MERGE_CHUNK=min(8, triton.next_power_of_2(num_splits)), SINKS=sinks is not None,
-        SHRINK=split and min_partition is not None, num_warps=warps,
+        SHRINK=split and min_partition is not None, FP8=fp8, num_warps=warps,
         **pdl.launch_options(q.device))
     return out

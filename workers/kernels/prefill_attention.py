@@ -13,7 +13,8 @@ only joins the denominator.
 
 One program = one block of BLOCK_M query rows x one query head of one sequence.
 Only the key tiles that cross the causal diagonal, the window's edge or the end
-of the sequence pay for a mask.
+of the sequence pay for a mask. An FP8 cache (``kv_fp8.py``) is read as the decode
+kernel reads it.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import kv_fp8
 from .paged_decode_attention import _tanh
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width: see STEP_INTS
-def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
+def _prefill_kernel(Q, K, V, KExp, VExp, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
                     stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                     stride_ot, stride_oh, stride_bt,
                     scale, softcap, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr):
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SINKS: tl.constexpr,
+                    FP8: tl.constexpr):
     head = tl.program_id(0)
     seq = tl.program_id(2)
     q_len = tl.load(QLens + seq)
@@ -78,8 +81,13 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
             slot = page * PAGE + pos % PAGE
             kv_mask = ok[:, None] & dim_ok[None, :]
             k = tl.load(K + slot[:, None] * stride_kslot + kv_head * stride_kh + dims[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8:
+                k = kv_fp8.decode(k, q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if FP8:  # each key's scale on its column
+                s = s * kv_fp8.scale_of(tl.load(KExp + slot * stride_kslot + kv_head, mask=ok,
+                                                other=127))[None, :]
             if SOFTCAP:
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
             else:
@@ -94,7 +102,11 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0)
+            if FP8:  # each value's scale on its column of probabilities
+                v = kv_fp8.decode(v, q.dtype)
+                p = p * kv_fp8.scale_of(tl.load(VExp + slot * stride_vslot + kv_head, mask=ok,
+                                                other=127))[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows may see no key
@@ -168,8 +180,12 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     heads, dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
     block_m, block_n, warps, stages = tiles
     grid = (heads, triton.cdiv(max_q_len, block_m), block_tables.shape[0])
+    fp8 = kv_fp8.is_fp8(k_cache)
+    exps = (kv_fp8.exponents(k_cache), kv_fp8.exponents(v_cache)) if fp8 else (q, q)
+    if fp8:
+        k_cache, v_cache = kv_fp8.codes(k_cache), kv_fp8.codes(v_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, q_start, q_lens,
+        q, k_cache, v_cache, *exps, out, block_tables, seq_lens, q_start, q_lens,
         q if sinks is None else sinks,  # unread without sinks
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
@@ -178,4 +194,4 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim),
         SOFTCAP=softcap is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SINKS=sinks is not None,
-        num_warps=warps, num_stages=stages)
+        FP8=fp8, num_warps=warps, num_stages=stages)

@@ -127,6 +127,8 @@ def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
         return "FP8 weights"  # the torch worker says why they cannot run here
     if args.load_format == "dummy" and args.quantization is None:
         return "dummy float weights (no quantization)"
+    if args.kv_cache_dtype != "auto":
+        return f"kv_cache_dtype {args.kv_cache_dtype}"  # the torch worker says why not here
     if args.dequantize_weights or args.batch_invariant:
         return "dequantize_weights or batch_invariant"
     return refusal(info, dummy=args.load_format == "dummy")
