@@ -20,7 +20,7 @@ import pytest
 
 MODULES = ("kv_fp8", "kv_write", "paged_decode_attention", "prefill_attention", "rmsnorm", "rotary",
            "gated_act", "gemv", "attention_backend", "bi_matmul", "fused_moe", "moe_gemv", "pdl",
-           "gated_delta_decode", "gguf_gemv")
+           "gated_delta_decode", "gguf_gemv", "gguf_dot")
 
 
 def load_kernels() -> tuple[types.SimpleNamespace, "object"]:

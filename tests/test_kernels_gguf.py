@@ -93,3 +93,42 @@ def test_refusals():
     with pytest.raises(ValueError, match="do not hold"):
         gguf_gemv.block_gemv(x, torch.zeros(4, 100, dtype=torch.uint8, device=DEVICE),
                              gguf_gemv.Q4_K, 4, 256)
+
+
+# --- the int8-dot products (kernels/gguf_dot.py) -----------------------------------------
+
+def block_exact_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows that 8-bit blocks of 32 hold exactly: integers up to 127 (one of them 127
+    in each block) times a scale per block."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (m, k // 32, 32), generator=g).float()
+    q[:, :, 5] = 127
+    return (q * torch.rand(m, k // 32, 1, generator=g)).view(m, k)
+
+
+def test_activation_blocks_round_to_int8():
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    x[1, 32:64] = 0  # a block of zeros: scale 0, codes 0
+    q, d, s = (t.cpu() for t in K.gguf_dot.quantize_rows(x.to(DEVICE)))
+    blocks = x.view(3, 3, 32)
+    torch.testing.assert_close(d, blocks.abs().amax(-1) / 127)
+    want = torch.round(blocks / torch.where(d > 0, d, 1)[:, :, None]).view(3, 96)
+    assert torch.equal(q.float(), want)
+    torch.testing.assert_close(s, blocks.sum(-1))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [None, (1, 1, 1), (16, 4, 4)])
+def test_q4_k_dot_is_exact_on_int8_activations(m, config):
+    """Where the activations are exactly 8-bit blocks, the integer dots are the float
+    product (up to float32 sums); on any rows, within 8-bit rounding of the activations."""
+    n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
+    blocks, dense = random_blocks(gguf_gemv.Q4_K, n, k, seed=5)
+    w = torch.from_numpy(dense).double()
+    b = torch.from_numpy(blocks).to(DEVICE)
+    for x, tol in ((block_exact_rows(m, k, 1), 1e-5), (torch.randn(m, k), 1.5e-2)):
+        out = torch.empty(m, n, device=DEVICE)
+        got = K.gguf_dot.q4_k_dot(K.gguf_dot.quantize_rows(x.to(DEVICE)), b, n, k, out,
+                                  config=config).cpu().double()
+        want = x.double() @ w.T
+        assert ((got - want).abs().max() / want.abs().max()).item() < tol
