@@ -26,9 +26,9 @@ budget cannot hold them). Its "blocks" are those slots; the spare one past the e
 padding rows'.
 
 Each K/V pool is ``[layers, 2 (K and V), (blocks + 1) * block_size, kv_heads, head_dim]``
-(an FP8 pool, ``--kv-cache-dtype fp8``: bytes ``[..., slots, kv_heads * (head_dim + 1)]``,
-each position's codes then an exponent byte per head, ``kernels/kv_fp8.py``; the layers
-see the codes as float8_e4m3fn ``[slots, kv_heads, head_dim]`` views);
+(an FP8 pool, ``--kv-cache-dtype fp8``: bytes ``[layers, 2, slots * kv_heads * (head_dim
++ 1)]``, each layer's codes then an exponent byte per slot and head, ``kernels/kv_fp8.py``;
+the layers see the codes as float8_e4m3fn ``[slots, kv_heads, head_dim]`` views);
 the extra block past the end (``pad_blocks``) stays finite: the padding rows of batched
 decodes read and write it, and the runner points a sliding table's entries behind the
 window at it (their blocks may belong to another request by now).
@@ -82,8 +82,8 @@ class PagedKVCache:
             elif latent[g]:
                 shapes.append(((layers, (n + 1) * block_size, latent_width), dtype))
             elif fp8:
-                shapes.append(((layers, 2, (n + 1) * block_size,
-                                kv_fp8.row_bytes(kv_heads, head_dim)), torch.uint8))
+                shapes.append(((layers, 2, (n + 1) * block_size
+                                * kv_fp8.slot_bytes(kv_heads, head_dim)), torch.uint8))
             else:
                 shapes.append(((layers, 2, (n + 1) * block_size, kv_heads, head_dim), dtype))
         pools = self._allocate(shapes, device)  # zeroed: the spare block/slot stays so
@@ -99,8 +99,9 @@ class PagedKVCache:
             elif latent[g]:
                 self.layer_caches.append((pool[i], None))
             elif fp8:
-                self.layer_caches.append(tuple(kv_fp8.views(pool[i, j], kv_heads, head_dim)
-                                               for j in (0, 1)))
+                slots = (num_blocks[g] + 1) * block_size
+                self.layer_caches.append(tuple(kv_fp8.codes_view(pool[i, j], slots, kv_heads,
+                                                                 head_dim) for j in (0, 1)))
             else:
                 self.layer_caches.append((pool[i, 0], pool[i, 1]))
             used[g] += 1

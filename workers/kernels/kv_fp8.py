@@ -1,8 +1,10 @@
 """The FP8 KV cache (``--kv-cache-dtype fp8``): e4m3 codes with a power-of-two scale per
 (position, KV head).
 
-A pool's row for one position holds every KV head's ``head_dim`` codes, then one
-exponent byte per head: the head's values are ``code * 2^(E - 127)``. The scale is the
+A layer's K (or V) pool is one run of bytes: the codes of every slot, [slots, kv_heads,
+head_dim] as a float8_e4m3fn view (rows aligned as a bfloat16 cache's), then one
+exponent byte E per (slot, KV head): the head's values at that slot are
+``code * 2^(E - 127)``. The scale is the
 smallest power of two that brings the head's largest value within e4m3's 448, so its
 rounding is e4m3's alone (relative 2^-4) and no value saturates; one byte a head keeps
 the cache at 2 * D / (D + 1) of bfloat16's capacity (1.98x at D = 128). A scale per
@@ -24,22 +26,25 @@ import triton.language as tl
 E4M3_MAX = 448.0
 
 
-def row_bytes(kv_heads: int, head_dim: int) -> int:
-    """Bytes of one position of one layer's K (or V) pool: the codes, then the exponents."""
+def slot_bytes(kv_heads: int, head_dim: int) -> int:
+    """Bytes of one slot of one layer's K (or V) pool: its codes and its exponents."""
     return kv_heads * (head_dim + 1)
 
 
-def views(rows: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The codes of a uint8 pool ``rows`` [slots, row_bytes]: float8_e4m3fn [slots, Hkv, D]."""
-    return rows[:, :kv_heads * head_dim].view(torch.float8_e4m3fn).view(
-        rows.shape[0], kv_heads, head_dim)
+def codes_view(pool: torch.Tensor, slots: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The codes of a uint8 pool of ``slots * slot_bytes`` bytes: float8_e4m3fn
+    [slots, Hkv, D] (the exponents follow them: ``exponents``)."""
+    return pool[:slots * kv_heads * head_dim].view(torch.float8_e4m3fn).view(
+        slots, kv_heads, head_dim)
 
 
 def exponents(cache: torch.Tensor) -> torch.Tensor:
-    """The exponent bytes beside ``cache``'s codes (a ``views`` tensor): uint8 [slots, Hkv]."""
+    """The exponent bytes after ``cache``'s codes (a ``codes_view``): uint8 [slots, Hkv]."""
     slots, kv_heads, head_dim = cache.shape
-    return torch.as_strided(cache.view(torch.uint8), (slots, kv_heads), (cache.stride(0), 1),
-                            cache.storage_offset() + kv_heads * head_dim)
+    if not cache.is_contiguous():
+        raise ValueError("an FP8 cache is a contiguous run of codes (kv_fp8.codes_view)")
+    return torch.as_strided(cache.view(torch.uint8), (slots, kv_heads), (kv_heads, 1),
+                            cache.storage_offset() + slots * kv_heads * head_dim)
 
 
 def codes(cache: torch.Tensor) -> torch.Tensor:

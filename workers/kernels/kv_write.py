@@ -18,7 +18,7 @@ from . import kv_fp8
 @triton.jit
 def _kv_write_kernel(K, V, KCache, VCache, KExp, VExp, Slots,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_e,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
@@ -33,9 +33,9 @@ def _kv_write_kernel(K, V, KCache, VCache, KExp, VExp, Slots,
             ek = kv_fp8.exponent_of(tl.max(tl.abs(k.to(tl.float32)), 1))
             ev = kv_fp8.exponent_of(tl.max(tl.abs(v.to(tl.float32)), 1))
             head_ok = tl.arange(0, BLOCK_H) < NUM_HEADS
-            tl.store(KExp + slot * stride_kc_slot + tl.arange(0, BLOCK_H), ek.to(tl.uint8),
+            tl.store(KExp + slot * stride_e + tl.arange(0, BLOCK_H), ek.to(tl.uint8),
                      mask=head_ok)
-            tl.store(VExp + slot * stride_vc_slot + tl.arange(0, BLOCK_H), ev.to(tl.uint8),
+            tl.store(VExp + slot * stride_e + tl.arange(0, BLOCK_H), ev.to(tl.uint8),
                      mask=head_ok)
             k, v = kv_fp8.encode(k, ek[:, None]), kv_fp8.encode(v, ev[:, None])
         tl.store(KCache + slot * stride_kc_slot + heads * stride_kc_h + dims, k, mask=mask)
@@ -60,5 +60,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, *exps, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads),
+        exps[0].stride(0), NUM_HEADS=heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(dim), FP8=fp8, num_warps=4 if heads * dim >= 2048 else 1)

@@ -56,7 +56,7 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
                    SeqLens, QRows, KNew, VNew, Slots, Sinks,
                    stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
                    stride_ot, stride_oh, stride_bt, stride_pb, stride_ph, stride_ps,
-                   stride_knt, stride_knh, stride_vnt, stride_vnh,
+                   stride_knt, stride_knh, stride_vnt, stride_vnh, stride_e,
                    scale, softcap, window, partition, min_partition,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -88,13 +88,13 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
             # the wait. The new rows this launch writes are taken from k/v_new, not read back.
             k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
                                           dim_ok, stride_kslot, stride_kh, stride_vslot,
-                                          stride_vh, PAGE, FP8)
+                                          stride_vh, stride_e, PAGE, FP8)
             new_slot = tl.load(Slots + row)
         wait_for_prior(PDL)
         if not WRITE_KV:  # the kv_write launch before this one wrote the new rows
             k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
                                           dim_ok, stride_kslot, stride_kh, stride_vslot,
-                                          stride_vh, PAGE, FP8)
+                                          stride_vh, stride_e, PAGE, FP8)
         q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
         if WRITE_KV:  # the split holding the new token stores its k/v (no kv_write launch)
@@ -108,8 +108,8 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
                 k_new, v_new = kv_fp8.encode(k_new, ek_new), kv_fp8.encode(v_new, ev_new)
                 if end == seq_len:
                     if new_slot >= 0:
-                        tl.store(KExp + new_slot * stride_kslot + kv_head, ek_new.to(tl.uint8))
-                        tl.store(VExp + new_slot * stride_vslot + kv_head, ev_new.to(tl.uint8))
+                        tl.store(KExp + new_slot * stride_e + kv_head, ek_new.to(tl.uint8))
+                        tl.store(VExp + new_slot * stride_e + kv_head, ev_new.to(tl.uint8))
             if end == seq_len:
                 if new_slot >= 0:
                     tl.store(K + new_slot * stride_kslot + kv_head * stride_kh + dims, k_new,
@@ -134,7 +134,7 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
             pos = n0 + tl.arange(0, BLOCK_N)
             k, v, ks, vs, ok = _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims,
                                           dim_ok, stride_kslot, stride_kh, stride_vslot,
-                                          stride_vh, PAGE, FP8)
+                                          stride_vh, stride_e, PAGE, FP8)
             if WRITE_KV:
                 new = pos == seq_len - 1
                 k = tl.where(new[:, None], k_new[None, :], k)
@@ -171,7 +171,8 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
 
 @triton.jit
 def _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims, dim_ok, stride_kslot,
-               stride_kh, stride_vslot, stride_vh, PAGE: tl.constexpr, FP8: tl.constexpr):
+               stride_kh, stride_vslot, stride_vh, stride_e, PAGE: tl.constexpr,
+               FP8: tl.constexpr):
     """The cached keys and values at positions ``pos`` (those before ``end``) of one KV
     head, and (FP8) each position's key and value scale (else ones)."""
     ok = pos < end
@@ -183,8 +184,8 @@ def _load_tile(K, V, KExp, VExp, table, pos, end, kv_head, dims, dim_ok, stride_
     v = tl.load(V + slot[:, None] * stride_vslot + kv_head * stride_vh + dims[None, :],
                 mask=kv_mask, other=0)
     if FP8:
-        ks = kv_fp8.scale_of(tl.load(KExp + slot * stride_kslot + kv_head, mask=ok, other=127))
-        vs = kv_fp8.scale_of(tl.load(VExp + slot * stride_vslot + kv_head, mask=ok, other=127))
+        ks = kv_fp8.scale_of(tl.load(KExp + slot * stride_e + kv_head, mask=ok, other=127))
+        vs = kv_fp8.scale_of(tl.load(VExp + slot * stride_e + kv_head, mask=ok, other=127))
     else:
         ks = tl.full(pos.shape, 1.0, tl.float32)
         vs = ks
@@ -349,7 +350,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), heads * num_splits, num_splits, 1,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        scale, softcap or 1.0, window or 0, partition, min_partition or 0,
+        exps[0].stride(0), scale, softcap or 1.0, window or 0, partition, min_partition or 0,
         GROUP=group, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFTCAP=softcap is not None, SPLIT=split, PRECISION=precision,

@@ -33,7 +33,7 @@ from .paged_decode_attention import _tanh
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width: see STEP_INTS
 def _prefill_kernel(Q, K, V, KExp, VExp, Out, BlockTables, SeqLens, QStart, QLens, Sinks,
                     stride_qt, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh,
-                    stride_ot, stride_oh, stride_bt,
+                    stride_ot, stride_oh, stride_bt, stride_e,
                     scale, softcap, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -86,7 +86,7 @@ def _prefill_kernel(Q, K, V, KExp, VExp, Out, BlockTables, SeqLens, QStart, QLen
                 k = kv_fp8.decode(k, q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if FP8:  # each key's scale on its column
-                s = s * kv_fp8.scale_of(tl.load(KExp + slot * stride_kslot + kv_head, mask=ok,
+                s = s * kv_fp8.scale_of(tl.load(KExp + slot * stride_e + kv_head, mask=ok,
                                                 other=127))[None, :]
             if SOFTCAP:
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
@@ -105,7 +105,7 @@ def _prefill_kernel(Q, K, V, KExp, VExp, Out, BlockTables, SeqLens, QStart, QLen
                         mask=kv_mask, other=0)
             if FP8:  # each value's scale on its column of probabilities
                 v = kv_fp8.decode(v, q.dtype)
-                p = p * kv_fp8.scale_of(tl.load(VExp + slot * stride_vslot + kv_head, mask=ok,
+                p = p * kv_fp8.scale_of(tl.load(VExp + slot * stride_e + kv_head, mask=ok,
                                                 other=127))[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
@@ -189,7 +189,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
         q if sinks is None else sinks,  # unread without sinks
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale, softcap or 1.0, window or 0,
+        block_tables.stride(0), exps[0].stride(0), scale, softcap or 1.0, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=dim, PAGE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim),
         SOFTCAP=softcap is not None,
