@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -48,19 +49,27 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
-def _torch_teacher_forced(runner: ModelRunner, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(argmax, log-probability of the next text token) at each position of one prefill."""
-    seq = ScheduledSeq(block_ids=list(range(len(ids) // 16 + 1)), start=0, num_tokens=len(ids), row=0)
-    meta = runner.metadata([[seq] for _ in runner.kv.num_blocks])  # the same ids in each pool
+def _torch_teacher_forced(runner: ModelRunner, ids: list[int], chunk: Optional[int] = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax, log-probability of the next text token) at each position: one prefill, or
+    prefill chunks of ``chunk`` rows (each attending to the cache the earlier ones wrote;
+    on a GPU, chunks of up to ``linear_method.GEMV_ROWS`` rows take the block gemvs)."""
+    chunk = chunk or len(ids)
+    blocks = list(range(len(ids) // 16 + 1))
+    top, logprob = [], []
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), len(ids) - 1, meta,
-                              runner.kv_caches)[:-1]
-        top, logprob = [], []
-        for at in range(0, hidden.shape[0], 128):  # the 262k-entry logits, a slice at a time
-            logits = runner.model.compute_logits(hidden[at:at + 128]).double().numpy()
-            top.append(logits.argmax(-1))
-            nxt = np.array(ids[at + 1:at + 1 + logits.shape[0]])
-            logprob.append(_log_softmax(logits)[np.arange(len(nxt)), nxt])
+        for start in range(0, len(ids) - 1, chunk):
+            n = min(chunk, len(ids) - 1 - start)
+            seq = ScheduledSeq(block_ids=blocks, start=start, num_tokens=n, row=0)
+            meta = runner.metadata([[seq] for _ in runner.kv.num_blocks])  # same ids per pool
+            hidden = runner.model(torch.tensor(ids[start:start + n], device=runner.device),
+                                  torch.arange(start, start + n, device=runner.device),
+                                  start + n - 1, meta, runner.kv_caches)
+            for at in range(0, n, 128):  # the 262k-entry logits, a slice at a time
+                logits = runner.model.compute_logits(hidden[at:at + 128]).double().cpu().numpy()
+                top.append(logits.argmax(-1))
+                nxt = np.array(ids[start + at + 1:start + at + 1 + logits.shape[0]])
+                logprob.append(_log_softmax(logits)[np.arange(len(nxt)), nxt])
     return np.concatenate(top), np.concatenate(logprob)
 
 

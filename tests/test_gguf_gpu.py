@@ -44,3 +44,40 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk)
     assert got["r"] == want["r"]
     lps = [np.array([lp.logprob for lp in d.reqs["r"].logprobs]) for d in (got_driver, want_driver)]
     np.testing.assert_allclose(lps[0], lps[1], atol=1e-3)
+
+
+def test_the_embedded_gguf_on_its_blocks_agrees_with_float32_over_a_long_text(default_model_path):
+    """Teacher-forced over 1,100 tokens of prose in chunks of up to ``GEMV_ROWS`` rows (so
+    every product of a block layer is a block gemv), float32 activations: the top-1 token
+    agrees with the file dequantized to float32 at >= 99% of positions, and the perplexity
+    is within 1%, the CPU block path's bar (test_block_weights.py)."""
+    from test_block_weights import TEXT_TOKENS, _torch_teacher_forced, README
+
+    from pocketllm.config import EngineArgs
+    from pocketllm.model_info import load_model_info
+    from pocketllm.tokenizer.tokenizer import load_tokenizer
+    from pocketllm.workers.runner import ModelRunner
+
+    tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
+    with open(README, encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids
+    while len(ids) < TEXT_TOKENS:
+        ids += ids[1:]
+    ids = ids[:TEXT_TOKENS]
+
+    def runner(**kw):
+        args = EngineArgs(device="cuda", dtype="float32", block_size=16, max_num_seqs=1,
+                          num_kv_blocks=TEXT_TOKENS // 16 + 2, cuda_graphs=False, **kw)
+        return ModelRunner(load_model_info(args), args)
+
+    blocks = runner()
+    kinds = {type(m.method).__name__ for m in blocks.model.modules() if hasattr(m, "method")}
+    assert "GGUFBlockMethod" in kinds, kinds
+    top_b, lp_b = _torch_teacher_forced(blocks, ids, chunk=linear_method.GEMV_ROWS)
+    del blocks
+    top_f, lp_f = _torch_teacher_forced(runner(dequantize_weights=True), ids)
+    agree = (top_b == top_f).mean()
+    ppl_b, ppl_f = np.exp(-lp_b.mean()), np.exp(-lp_f.mean())
+    print(f"GPU blocks: top-1 agreement {agree:.4f}, perplexity {ppl_b:.4f} float32 {ppl_f:.4f}")
+    assert agree >= 0.99
+    assert abs(ppl_b / ppl_f - 1) <= 0.01

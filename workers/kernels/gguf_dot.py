@@ -139,8 +139,9 @@ def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
     tl.store(Y + m * stride_y + rows, y.to(Y.dtype.element_ty), mask=ok)
 
 
-# (rows a program, super-blocks of each a loop step, warps)
-Q4_K_CONFIG = (8, 2, 4)
+# (rows a program, super-blocks of each a loop step, warps): the fastest on an H100 over
+# Llama-3-8B's qkv and gate_up (.devrun/bench_dot.py, docs/benchmarks.md, session 28)
+Q4_K_CONFIG = (2, 4, 1)
 
 
 def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.Tensor,
@@ -154,3 +155,7 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
         q.view(torch.int32), d, s, words, out, n, k, words.shape[1], out.stride(0),
         BLOCK_N=block_n, SB=sb, EMULATE=EMULATE, num_warps=warps)
     return out
+
+
+# ggml type -> its integer-dot product (the signature of ``q4_k_dot``)
+DOTS = {Q4_K: q4_k_dot}

@@ -11,7 +11,8 @@ layer itself never branches on storage.
   worker, a type with no GPU kernel, batch-invariant mode), dequantized at load.
 * ``GGUF_BLOCKS``: each stacked part's blocks as the file stores them, uint8
   [rows, row_bytes] on the GPU (``layer.blocks``, ``layer.block_types``): up to
-  ``GEMV_ROWS`` rows run the block gemv of ``kernels/gguf_gemv.py`` per part, more rows
+  ``GEMV_ROWS`` rows run, per part, the integer dots of ``kernels/gguf_dot.py`` on 8-bit
+  activation blocks (Q4_K) or the float block gemv of ``kernels/gguf_gemv.py``, more rows
   dequantize each part to the model dtype and take the GEMM. Weight memory is the file's
   bytes.
 * ``FP8``: float8_e4m3fn ``layer.weight`` with one float32 scale per output row,
@@ -114,14 +115,19 @@ class GGUFBlockMethod:
 
     def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        from ..kernels import gguf_gemv
+        from ..kernels import gguf_dot, gguf_gemv
 
         k = x.shape[-1]
         y = torch.empty(x.shape[0], layer.out_width, dtype=out_dtype or x.dtype, device=x.device)
         at = 0
+        xq = None  # x in 8-bit blocks, for the parts the integer dots read (made once)
         for blocks, ggml_type in zip(layer.blocks, layer.block_types):
             n = blocks.shape[0]
-            if x.shape[0] <= GEMV_ROWS:
+            if x.shape[0] <= GEMV_ROWS and x.is_cuda and ggml_type in gguf_dot.DOTS:
+                if xq is None:
+                    xq = gguf_dot.quantize_rows(x)
+                gguf_dot.DOTS[ggml_type](xq, blocks, n, k, out=y[:, at:at + n])
+            elif x.shape[0] <= GEMV_ROWS:
                 gguf_gemv.block_gemv(x, blocks, ggml_type, n, k, out=y[:, at:at + n])
             else:
                 w = gguf_gemv.dequantize(blocks, ggml_type, n, k, x.dtype)
