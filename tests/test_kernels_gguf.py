@@ -117,18 +117,22 @@ def test_activation_blocks_round_to_int8():
     torch.testing.assert_close(s, blocks.sum(-1))
 
 
+DOT_TYPES = sorted(K.gguf_dot.KERNELS) if hasattr(K, "gguf_dot") else []
+
+
+@pytest.mark.parametrize("ggml_type", DOT_TYPES)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("config", [None, (1, 1, 1), (16, 4, 4)])
-def test_q4_k_dot_is_exact_on_int8_activations(m, config):
+def test_integer_dots_are_exact_on_int8_activations(ggml_type, m, config):
     """Where the activations are exactly 8-bit blocks, the integer dots are the float
     product (up to float32 sums); on any rows, within 8-bit rounding of the activations."""
     n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
-    blocks, dense = random_blocks(gguf_gemv.Q4_K, n, k, seed=5)
+    blocks, dense = random_blocks(ggml_type, n, k, seed=5)
     w = torch.from_numpy(dense).double()
     b = torch.from_numpy(blocks).to(DEVICE)
     for x, tol in ((block_exact_rows(m, k, 1), 1e-5), (torch.randn(m, k), 1.5e-2)):
         out = torch.empty(m, n, device=DEVICE)
-        got = K.gguf_dot.q4_k_dot(K.gguf_dot.quantize_rows(x.to(DEVICE)), b, n, k, out,
-                                  config=config).cpu().double()
+        got = K.gguf_dot.KERNELS[ggml_type](K.gguf_dot.quantize_rows(x.to(DEVICE)), b, n, k,
+                                            out, config=config).cpu().double()
         want = x.double() @ w.T
         assert ((got - want).abs().max() / want.abs().max()).item() < tol

@@ -14,6 +14,13 @@ integer dot is scaled once:
 (Q4_K: w = d * sc * q - dmin * m per sub-block of 32; dx the activation block's scale).
 The only new error is the activations' rounding to 8 bits (relative ~2^-8 per block).
 
+Kernels: Q4_K (above), Q5_K (its fifth bit joined to each nibble from the high-bit
+words), Q6_K (six bits from a nibble and two high bits; signed through its offset: a
+group of 16's sum is sc * dx * (sum q qx - 32 sum qx)), Q8_0 (signed by signed) and Q4_0
+(its offset of 8 through the block's float sum of x). Blocks whose size is not a
+multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16.
+``DOTS`` holds the ones the GPU path takes: only those timed and checked on a GPU.
+
 Under Triton's CPU interpreter (no inline assembly) ``dp4a`` is four multiply-adds of
 the bytes, the same integers.
 """
@@ -26,22 +33,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .gguf_gemv import Q4_K, _check
+from .gguf_gemv import Q4_K, Q6_K, Q8_0, _check
+
+Q4_0, Q5_K = 2, 13
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _dp4a(a, b, c, EMULATE: tl.constexpr):
-    """c + the sum of a's four unsigned bytes times b's four signed bytes (int32 each)."""
+def _dp4a(a, b, c, EMULATE: tl.constexpr, SIGNED_A: tl.constexpr = False):
+    """c + the sum of a's four bytes (unsigned, or signed with SIGNED_A) times b's four
+    signed bytes (int32 each)."""
     if EMULATE:
         acc = c
         for i in tl.static_range(4):
-            acc += ((a >> (8 * i)) & 255) * ((b << (24 - 8 * i)) >> 24)
+            if SIGNED_A:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 255
+            acc += ai * ((b << (24 - 8 * i)) >> 24)
         return acc
+    elif SIGNED_A:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16(h):
+    """The fp16 in the low 16 bits of ``h`` (any int type), as float32."""
+    return (h.to(tl.int32) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word(W16, at, mask):
+    """The little-endian int32 of the two int16 at ``at`` and ``at + 1`` (blocks whose
+    size is even but not a multiple of 4: Q8_0's 34 bytes, Q4_0's 18, Q6_K's 210)."""
+    lo = tl.load(W16 + at, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    hi = tl.load(W16 + at + 1, mask=mask, other=0).to(tl.int32)
+    return lo | (hi << 16)
 
 
 @triton.jit
@@ -139,6 +171,205 @@ def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
     tl.store(Y + m * stride_y + rows, y.to(Y.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
+                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+    """Program: BLOCK_N rows, NB blocks of 32 of each a loop step. A block is 17 int16:
+    d (fp16), then 32 int8 codes; w = d * q, both sides signed."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    j = tl.arange(0, 8)[None, None, :]
+    row_h = rows.to(tl.int64)[:, None] * row_halves  # [BN, 1], in int16
+    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for b0 in range(0, K // 32, NB):
+        b = b0 + tl.arange(0, NB)[None, :]
+        b_ok = b < K // 32
+        live = ok[:, None] & b_ok
+        blk = row_h + b * 17
+        d = _f16(tl.load(W16 + blk, mask=live, other=0))
+        w = _word(W16, blk[:, :, None] + 1 + 2 * j, live[:, :, None])
+        x = tl.load(XQ + m * (K // 4) + b[:, :, None] * 8 + j, mask=b_ok[:, :, None], other=0)
+        dot = tl.sum(_dp4a(w, x, 0, EMULATE, True), 2).to(tl.float32)
+        dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
+        acc += d * dx * dot
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _q4_0_dot_kernel(XQ, XD, XS, W16, Y, N, K, row_halves, stride_y,
+                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+    """A block is 9 int16: d (fp16), then 16 bytes whose low nibbles are weights 0-15 and
+    high nibbles 16-31; w = d * (q - 8), so a block's sum is d * (dx * sum q qx - 8 * sum x)."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    j = tl.arange(0, 4)[None, None, :]
+    row_h = rows.to(tl.int64)[:, None] * row_halves  # [BN, 1], in int16
+    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for b0 in range(0, K // 32, NB):
+        b = b0 + tl.arange(0, NB)[None, :]
+        b_ok = b < K // 32
+        live = ok[:, None] & b_ok
+        blk = row_h + b * 9
+        d = _f16(tl.load(W16 + blk, mask=live, other=0))
+        w = _word(W16, blk[:, :, None] + 1 + 2 * j, live[:, :, None])
+        xw = XQ + m * (K // 4) + b[:, :, None] * 8 + j
+        x_lo = tl.load(xw, mask=b_ok[:, :, None], other=0)
+        x_hi = tl.load(xw + 4, mask=b_ok[:, :, None], other=0)
+        dot = tl.sum(_dp4a(w & 0x0F0F0F0F, x_lo, 0, EMULATE)
+                     + _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, 0, EMULATE), 2).to(tl.float32)
+        dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
+        sx = tl.load(XS + m * (K // 32) + b, mask=b_ok, other=0.0)
+        acc += d * (dx * dot - 8.0 * sx)
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _q5_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """Q4_K's super-block with a fifth bit: 44 words: d and dmin, three of 6-bit scales
+    and mins, eight of high bits (byte i's bit s: sub-block s, position i), then the 32
+    words of nibbles; w = d * sc * (q + 16 h) - dmin * m."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    r = tl.arange(0, 4)[None, None, :, None]
+    j = tl.arange(0, 8)[None, None, None, :]
+    row_w = W + rows.to(tl.int64)[:, None] * row_words
+    acc = tl.zeros([BLOCK_N, SB], dtype=tl.float32)
+    xq = XQ + m * (K // 4)
+    for sb0 in range(0, K // 256, SB):
+        sb = sb0 + tl.arange(0, SB)[None, :]
+        sb_ok = sb < K // 256
+        live = ok[:, None] & sb_ok
+        blk = row_w + sb * 44
+        head = tl.load(blk, mask=live, other=0)
+        d, dmin = _f16(head), _f16(head >> 16)
+        w1 = tl.load(blk + 1, mask=live, other=0)[:, :, None]
+        w2 = tl.load(blk + 2, mask=live, other=0)[:, :, None]
+        w3 = tl.load(blk + 3, mask=live, other=0)[:, :, None]
+        qh = tl.load(blk[:, :, None, None] + 4 + j, mask=live[:, :, None, None], other=0)
+        q = tl.load(blk[:, :, None, None] + 12 + r * 8 + j, mask=live[:, :, None, None],
+                    other=0)
+        lo = (q & 0x0F0F0F0F) | (((qh >> (2 * r)) & 0x01010101) << 4)
+        hi = ((q >> 4) & 0x0F0F0F0F) | (((qh >> (2 * r + 1)) & 0x01010101) << 4)
+        at = sb[:, :, None, None] * 64 + r * 16 + j
+        x_lo = tl.load(xq + at, mask=sb_ok[:, :, None, None], other=0)
+        x_hi = tl.load(xq + at + 8, mask=sb_ok[:, :, None, None], other=0)
+        dot_lo = tl.sum(_dp4a(lo, x_lo, 0, EMULATE), 3).to(tl.float32)
+        dot_hi = tl.sum(_dp4a(hi, x_hi, 0, EMULATE), 3).to(tl.float32)
+        sub = m * (K // 32) + sb[:, :, None] * 8 + 2 * tl.arange(0, 4)[None, None, :]
+        x_ok = sb_ok[:, :, None]
+        dx_lo = tl.load(XD + sub, mask=x_ok, other=0.0)
+        dx_hi = tl.load(XD + sub + 1, mask=x_ok, other=0.0)
+        sx_lo = tl.load(XS + sub, mask=x_ok, other=0.0)
+        sx_hi = tl.load(XS + sub + 1, mask=x_ok, other=0.0)
+        sc_lo, mn_lo = _k4_scales(w1, w2, w3, 0)
+        sc_hi, mn_hi = _k4_scales(w1, w2, w3, 1)
+        sums = tl.sum(sc_lo * dx_lo * dot_lo + sc_hi * dx_hi * dot_hi, 2)
+        mins = tl.sum(mn_lo * sx_lo + mn_hi * sx_hi, 2)
+        acc += d * sums - dmin * mins
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _q6_k_dot_kernel(XQ, XD, W16, W8, Y, N, K, row_halves, stride_y,
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """A super-block is 105 int16: ql[128] (half h's 64 bytes: low nibbles are its
+    weights 0-63, high 64-127), qh[64] (half h's 32 bytes: bits 2j..2j+1 of byte i are
+    weight 32 j + i), int8 scales[16] (one per 16 weights), d. w = d * sc * (q - 32): a
+    group of 16's sum is d * sc * dx * (sum q qx - 32 sum qx). Tile axes: (row,
+    super-block, half h, group g of 16 in a nibble run, word w of the group)."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    g = tl.arange(0, 4)[None, None, None, :, None]
+    w = tl.arange(0, 4)[None, None, None, None, :]
+    row_h = rows.to(tl.int64)[:, None] * row_halves  # [BN, 1], in int16
+    acc = tl.zeros([BLOCK_N, SB], dtype=tl.float32)
+    xq = XQ + m * (K // 4)
+    for sb0 in range(0, K // 256, SB):
+        sb = sb0 + tl.arange(0, SB)[None, :]
+        sb_ok = sb < K // 256
+        live = ok[:, None] & sb_ok
+        blk = row_h + sb * 105  # [BN, SB]
+        b5 = blk[:, :, None, None, None]
+        l5 = live[:, :, None, None, None]
+        d = _f16(tl.load(W16 + blk + 104, mask=live, other=0))
+        for n in tl.static_range(2):  # low nibbles: the half's weights 0-63; high: 64-127
+            ql = _word(W16, b5 + 32 * h + 2 * (4 * g + w), l5)  # bytes 64 h + 4 t
+            qh = _word(W16, b5 + 64 + 16 * h + 2 * (4 * (g % 2) + w), l5)
+            u = ((ql >> (4 * n)) & 0x0F0F0F0F) | (((qh >> (2 * (2 * n + g // 2))) & 0x03030303) << 4)
+            x = tl.load(xq + sb[:, :, None, None, None] * 64 + 32 * h + 16 * n + 4 * g + w,
+                        mask=sb_ok[:, :, None, None, None], other=0)
+            dot = tl.sum(_dp4a(u, x, 0, EMULATE), 4)  # [BN, SB, 2, 4]
+            xsum = tl.sum(_dp4a(x * 0 + 0x01010101, x, 0, EMULATE), 4)  # each group's sum qx
+            h4, g4 = tl.arange(0, 2)[None, None, :, None], tl.arange(0, 4)[None, None, None, :]
+            sc = tl.load(W8 + 2 * blk[:, :, None, None] + 192 + 8 * h4 + 4 * n + g4,
+                         mask=live[:, :, None, None], other=0).to(tl.float32)
+            dx = tl.load(XD + m * (K // 32) + sb[:, :, None, None] * 8 + 4 * h4 + 2 * n + g4 // 2,
+                         mask=sb_ok[:, :, None, None], other=0.0)
+            acc += d * tl.sum(tl.sum(sc * dx * (dot - 32 * xsum).to(tl.float32), 3), 2)
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+def _blocks_as(blocks: torch.Tensor, ggml_type: int, n: int, k: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """``blocks`` (uint8 [n, row_bytes] of ``ggml_type``) viewed as ``dtype`` units."""
+    from ..loader.gguf_quants import GGML_TYPES
+
+    _, per, size = GGML_TYPES[ggml_type]
+    if k % per or tuple(blocks.shape) != (n, k // per * size) or blocks.dtype != torch.uint8:
+        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a [{n}, {k}] "
+                         f"matrix of type {ggml_type}")
+    return blocks.view(dtype)
+
+
+def _launch(kernel, xq, words: torch.Tensor, out: torch.Tensor, n: int, k: int, config,
+            *weights) -> torch.Tensor:
+    """One program per ``config[0]`` rows and row of x; ``weights``: the kernel's block
+    pointers (``words`` first, whose row length in its units the kernel takes)."""
+    block_n, depth, warps = config
+    kernel[(triton.cdiv(n, block_n), xq[0].shape[0])](
+        *xq, *weights, out, n, k, words.shape[1], out.stride(0), block_n, depth, EMULATE,
+        num_warps=warps)
+    return out
+
+
+def q8_0_dot(xq, blocks, n, k, out, config=None):
+    """As ``q4_k_dot``, for Q8_0 blocks."""
+    q, d, _ = xq
+    w = _blocks_as(blocks, Q8_0, n, k, torch.int16)
+    return _launch(_q8_0_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
+                   config or (2, 8, 1), w)
+
+
+def q4_0_dot(xq, blocks, n, k, out, config=None):
+    """As ``q4_k_dot``, for Q4_0 blocks."""
+    q, d, s = xq
+    w = _blocks_as(blocks, Q4_0, n, k, torch.int16)
+    return _launch(_q4_0_dot_kernel, (q.view(torch.int32), d, s), w, out, n, k,
+                   config or (2, 8, 1), w)
+
+
+def q5_k_dot(xq, blocks, n, k, out, config=None):
+    """As ``q4_k_dot``, for Q5_K blocks."""
+    q, d, s = xq
+    w = _blocks_as(blocks, Q5_K, n, k, torch.int32)
+    return _launch(_q5_k_dot_kernel, (q.view(torch.int32), d, s), w, out, n, k,
+                   config or (2, 4, 1), w)
+
+
+def q6_k_dot(xq, blocks, n, k, out, config=None):
+    """As ``q4_k_dot``, for Q6_K blocks."""
+    q, d, _ = xq
+    w = _blocks_as(blocks, Q6_K, n, k, torch.int16)
+    return _launch(_q6_k_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
+                   config or (2, 2, 1), w, blocks.view(torch.int8))
+
+
 # (rows a program, super-blocks of each a loop step, warps): the fastest on an H100 over
 # Llama-3-8B's qkv and gate_up (.devrun/bench_dot.py, docs/benchmarks.md, session 28)
 Q4_K_CONFIG = (2, 4, 1)
@@ -157,5 +388,8 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
     return out
 
 
-# ggml type -> its integer-dot product (the signature of ``q4_k_dot``)
+# ggml type -> its integer-dot product (the signature of ``q4_k_dot``): every kernel here,
+# and those the GPU path takes (measured on a GPU, docs/benchmarks.md). The others have
+# passed only the interpreter's tests and wait for a device to time and check them.
+KERNELS = {Q4_K: q4_k_dot, Q8_0: q8_0_dot, Q4_0: q4_0_dot, Q5_K: q5_k_dot, Q6_K: q6_k_dot}
 DOTS = {Q4_K: q4_k_dot}
