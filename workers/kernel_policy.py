@@ -173,7 +173,8 @@ class KernelPolicy:
             why = "a K/V cache: MLA's latent cache (DeepSeek) has no FP8 form yet"
         elif torch.cuda.get_device_capability(device) < (8, 9):
             major, minor = torch.cuda.get_device_capability(device)
-            why = f"e4m3 conversions (compute capability 8.9 or later; this GPU has {major}.{minor})"
+            why = (f"e4m3 conversions (compute capability 8.9 or later; this GPU has "
+                   f"{major}.{minor})")
         if why:
             from pocketllm.errors import UnsupportedFeatureError
 

@@ -301,7 +301,8 @@ def _q6_k_dot_kernel(XQ, XD, W16, W8, Y, N, K, row_halves, stride_y,
         for n in tl.static_range(2):  # low nibbles: the half's weights 0-63; high: 64-127
             ql = _word(W16, b5 + 32 * h + 2 * (4 * g + w), l5)  # bytes 64 h + 4 t
             qh = _word(W16, b5 + 64 + 16 * h + 2 * (4 * (g % 2) + w), l5)
-            u = ((ql >> (4 * n)) & 0x0F0F0F0F) | (((qh >> (2 * (2 * n + g // 2))) & 0x03030303) << 4)
+            high = (qh >> (2 * (2 * n + g // 2))) & 0x03030303
+            u = ((ql >> (4 * n)) & 0x0F0F0F0F) | (high << 4)
             x = tl.load(xq + sb[:, :, None, None, None] * 64 + 32 * h + 16 * n + 4 * g + w,
                         mask=sb_ok[:, :, None, None, None], other=0)
             dot = tl.sum(_dp4a(u, x, 0, EMULATE), 4)  # [BN, SB, 2, 4]

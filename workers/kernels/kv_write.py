@@ -27,8 +27,10 @@ def _kv_write_kernel(K, V, KCache, VCache, KExp, VExp, Slots,
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
-        k = tl.load(K + token.to(tl.int64) * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
-        v = tl.load(V + token.to(tl.int64) * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
+        k = tl.load(K + token.to(tl.int64) * stride_kt + heads * stride_kh + dims, mask=mask,
+                    other=0.0)
+        v = tl.load(V + token.to(tl.int64) * stride_vt + heads * stride_vh + dims, mask=mask,
+                    other=0.0)
         if FP8:  # per head: its exponent, then its codes
             ek = kv_fp8.exponent_of(tl.max(tl.abs(k.to(tl.float32)), 1))
             ev = kv_fp8.exponent_of(tl.max(tl.abs(v.to(tl.float32)), 1))

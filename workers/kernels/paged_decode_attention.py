@@ -117,7 +117,8 @@ def _decode_kernel(Q, K, V, KExp, VExp, Out, PartOut, PartLse, Counters, BlockTa
                     tl.store(V + new_slot * stride_vslot + kv_head * stride_vh + dims, v_new,
                              mask=dim_ok)
             new = pos == seq_len - 1
-            k, v = tl.where(new[:, None], k_new[None, :], k), tl.where(new[:, None], v_new[None, :], v)
+            k = tl.where(new[:, None], k_new[None, :], k)
+            v = tl.where(new[:, None], v_new[None, :], v)
             if FP8:
                 ks = tl.where(new, kv_fp8.scale_of(ek_new), ks)
                 vs = tl.where(new, kv_fp8.scale_of(ev_new), vs)
@@ -344,7 +345,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if fp8:
         k_cache, v_cache = kv_fp8.codes(k_cache), kv_fp8.codes(v_cache)
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, *exps, out, part_out, part_lse, counters, block_tables, seq_lens, q_rows,
+        q, k_cache, v_cache, *exps, out, part_out, part_lse, counters, block_tables, seq_lens,
+        q_rows,
         k_new, v_new, slots, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
