@@ -65,6 +65,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in blocks (default: sized from memory)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV-cache size in GiB (default: sized from memory)")
+    g.add_argument("--speculative-method", default=None,
+                   help="ngram: draft tokens by looking the last tokens up earlier in the "
+                        "prompt and output, verified in one step (the torch-free CPU worker)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens a request verifies in one step (default 4)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) | fp8: e4m3 keys and values with a scale per "
                         "position and head, about half the bytes (a GPU with FP8 support)")

@@ -25,6 +25,11 @@ FP8_QUANTIZATION = "fp8"
 # The KV cache's element type: the model dtype, or e4m3 with a scale per position and KV
 # head on the GPU path (workers/kernels/kv_fp8.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Speculative decoding (docs/speculative.md): drafts proposed by n-gram lookup in the
+# scheduler, verified by the worker in one multi-token step. "draft" (a draft model) and
+# "mtp" (a checkpoint's multi-token-prediction layers) are named, not built yet.
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -58,6 +63,8 @@ class EngineArgs:
     kv_cache_memory_gb: Optional[float] = None  # explicit KV budget in GiB
     gpu_memory_utilization: float = 0.90  # share of free device memory for KV on CUDA
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    speculative_method: Optional[str] = None  # SPECULATIVE_METHODS; None: no speculation
+    num_speculative_tokens: int = 4  # most drafts a request verifies in one step
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -130,6 +137,17 @@ class EngineArgs:
                                       "digits, '.', '_', '-', '/')", "revision")
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.speculative_method in ("draft", "mtp"):
+            raise UnsupportedFeatureError(
+                f"speculative_method={self.speculative_method!r} is not built yet; "
+                "speculative_method='ngram' is", "speculative_method")
+        if self.speculative_method is not None:
+            _choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        if (isinstance(self.num_speculative_tokens, bool)
+                or not isinstance(self.num_speculative_tokens, int)
+                or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer in 1.."
+                                      f"{MAX_SPECULATIVE_TOKENS}", "num_speculative_tokens")
         _choice("device", self.device, DEVICES)
         # Whether the model's heads split across this many ranks is the worker's check.
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

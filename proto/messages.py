@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: per-group block tables (cache groups)
+PROTOCOL_VERSION = 3  # 2: per-group block tables (cache groups); 3: speculative drafts
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
@@ -213,6 +213,12 @@ class StepPlan(_Msg):
     # the snapshot slot during the forward, so a snapshot never cuts a prompt's chunk.
     state_copies_before: list[list[int]] = []
     state_snapshots: list[list[int]] = []
+    # Speculative decoding: per request of the plan (its order), the draft tokens it
+    # verifies in this step ([] for most). Drafts follow the request's known tokens: they
+    # are counted in num_scheduled_tokens, computed at the positions after its last known
+    # token, and sample there too; the worker keeps none of them (the next plan carries
+    # the tokens that were accepted).
+    draft_token_ids: list[list[int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -224,12 +230,17 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class StepResult(_Msg):
-    """rank 0 -> scheduler: one sampled token per request that reached its end."""
+    """rank 0 -> scheduler: one sampled token per request that reached its end; a request
+    that verified drafts may add more (``extra_token_ids``: its accepted drafts after the
+    first, then the token sampled after the last accepted one)."""
 
     step_id: int
     request_ids: list[str] = []
     token_ids: list[int] = []
     logprobs: list[Optional[TokenLogprobs]] = []
+    # per request id, the tokens after token_ids[i] and their logprobs (empty: none)
+    extra_token_ids: list[list[int]] = []
+    extra_logprobs: list[list[Optional[TokenLogprobs]]] = []
     error: Optional[str] = None  # a failed forward: the scheduler fails the step
     path: str = ""  # how the forward ran: one of STEP_PATHS ("": nothing to compute)
     launch_ms: float = 0.0  # host time to queue the step (on the CPU: to compute it)
@@ -291,6 +302,10 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     state_step_bytes: int = 0
     # The KV cache groups, full attention first; empty: one full group of num_kv_blocks.
     cache_groups: list[CacheGroup] = []
+    # Speculative decoding the worker verifies: its method ("" none) and the most drafts a
+    # request may bring to one step.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0
 
 
 class WorkerReady(_Msg):
@@ -400,6 +415,8 @@ class SchedulerStats(_Msg):
     steps_by_path: dict[str, int] = {}  # cumulative: computed steps by StepResult.path
     step_launch_ms_by_path: dict[str, float] = {}  # cumulative StepResult.launch_ms, by path
     step_device_ms_by_path: dict[str, float] = {}  # cumulative StepResult.device_ms, by path
+    spec_draft_tokens: int = 0  # cumulative: draft tokens verified
+    spec_accepted_tokens: int = 0  # cumulative: of those, accepted
 
 
 # ---------------------------------------------------------------- lifecycle

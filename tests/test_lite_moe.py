@@ -123,7 +123,8 @@ def test_what_the_lite_worker_leaves_to_the_torch_worker(hf_moe, all_blocks, tmp
     assert refusal(info) is None  # the config alone allows it
     with pytest.raises(UnsupportedFeatureError, match=r"experts\.0\.gate_proj: a float type"):
         LiteModel(info)
-    assert lite_runner(info, args, 1) is None
+    runner, why = lite_runner(info, args, 1)
+    assert runner is None and "a float type" in why
 
     cfg = arch_config(load_model_info(EngineArgs(model=all_blocks)))
     assert experts_refusal("qwen3_moe", cfg) is None

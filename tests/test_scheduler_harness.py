@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from pocketllm.proto.messages import (NULL_BLOCK, PENDING, CacheGroup, CacheSpec,
                                       SamplingSpec, StepPlan, StepResult, TokenBatch,
-                                      TokenizedRequest)
+                                      TokenizedRequest, TokenLogprobs)
 from pocketllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from pocketllm.scheduler.step_loop import StepLoop
 
@@ -150,34 +150,52 @@ class FakeWorker:
             return StepResult(plan.step_id, error="simulated forward failure")
         self._copy_states(plan.state_copies_before)  # a prefix hit's snapshot into its slot
         samplers = []
+        drafts_of = plan.draft_token_ids or [[]] * len(ids)
+        assert len(drafts_of) == len(ids)
+        drafts = dict(zip(ids, drafts_of))
         for rid, n in zip(ids, plan.num_scheduled_tokens):  # write every slot first...
             state = self.reqs[rid]
             start, tokens = state["computed"], state["tokens"]
-            assert 1 <= n and start + n <= len(tokens), f"{rid}: {start}+{n} of {len(tokens)}"
+            d = drafts[rid]
+            n_known = n - len(d)
+            assert 1 <= n_known and start + n_known <= len(tokens), \
+                f"{rid}: {start}+{n_known} of {len(tokens)}"
+            assert not d or start + n_known == len(tokens), f"{rid}: drafts before its end"
             for g in self._positional():
                 assert len(state["blocks"][g]) * self.block_size >= start + n, f"{rid}: too few blocks"
             self._check_reads(rid, state, start, start)  # the cached KV the chunk attends to
-            self._advance_states(rid, state, start, n)
+            self._advance_states(rid, state, start, n_known)
+            ext = tokens + d  # a draft's KV is its prefix's, whether or not it is accepted
             for pos in range(start, start + n):
                 for g in self._positional():
-                    self.kv[self._slot(state, pos, g)] = self._expected(tokens, pos)
-            state["computed"] += n
+                    self.kv[self._slot(state, pos, g)] = self._expected(ext, pos)
+            state["computed"] += n_known
             self.computed[rid] += n
             if state["computed"] == len(tokens):
                 samplers.append(rid)
         self._take_snapshots(plan.state_snapshots, dict(zip(ids, plan.num_scheduled_tokens)))
-        out_ids, out_tokens, out_lp = [], [], []
+        out_ids, out_tokens, out_lp, extras = [], [], [], []
         for rid in samplers:  # ...then attend: read each group's context back
             state = self.reqs[rid]
             self._check_reads(rid, state, len(state["tokens"]) - 1, len(state["tokens"]))
+            d, tokens = drafts[rid], state["tokens"]
+            # each position's token given the drafts before it; drafts accepted while they
+            # equal the token sampled before them
+            got = [next_token(tokens + d[:j]) for j in range(len(d) + 1)]
+            accepted = next((j for j in range(len(d)) if got[j] != d[j]), len(d))
+            state["computed"] += accepted
             out_ids.append(rid)
-            out_tokens.append(next_token(state["tokens"]))
-            self.last_sampled[rid] = out_tokens[-1]
+            out_tokens.append(got[0])
+            extras.append(got[1:accepted + 1])
+            self.last_sampled[rid] = got[accepted]
             out_lp.append(None)
         if self.logprobs:
-            from pocketllm.proto.messages import TokenLogprobs
             out_lp = [TokenLogprobs(-0.5, [t], [-0.5]) for t in out_tokens]
-        return StepResult(plan.step_id, out_ids, out_tokens, out_lp)
+        spec = bool(plan.draft_token_ids)
+        return StepResult(plan.step_id, out_ids, out_tokens, out_lp,
+                          extra_token_ids=extras if spec else [],
+                          extra_logprobs=[[TokenLogprobs(-0.5, [t], [-0.5]) for t in e]
+                                          for e in extras] if spec and self.logprobs else [])
 
 
 @dataclass

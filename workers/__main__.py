@@ -27,9 +27,16 @@ def main(ctx: StageContext) -> None:
         link = SchedulerLink(ctx.zmq, plan_endpoint(args.master_addr, args.master_port),
                              read_secret(args.tensor_parallel_secret_file), rank)
         recv, send = link.recv, link.send
-    runner = lite_runner(ctx.info, args, world)  # a CPU GGUF model: no torch at all
+    runner, why = lite_runner(ctx.info, args, world)  # a CPU GGUF model: no torch at all
     fatal: tuple = ()  # what stops this rank (a tensor-parallel step out of step)
     if runner is None:
+        if args.speculative_method is not None:
+            from pocketllm.errors import UnsupportedFeatureError
+
+            raise UnsupportedFeatureError(
+                f"speculative_method={args.speculative_method!r} runs on the torch-free CPU "
+                f"worker only for now (a GGUF model on a CPU), and this model runs on the "
+                f"torch worker ({why})", "speculative_method")
         distributed, runner = torch_runner(ctx, rank, world)
         fatal = (distributed.RankFailure,)
     try:
@@ -62,7 +69,8 @@ def main(ctx: StageContext) -> None:
 
 
 def lite_runner(info, args, world: int):
-    """The torch-free runner where it can serve the model (workers/lite), else None."""
+    """(the torch-free runner where it can serve the model (workers/lite), None), else
+    (None, why not)."""
     from .lite.model import worker_refusal
 
     why = worker_refusal(info, args, world)
@@ -72,11 +80,11 @@ def lite_runner(info, args, world: int):
         from .lite.runner import LiteRunner
 
         try:
-            return LiteRunner(info, args)
+            return LiteRunner(info, args), None
         except UnsupportedFeatureError as e:  # e.g. a tensor type with no kernel
             why = str(e)
     logger.info("the torch worker serves this model (the torch-free one does not: %s)", why)
-    return None
+    return None, why
 
 
 def torch_runner(ctx: StageContext, rank: int, world: int):

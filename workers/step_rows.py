@@ -48,7 +48,11 @@ class StepRows:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
-    samplers: list[tuple[str, RequestState]] = field(default_factory=list)
+    samplers: list[tuple[str, RequestState]] = field(default_factory=list)  # per sample row
+    # per sample row: how many draft tokens precede it after the request's known tokens
+    # (its token takes position len(token_ids) + offset); 0 but for speculative steps
+    sample_offsets: list[int] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request -> its drafts
     pending_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request)
 
 
@@ -153,18 +157,28 @@ class RequestBook:
             state.padded[g] = max(state.padded[g], end)
 
     def rows(self, plan: StepPlan, entries: list[tuple[str, RequestState, int]]) -> StepRows:
-        """The plan's rows, in its order; checked against what each request holds."""
+        """The plan's rows, in its order; checked against what each request holds. A
+        request's drafts (``plan.draft_token_ids``) follow its last known token, each
+        position sampled."""
         out = StepRows([[] for _ in self.num_blocks])
-        for (rid, state, start), n in zip(entries, plan.num_scheduled_tokens):
+        drafts_of = plan.draft_token_ids or [[]] * len(entries)
+        if len(drafts_of) != len(entries):
+            raise StepError(f"draft_token_ids has {len(drafts_of)} entries for "
+                            f"{len(entries)} requests")
+        for (rid, state, start), n, drafts in zip(entries, plan.num_scheduled_tokens, drafts_of):
             if n == 0:
                 continue
-            end = start + n
-            if start < 0 or n < 0 or end > len(state.token_ids):
+            end = start + n - len(drafts)  # the known tokens' end
+            if start < 0 or end <= start or end > len(state.token_ids):
                 raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
                                 f"{len(state.token_ids)} known")
-            if any(end > len(table) * self.block_size
+            if drafts and (end != len(state.token_ids) or any(
+                    g and not p for g, p in zip(state.block_ids, self.positional))):
+                raise StepError(f"request {rid!r}: drafts follow the last known token of a "
+                                "request with no recurrent state")
+            if any(start + n > len(table) * self.block_size
                    for table, positional in zip(state.block_ids, self.positional) if positional):
-                raise StepError(f"request {rid!r}: {end} tokens need more than its "
+                raise StepError(f"request {rid!r}: {start + n} tokens need more than its "
                                 f"{min(map(len, state.block_ids))} blocks")
             self.behind_window(state, start)
             for group, table in zip(out.seqs, state.block_ids):
@@ -172,10 +186,16 @@ class RequestBook:
             out.input_ids.extend(state.token_ids[start:end])
             if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
                 out.pending_rows.append((len(out.input_ids) - 1, rid))
-            out.positions.extend(range(start, end))
+            last = len(out.input_ids) - 1
+            out.input_ids.extend(drafts)
+            out.positions.extend(range(start, start + n))
+            if drafts:
+                out.drafts[rid] = list(drafts)
             if end == len(state.token_ids):
-                out.sample_rows.append(len(out.input_ids) - 1)
-                out.samplers.append((rid, state))
+                for offset in range(len(drafts) + 1):
+                    out.sample_rows.append(last + offset)
+                    out.samplers.append((rid, state))
+                    out.sample_offsets.append(offset)
         return out
 
 

@@ -29,6 +29,11 @@ class SchedulerConfig:
     overlap: bool = False
     # The worker's KV cache groups (kv_groups.py); empty: one full group of num_kv_blocks.
     cache_groups: list[CacheGroup] = field(default_factory=list)
+    # Speculative decoding (ngram.py): the most drafts a decoding request verifies in one
+    # step (0: off), and the largest batch of decodes that drafts at all (past it a step
+    # is better spent on more requests than on more tokens of a few).
+    num_speculative_tokens: int = 0
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -59,7 +64,8 @@ def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: i
         enable_chunked_prefill=caps.chunked_prefill,
         # Only decode steps under CUDA graphs gain from batched admissions.
         admission_delay_s=admission_delay_s if caps.cuda_graph_batch_sizes else 0.0,
-        overlap=overlap, cache_groups=list(caps.cache_groups))
+        overlap=overlap, cache_groups=list(caps.cache_groups),
+        num_speculative_tokens=caps.num_speculative_tokens)
 
 
 class StepDraft:
@@ -68,6 +74,7 @@ class StepDraft:
     def __init__(self, budget: int):
         self.budget = budget
         self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
+        self.drafts: dict[Request, list[int]] = {}  # their draft tokens (counted in scheduled)
         self.preempted_ids: list[str] = []  # ids workers must drop in this very plan
         self.preempted = False
         self.has_prefill = False

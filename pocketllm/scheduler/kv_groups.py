@@ -312,20 +312,24 @@ class CacheGroups:
                 "kv_blocks_total": sum(p.num_blocks for p in pools),
                 "kv_blocks_cached_free": sum(p.num_cached_free_blocks for p in pools)}
 
-    def check_invariants(self, running, held: Sequence[tuple[int, int]] = ()) -> None:
-        """``held``: (group, slot) of the snapshots steps in flight are writing."""
+    def check_invariants(self, running, held: Sequence[tuple[int, int]] = (),
+                         ahead: int = 0) -> None:
+        """``held``: (group, slot) of the snapshots steps in flight are writing; ``ahead``:
+        the most draft tokens a request verifies in a step (the blocks of its last drafts'
+        positions stay with it: the worker's table only grows)."""
         refs: list[dict[int, int]] = [{} for _ in self.pools]
         for g, slot in held:
             refs[g][slot] = refs[g].get(slot, 0) + 1
         for req in running:
             assert len(req.block_ids) == len(self.pools), f"{req} has a table per group"
             length = blocks_for(req.num_computed_tokens, self.block_size)
+            most = blocks_for(req.num_computed_tokens + ahead, self.block_size)
             for g, (rule, table) in enumerate(zip(self.rules, req.block_ids)):
                 if rule.state:
                     assert len(table) == 1, f"{req} holds {len(table)} state slots in group {g}"
                     refs[g][table[0]] = refs[g].get(table[0], 0) + 1
                     continue
-                assert len(table) == length, f"{req} group {g} holds blocks it has not filled"
+                assert length <= len(table) <= most, f"{req} group {g} holds blocks it has not filled"
                 real = [b for b in table if b != NULL_BLOCK]
                 assert len(set(real)) == len(real), f"{req} repeats a block in group {g}"
                 nulls = len(table) - len(real)

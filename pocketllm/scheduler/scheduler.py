@@ -32,6 +32,15 @@ to snapshot the state there, mid-chunk (``StepPlan.state_snapshots``), and the s
 published with the step's blocks (kv_groups.py says where, and where a later prompt
 resumes).
 
+Speculative decoding (``SchedulerConfig.num_speculative_tokens``; ngram.py proposes): a
+decode may bring draft tokens to its step, computed at the positions after its last token
+and counted in the budget, with blocks for them; the result returns the drafts the worker
+accepted and the token after them; the rejected positions are computed again as the
+request reaches them (their blocks stay with it, never published before then). Only
+requests whose tokens do not depend on what came before beyond the logits draft: no
+grammar, no penalties or logit_bias (those run as before: exact, never approximated).
+Drafts need the request's last token, so a step that may draft is never planned ahead.
+
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
 steps in flight, each token being sampled is a ``PENDING`` placeholder until
@@ -57,6 +66,7 @@ from .block_manager import BlockManager, blocks_for
 from .config import SchedulerConfig, StepDraft
 from .fair_queue import FairQueue
 from .kv_groups import CacheGroups
+from .ngram import NgramDrafter
 from .request import Request, RequestStatus, refusal
 from .structured import StructuredRequests
 
@@ -89,6 +99,10 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
         self.num_overlapped_steps = 0
+        k = config.num_speculative_tokens
+        self.drafter = NgramDrafter(k) if k else None
+        self.spec_draft_tokens = 0  # verified drafts
+        self.spec_accepted_tokens = 0
         self.clock = time.monotonic  # replaceable in tests
 
     # ------------------------------------------------------------ requests in
@@ -178,11 +192,16 @@ class Scheduler:
 
     def _schedule_running(self, step: StepDraft) -> None:
         running = [r for r in self.running if not self._ends_with_pending_token(r)]
+        drafting = self._drafting()
         for req in running:  # decodes first
             if step.budget <= 0:
                 return
             if req.status is RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                self._allocate_or_preempt(step, req, 1)
+                drafts = self._drafts(req, step.budget - 1) if drafting else []
+                drafts = drafts[:max(0, self.kv.fit_tokens(req) - 1)]  # never preempt for them
+                self._allocate_or_preempt(step, req, 1 + len(drafts))
+                if drafts and req in step.scheduled:  # (fewer blocks may have been free)
+                    step.drafts[req] = drafts[:step.scheduled[req] - 1]
         for req in running:  # then prefill chunks already under way
             if step.budget <= 0:
                 return
@@ -196,6 +215,26 @@ class Scheduler:
             else:
                 continue
             self._allocate_or_preempt(step, req, n)
+
+    def _drafting(self) -> bool:
+        """Whether this step's decodes may draft: speculation is on, no step is in flight
+        (a draft follows the request's last token, which must be known), and the running
+        batch is small enough to gain from more tokens a request rather than more
+        requests."""
+        return (self.drafter is not None and not self._inflight
+                and len(self.running) <= self.config.speculative_max_batch)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The draft tokens a decoding request verifies this step: none where speculation
+        cannot be exact (a grammar, penalties or logit_bias, whose next row depends on the
+        token before) or no room is left (max_tokens, max_model_len, the step's budget)."""
+        if req.grammar is not None or uses_penalties(req.sampling):
+            return []
+        room = min(req.sampling.max_tokens - req.num_output_tokens,
+                   self.config.max_model_len - req.num_tokens, budget + 1) - 1
+        if room <= 0:
+            return []
+        return self.drafter.propose(req.request_id, req.token_ids, room)
 
     def _ends_with_pending_token(self, req: Request) -> bool:
         """Its token still in flight reaches max_tokens or max_model_len: update() will end
@@ -313,6 +352,7 @@ class Scheduler:
         new, cached, new_entries, cached_entries = [], [], [], []
         before, taken, snapshots = [], [], []
         for req, n in step.scheduled.items():
+            n -= len(step.drafts.get(req, ()))  # of the request's own tokens
             before += self.kv.take_restores(req)
             for entry, block_hash in self.kv.snapshots_in(req, req.num_computed_tokens,
                                                           req.num_computed_tokens + n):
@@ -336,9 +376,12 @@ class Scheduler:
             req.num_computed_tokens += n
             if samples:
                 req.token_ids.append(PENDING)
+        drafts = [step.drafts.get(req, []) for req, _, _ in entries]
         plan = self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
-                                       num_scheduled_tokens=[n for _, n, _ in entries],
+                                       num_scheduled_tokens=[n + len(d) for (_, n, _), d
+                                                             in zip(entries, drafts)],
                                        state_copies_before=before, state_snapshots=taken,
+                                       draft_token_ids=drafts if any(drafts) else [],
                                        **structured), entries, step.preempted_ids)
         if snapshots:
             self._snapshots[plan.step_id] = snapshots
@@ -375,6 +418,8 @@ class Scheduler:
         if not (self.config.overlap and self.config.enable_chunked_prefill and self._inflight
                 and self._inflight[-1][1] and self.running):
             return False  # (an empty plan is followed by nothing: no promise chain of them)
+        if self.drafter is not None and len(self.running) <= self.config.speculative_max_batch:
+            return False  # the next step may draft: it waits for this one's tokens
         return not any(samples and (req.grammar is not None or uses_penalties(req.sampling))
                        for req, _n, samples in self._inflight[-1][1])
 
@@ -399,7 +444,7 @@ class Scheduler:
                     self._fail(batch, req, detail)
             return batch
         index = {rid: i for i, rid in enumerate(result.request_ids)}
-        for req, n, samples in entries:
+        for e, (req, n, samples) in enumerate(entries):
             if req.is_finished:
                 continue  # aborted while the step ran: its token is dropped
             req.num_verified_tokens += n
@@ -419,12 +464,37 @@ class Scheduler:
             self._cache_full_blocks(req)
             try:  # the request's own work (its grammar): a failure ends only this request
                 self._after_token(batch, req, token, logprob)
-            except Exception as e:  # noqa: BLE001
+                if plan.draft_token_ids and plan.draft_token_ids[e]:
+                    self._after_drafts(batch, req, plan.draft_token_ids[e], token, result, i)
+            except Exception as exc:  # noqa: BLE001
                 log.exception("request %s failed after token %d", req.request_id, token)
                 self._fail(batch, req, ErrorDetail(
                     ErrorKind.internal, f"the scheduler failed on this request's token "
-                    f"{token}: {type(e).__name__}: {e}"))
+                    f"{token}: {type(exc).__name__}: {exc}"))
         return batch
+
+    def _after_drafts(self, batch: TokenBatch, req: Request, drafts: list[int], first: int,
+                      result: StepResult, i: int) -> None:
+        """A speculative step's further tokens: each accepted draft's position is computed,
+        and the token after it joins as if decoded alone (a stop, EOS or max_tokens among
+        them ends the request there). The blocks of rejected positions stay with the
+        request (the worker's tables only grow): its next tokens fill them."""
+        extra = result.extra_token_ids[i] if i < len(result.extra_token_ids) else []
+        logprobs = result.extra_logprobs[i] if i < len(result.extra_logprobs) else []
+        if [first, *extra][:len(extra)] != drafts[:len(extra)] or len(extra) > len(drafts):
+            raise ValueError(f"the worker accepted {len(extra)} of drafts {drafts} but "
+                             f"returned {[first, *extra]}")
+        self.spec_draft_tokens += len(drafts)
+        self.spec_accepted_tokens += len(extra)
+        self.drafter.verified(req.request_id, len(drafts), len(extra))
+        for j, token in enumerate(extra):
+            if req.is_finished:
+                return
+            req.num_computed_tokens += 1  # the accepted draft's position
+            req.num_verified_tokens += 1
+            req.token_ids.append(token)
+            self._cache_full_blocks(req)
+            self._after_token(batch, req, token, logprobs[j] if j < len(logprobs) else None)
 
     def _after_token(self, batch: TokenBatch, req: Request, token: int,
                      logprob: Optional[TokenLogprobs]) -> None:
@@ -465,6 +535,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.structured.compiling.pop(req, None)
         self.kv.free_all(req)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
@@ -492,6 +564,8 @@ class Scheduler:
             "prefix_cache_hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
             "overlapped_steps": self.num_overlapped_steps,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
         }
 
     def check_invariants(self) -> None:
@@ -507,4 +581,5 @@ class Scheduler:
         assert len(self._requests) == len(self.running) + len(self.waiting)
         assert len(self.running) <= self.config.max_num_seqs
         self.kv.check_invariants(self.running, [(g, slot) for held in self._snapshots.values()
-                                                for g, slot, _ in held])
+                                                for g, slot, _ in held],
+                                 self.config.num_speculative_tokens)

@@ -71,7 +71,10 @@ class _EngineCounters:
                  s.prefix_cache_hits),
                 ("preemptions", "Requests preempted", s.preemptions),
                 ("overlapped_steps", "Steps planned while the previous one ran",
-                 s.overlapped_steps)):
+                 s.overlapped_steps),
+                ("spec_draft_tokens", "Speculative draft tokens verified", s.spec_draft_tokens),
+                ("spec_accepted_tokens", "Speculative draft tokens accepted",
+                 s.spec_accepted_tokens)):
             c = CounterMetricFamily(p + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c

@@ -9,6 +9,12 @@ float32 host memory, one per cache group, sized and backed as the torch worker's
 Each step computes at launch (the CPU has no queue to overlap with), so the worker sends
 its tokens at once; a plan made before the scheduler saw them (overlap scheduling) names
 them PENDING, and they are taken from the last step's.
+
+Speculative decoding (``--speculative-method ngram``): a request's drafts are computed
+after its last token in the same forward and every one of those positions is sampled, the
+token at position p + j with the randomness position p + j always gets; the drafts are
+accepted while each equals the token sampled before it (``accept_drafts``), so the text is
+the one decoding without drafts samples, seeded or greedy (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from pocketllm.config import EngineArgs, cpu_thread_count
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
@@ -61,6 +68,11 @@ class LiteRunner:
                               state_layers=getattr(cfg, "linear_layers", None) or None)
         self.layout = layout
         self.state_groups = [layout.is_state(g) for g in range(len(layout.specs))]
+        if args.speculative_method is not None and any(self.state_groups):
+            raise UnsupportedFeatureError(
+                "speculative decoding of a model with recurrent state (linear-attention "
+                "layers) is not built yet: its states cannot be rolled back to the accepted "
+                "drafts", "speculative_method")
         row = cfg.num_kv_heads * cfg.head_dim  # floats a slot holds, K or V
         per_layer_block = 2 * self.block_size * row * 4
         state_shapes = self.model.state_shapes() if any(self.state_groups) else ((0,), (0,))
@@ -113,7 +125,10 @@ class LiteRunner:
                                      for (k, v), (g, _w) in zip(self.caches, self.views)
                                      if self.state_groups[g]),
             cache_groups=[CacheGroup(spec, n, self.layout.num_layers(g)) for g, (spec, n)
-                          in enumerate(zip(self.layout.specs, self.num_blocks))])
+                          in enumerate(zip(self.layout.specs, self.num_blocks))],
+            speculative_method=self.args.speculative_method or "",
+            num_speculative_tokens=(self.args.num_speculative_tokens
+                                    if self.args.speculative_method else 0))
 
     def launch(self, plan: StepPlan) -> LiteStep:
         """Compute a step and sample it; a failure comes back as ``StepResult.error``."""
@@ -184,9 +199,40 @@ class LiteRunner:
         histories = [state.history for state in states]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in rows.samplers])
-        out = self.sampler(logits, [s.sampling for s in states], [len(s.token_ids) for s in states],
+        out = self.sampler(logits, [s.sampling for s in states],
+                           [len(s.token_ids) + off for s, off in zip(states, rows.sample_offsets)],
                            histories if any(h is not None for h in histories) else None, mask)
-        ids = [rid for rid, _ in rows.samplers]
-        self._last_tokens = dict(zip(ids, out.token_ids))
-        return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=out.token_ids,
-                          logprobs=out.logprobs, path="eager")
+        result = accept_drafts(plan.step_id, [rid for rid, _ in rows.samplers], out.token_ids,
+                               out.logprobs, rows.drafts)
+        self._last_tokens = {rid: ([first, *more])[-1] for rid, first, more in
+                             zip(result.request_ids, result.token_ids,
+                                 result.extra_token_ids or [[]] * len(result.request_ids))}
+        return result
+
+
+def accept_drafts(step_id: int, row_ids: list[str], tokens: list[int], logprobs: list,
+                  drafts: dict[str, list[int]]) -> StepResult:
+    """The step's result from its sample rows (``row_ids``: each row's request; a request
+    with k drafts has k + 1 rows in a run): each request's first token, and for one with
+    drafts the drafts accepted after it, each accepted while the token sampled at the
+    position before equals it, then the token sampled after the last accepted one."""
+    ids, firsts, first_lps, extras, extra_lps = [], [], [], [], []
+    i = 0
+    while i < len(row_ids):
+        rid, d = row_ids[i], drafts.get(row_ids[i], [])
+        got = tokens[i:i + len(d) + 1]
+        accepted = 0
+        while accepted < len(d) and got[accepted] == d[accepted]:
+            accepted += 1
+        lps = logprobs[i:i + accepted + 1] if logprobs else [None] * (accepted + 1)
+        ids.append(rid)
+        firsts.append(got[0])
+        first_lps.append(lps[0])
+        extras.append(got[1:accepted + 1])
+        extra_lps.append(lps[1:accepted + 1])
+        i += len(d) + 1
+    spec = bool(drafts)
+    return StepResult(step_id=step_id, request_ids=ids, token_ids=firsts,
+                      logprobs=first_lps if logprobs else [],
+                      extra_token_ids=extras if spec else [],
+                      extra_logprobs=extra_lps if spec and logprobs else [], path="eager")

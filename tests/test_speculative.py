@@ -1,0 +1,237 @@
+"""Speculative decoding (docs/speculative.md): the n-gram drafter, the scheduler's
+multi-token steps against the fake worker (whose KV checks catch a rejected draft's
+position read as real), and whole engines on the embedded model: the same text with
+speculation as without, greedy and seeded, with stops, n > 1, logprobs, prefix caching
+and preemption; and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm.config import EngineArgs
+from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.scheduler.ngram import COOLDOWN, NgramDrafter
+from test_scheduler_harness import Driver, config, make_request, next_token
+
+# --- the n-gram drafter -------------------------------------------------------------------
+
+
+def test_the_tokens_after_the_latest_match_of_the_longest_suffix():
+    d = NgramDrafter(4)
+    assert d.propose("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 10) == [4, 5, 6, 7]
+    assert d.propose("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], 10) == [6, 7, 1, 2]
+    assert d.propose("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], 2) == [6, 7]  # the room
+    assert d.propose("b", [5, 6, 7, 8], 4) == []  # nothing repeats
+    # the longest suffix wins: (9, 2) occurred later than (1, 2) but (8, 1, 2) matches more
+    assert d.propose("c", [8, 1, 2, 3, 9, 2, 4, 8, 1, 2], 4) == [3, 9, 2, 4]
+
+
+def test_drafts_shorten_and_pause_as_they_fail():
+    d = NgramDrafter(4)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
+    d.verified("a", 4, 1)  # average 0.625: 4 * 0.625 = 2.5 -> 2
+    assert d.propose("a", tokens, 10) == [3, 4]
+    d.verified("a", 2, 0)
+    d.verified("a", 2, 0)  # below the floor: a pause
+    assert all(d.propose("a", tokens, 10) == [] for _ in range(COOLDOWN))
+    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]  # then full length again
+    d.forget("a")
+
+
+# --- the scheduler's speculative steps, against the fake worker ----------------------------
+
+class Oracle:
+    """Drafts the fake model's own continuation: ``right`` tokens of it, then wrong ones."""
+
+    def __init__(self, k: int, right: int):
+        self.k, self.right = k, right
+        self.verified_calls: list[tuple[int, int]] = []
+
+    def propose(self, rid: str, tokens: list[int], limit: int) -> list[int]:
+        out, ctx = [], list(tokens)
+        for j in range(min(self.k, limit)):
+            t = next_token(ctx)
+            out.append(t if j < self.right else (t + 1) % 1000)
+            ctx.append(t)
+        return out
+
+    def verified(self, rid: str, drafted: int, accepted: int) -> None:
+        self.verified_calls.append((drafted, accepted))
+
+    def forget(self, rid: str) -> None:
+        pass
+
+
+def run(requests, drafter=None, **cfg):
+    driver = Driver(config(num_speculative_tokens=4 if drafter else 0, **cfg))
+    if drafter:
+        driver.sched.drafter = drafter
+    for r in requests:
+        driver.add(r)
+    return driver.run(), driver
+
+
+def requests(**kw):
+    return [make_request("a", [5, 6, 7, 8, 9], max_tokens=23, **kw),
+            make_request("b", list(range(30, 47)), max_tokens=9, **kw)]
+
+
+@pytest.mark.parametrize("right", [4, 2, 0])  # all accepted, some, none
+def test_speculative_steps_produce_the_tokens_decoding_does(right):
+    want, plain = run(requests())
+    oracle = Oracle(4, right)
+    got, spec = run(requests(), oracle)
+    assert {k: (o.tokens, o.finish_reason) for k, o in got.items()} == \
+        {k: (o.tokens, o.finish_reason) for k, o in want.items()}
+    assert all(a == min(d, right) for d, a in oracle.verified_calls)
+    assert any(p.draft_token_ids for p in spec.plans)
+    if right == 4:  # up to five tokens a step: fewer steps
+        assert len(spec.plans) < len(plain.plans) / 2
+    stats = spec.sched.stats()
+    assert stats["spec_draft_tokens"] == sum(d for d, _ in oracle.verified_calls)
+    assert stats["spec_accepted_tokens"] == sum(a for _, a in oracle.verified_calls)
+
+
+def test_a_stop_token_or_eos_among_the_accepted_ends_the_request_there():
+    plain = run([make_request("a", [5, 6, 7, 8, 9], max_tokens=30)])[0]["a"].tokens
+    eos, stop = plain[6], plain[11]
+    for kw in (dict(eos=(eos,)), dict(stop_token_ids=[stop])):
+        want = run([make_request("a", [5, 6, 7, 8, 9], max_tokens=30, **kw)])[0]["a"]
+        got = run([make_request("a", [5, 6, 7, 8, 9], max_tokens=30, **kw)], Oracle(4, 4))[0]["a"]
+        assert (got.tokens, got.finish_reason, got.hidden) == \
+            (want.tokens, want.finish_reason, want.hidden) == (want.tokens, "stop", 1)
+
+
+def test_drafts_never_pass_max_tokens_max_model_len_or_the_budget():
+    outcomes, driver = run([make_request("a", [1, 2, 3], max_tokens=6),
+                            make_request("b", list(range(50, 60)), max_tokens=40)],
+                           Oracle(4, 4), max_model_len=30, max_num_batched_tokens=8)
+    assert len(outcomes["a"].tokens) == 6 and outcomes["a"].finish_reason == "length"
+    assert len(outcomes["b"].tokens) == 30 - 10 and outcomes["b"].finish_reason == "length"
+    for plan in driver.plans:
+        assert sum(plan.num_scheduled_tokens) <= 8
+
+
+def test_prefix_caching_and_preemption_with_rejected_drafts():
+    """Half-rejected drafts under a KV cache too small for all (preemption) and a shared
+    prefix (the cache): the fake worker reads back every position it attends to, so a
+    rejected draft's position published or read as real fails."""
+    prompt = list(range(100, 121))
+    reqs = lambda: [make_request(f"r{i}", prompt + [i], max_tokens=30) for i in range(4)]  # noqa
+    want = run(reqs(), num_kv_blocks=24)[0]
+    got, driver = run(reqs(), Oracle(4, 2), num_kv_blocks=24)
+    assert {k: o.tokens for k, o in got.items()} == {k: o.tokens for k, o in want.items()}
+    assert driver.sched.stats()["preemptions"] > 0
+    assert driver.sched.stats()["prefix_cache_hits"] > 0
+
+
+def test_requests_with_penalties_grammar_or_bias_do_not_draft():
+    _, driver = run([make_request("p", [1, 2, 3, 1, 2], max_tokens=5, presence_penalty=0.5),
+                     make_request("b", [1, 2, 3, 1, 2], max_tokens=5, logit_bias={3: 1.0})],
+                    Oracle(4, 4))
+    assert not any(any(p.draft_token_ids) for p in driver.plans)
+
+
+def test_no_drafts_above_the_batch_limit():
+    many = [make_request(f"r{i}", [i, i + 1, i + 2], max_tokens=5) for i in range(6)]
+    _, driver = run(many, Oracle(4, 4), speculative_max_batch=4)
+    decodes_of = lambda p: sum(n == 1 or bool(d) for n, d in zip(  # noqa: E731
+        p.num_scheduled_tokens, p.draft_token_ids or [[]] * len(p.num_scheduled_tokens)))
+    for plan in driver.plans:
+        if plan.draft_token_ids:
+            assert decodes_of(plan) <= 4
+
+
+# --- the engine, on the embedded model ------------------------------------------------------
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A paged KV cache holds each sequence's "
+        "keys and values in blocks; a block table maps positions to blocks, so sequences of "
+        "any length share one pool without copying.")
+COPY = f"Repeat this text exactly.\n\nText: {TEXT}\n\nRepeated: {TEXT[:40]}"
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_path):
+    from pocketllm import LLM
+
+    plain = LLM(max_model_len=1024)
+    spec = LLM(max_model_len=1024, speculative_method="ngram", num_speculative_tokens=4)
+    yield plain, spec
+    for llm in (plain, spec):
+        llm.shutdown()
+
+
+def _same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+def test_engine_greedy_and_seeded_text_is_the_same_with_speculation(engines):
+    from pocketllm import SamplingParams
+
+    plain, spec = engines
+    for sp in (SamplingParams(max_tokens=48, temperature=0),
+               SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=11),
+               SamplingParams(max_tokens=7, temperature=0)):  # max_tokens lands mid-run
+        _same(plain.generate([COPY], sp), spec.generate([COPY], sp))
+    # several requests in a step (as the server's n > 1 fans one out), each its own drafts
+    batch = [COPY, "Count: one two three one two three one two", COPY[:120]]
+    sp = SamplingParams(max_tokens=24, temperature=0.7, seed=3)
+    _same(plain.generate(batch, sp), spec.generate(batch, sp))
+
+
+def test_engine_stop_strings_logprobs_and_a_cached_prefix(engines):
+    from pocketllm import SamplingParams
+
+    plain, spec = engines
+    first = plain.generate([COPY], SamplingParams(max_tokens=40, temperature=0))[0]
+    stop = first.text.split()[4]  # a word well inside the answer
+    sp = SamplingParams(max_tokens=40, temperature=0, stop=[stop], logprobs=2)
+    want, got = plain.generate([COPY], sp), spec.generate([COPY], sp)
+    _same(want, got)
+    assert got[0].finish_reason == "stop" and stop not in got[0].text
+    for a, b in zip(want[0].logprobs, got[0].logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    again = spec.generate([COPY], SamplingParams(max_tokens=40, temperature=0))  # cached
+    assert again[0].usage.cached_tokens > 0
+    _same(again, [first])
+
+
+def test_engine_counts_drafts_and_accepts_most_on_a_copy(engines):
+    import time
+
+    from pocketllm import SamplingParams
+
+    _, spec = engines
+    before = spec.engine_stats()
+    spec.generate([COPY], SamplingParams(max_tokens=48, temperature=0))
+    deadline = time.monotonic() + 5  # the scheduler sends its figures when it goes idle
+    while spec.engine_stats().spec_draft_tokens == before.spec_draft_tokens:
+        assert time.monotonic() < deadline, "no drafts counted"
+        time.sleep(0.05)
+    after = spec.engine_stats()
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert drafted > 0 and accepted > drafted / 2
+    assert spec.engine_caps().num_speculative_tokens == 4
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+def test_engine_args_refusals():
+    with pytest.raises(UnsupportedFeatureError, match="not built yet"):
+        EngineArgs(speculative_method="mtp")
+    with pytest.raises(InvalidRequestError, match="speculative_method"):
+        EngineArgs(speculative_method="eagle")
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+        EngineArgs(speculative_method="ngram", num_speculative_tokens=99)
+
+
+def test_the_torch_worker_refuses_speculation():
+    from pocketllm import LLM
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    with pytest.raises(UnsupportedFeatureError, match="torch-free CPU worker"):
+        LLM(model=make_tiny_checkpoint("llama"), speculative_method="ngram")
