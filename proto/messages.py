@@ -306,6 +306,9 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     # request may bring to one step.
     speculative_method: str = ""
     num_speculative_tokens: int = 0
+    # the most rows a step that verifies drafts may hold: up to there the worker computes
+    # each row exactly as it would alone (its products' paths do not change with the count)
+    speculative_max_rows: int = 0
 
 
 class WorkerReady(_Msg):

@@ -1,8 +1,10 @@
-"""Speculative decoding (docs/speculative.md): the n-gram drafter, the scheduler's
+"""Speculative decoding (docs/speculative.md): the n-gram drafter; the scheduler's
 multi-token steps against the fake worker (whose KV checks catch a rejected draft's
-position read as real), and whole engines on the embedded model: the same text with
-speculation as without, greedy and seeded, with stops, n > 1, logprobs, prefix caching
-and preemption; and the refusals."""
+position read as real), several requests at once, stops, prefix caching and preemption;
+whole engines on the embedded model, a request alone (whose steps never share rows with
+another's prompt, the one case where a CPU step's rows are computed differently):
+the same text with speculation as without, greedy and seeded, with a stop string,
+logprobs and a cached prefix; and the refusals."""
 
 from __future__ import annotations
 
@@ -176,10 +178,6 @@ def test_engine_greedy_and_seeded_text_is_the_same_with_speculation(engines):
                SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=11),
                SamplingParams(max_tokens=7, temperature=0)):  # max_tokens lands mid-run
         _same(plain.generate([COPY], sp), spec.generate([COPY], sp))
-    # several requests in a step (as the server's n > 1 fans one out), each its own drafts
-    batch = [COPY, "Count: one two three one two three one two", COPY[:120]]
-    sp = SamplingParams(max_tokens=24, temperature=0.7, seed=3)
-    _same(plain.generate(batch, sp), spec.generate(batch, sp))
 
 
 def test_engine_stop_strings_logprobs_and_a_cached_prefix(engines):

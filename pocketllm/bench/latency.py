@@ -30,6 +30,7 @@ class LatencyResult:
     state_bytes: int = 0  # per rank: a sequence's recurrent state read and written a step
     cached_prompt_tokens: int = 0  # of the batch-1 runs, served from the prefix cache (~0)
     prompt_tokens: int = 0
+    spec: tuple[int, int] = (0, 0)  # speculative drafts verified, accepted (batch-1 runs)
 
     @property
     def prefill_tps(self) -> float:
@@ -70,7 +71,10 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
             if i >= warmup and first is not None and n > 1:
                 ttfts.append(first - start)
                 tps.append((n - 1) / (end - first))
-        cached = settled_stats(llm, newer_than=before).prefix_cache_hits - before.prefix_cache_hits
+        after = settled_stats(llm, newer_than=before)
+        cached = after.prefix_cache_hits - before.prefix_cache_hits
+        spec = (after.spec_draft_tokens - before.spec_draft_tokens,
+                after.spec_accepted_tokens - before.spec_accepted_tokens)
         batched = {b: batch_decode_tps(llm, ids, b, output_len, runs) for b in batch_sizes}
     finally:
         llm.shutdown()
@@ -81,6 +85,7 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
     result.state_bytes = caps.state_step_bytes
     result.cached_prompt_tokens = cached
     result.prompt_tokens = len(ids)
+    result.spec = spec
     return result, ids
 
 
@@ -164,7 +169,8 @@ def roofline(result: LatencyResult) -> str:
     state = (f" + state {result.state_bytes / 1e6:,.1f} MB" if result.state_bytes else "")
     return (f"roofline: copy bandwidth {bw / 1e9:,.0f} GB/s (read + write) / weights "
             f"{result.weight_bytes / 1e9:.2f} GB{state} per rank = {limit:,.1f} tok/s at "
-            f"batch 1; decode reaches {result.decode_tps / limit:.0%} of it")
+            f"batch 1; decode reaches {result.decode_tps / limit:.0%} of it"
+            + (" (speculative: several tokens a step)" if result.spec[0] else ""))
 
 
 def report(results: list[LatencyResult], output_len: int, threads: int | None = None) -> str:
@@ -182,6 +188,10 @@ def report(results: list[LatencyResult], output_len: int, threads: int | None = 
     if results[0].name == "pocketllm":
         lines.append(f"pocketllm prompt tokens served from the prefix cache in the batch-1 runs: "
                      f"{results[0].cached_prompt_tokens:,}")
+        drafted, accepted = results[0].spec
+        if drafted:
+            lines.append(f"pocketllm speculative drafts in the batch-1 runs (warm-up included): "
+                         f"{drafted:,} verified, {accepted:,} accepted ({accepted / drafted:.0%})")
     for r in results:
         for b, tps in r.batched.items():
             lines.append(f"{r.name:<14} batch {b:>3}: {tps:>10.1f} output tok/s (decode)")

@@ -34,6 +34,8 @@ class SchedulerConfig:
     # is better spent on more requests than on more tokens of a few).
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 4
+    # the most tokens a step with drafts may hold (the worker's exact rows; 0: no limit)
+    speculative_max_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -65,7 +67,8 @@ def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: i
         # Only decode steps under CUDA graphs gain from batched admissions.
         admission_delay_s=admission_delay_s if caps.cuda_graph_batch_sizes else 0.0,
         overlap=overlap, cache_groups=list(caps.cache_groups),
-        num_speculative_tokens=caps.num_speculative_tokens)
+        num_speculative_tokens=caps.num_speculative_tokens,
+        speculative_max_rows=caps.speculative_max_rows)
 
 
 class StepDraft:

@@ -177,6 +177,7 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
+        self._add_drafts(step)
         if not step.scheduled and self.structured.compiling:
             # Only requests whose grammar still compiles: wait for them (the loop wakes
             # when a compile ends or a time limit passes).
@@ -192,16 +193,11 @@ class Scheduler:
 
     def _schedule_running(self, step: StepDraft) -> None:
         running = [r for r in self.running if not self._ends_with_pending_token(r)]
-        drafting = self._drafting()
         for req in running:  # decodes first
             if step.budget <= 0:
                 return
             if req.status is RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                drafts = self._drafts(req, step.budget - 1) if drafting else []
-                drafts = drafts[:max(0, self.kv.fit_tokens(req) - 1)]  # never preempt for them
-                self._allocate_or_preempt(step, req, 1 + len(drafts))
-                if drafts and req in step.scheduled:  # (fewer blocks may have been free)
-                    step.drafts[req] = drafts[:step.scheduled[req] - 1]
+                self._allocate_or_preempt(step, req, 1)
         for req in running:  # then prefill chunks already under way
             if step.budget <= 0:
                 return
@@ -216,22 +212,38 @@ class Scheduler:
                 continue
             self._allocate_or_preempt(step, req, n)
 
-    def _drafting(self) -> bool:
-        """Whether this step's decodes may draft: speculation is on, no step is in flight
-        (a draft follows the request's last token, which must be known), and the running
-        batch is small enough to gain from more tokens a request rather than more
-        requests."""
-        return (self.drafter is not None and not self._inflight
-                and len(self.running) <= self.config.speculative_max_batch)
+    def _add_drafts(self, step: StepDraft) -> None:
+        """Drafts for a step of decodes alone, once it is decided: when speculation is on,
+        no step is in flight (a draft follows the request's last token, which must be
+        known), the running batch is small enough to gain from more tokens a request
+        rather than more requests, and within the rows the worker computes exactly as
+        alone (``speculative_max_rows``), the budget and the blocks free now (drafts never
+        preempt)."""
+        cfg = self.config
+        if (self.drafter is None or self._inflight or step.has_prefill
+                or len(self.running) > cfg.speculative_max_batch):
+            return
+        rows = cfg.speculative_max_rows or cfg.max_num_batched_tokens
+        room = min(rows - sum(step.scheduled.values()), step.budget)
+        for req in list(step.scheduled):
+            if room <= 0:
+                return
+            drafts = self._drafts(req, room)[:max(0, self.kv.fit_tokens(req) - 1)]
+            if drafts:
+                self.kv.grow(req, req.num_computed_tokens + 1 + len(drafts))
+                step.scheduled[req] += len(drafts)
+                step.budget -= len(drafts)
+                step.drafts[req] = drafts
+                room -= len(drafts)
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The draft tokens a decoding request verifies this step: none where speculation
-        cannot be exact (a grammar, penalties or logit_bias, whose next row depends on the
-        token before) or no room is left (max_tokens, max_model_len, the step's budget)."""
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """The draft tokens a decoding request may verify (at most ``room``): none where
+        speculation cannot be exact (a grammar, penalties or logit_bias, whose next row
+        depends on the token before) or no room is left (max_tokens, max_model_len)."""
         if req.grammar is not None or uses_penalties(req.sampling):
             return []
-        room = min(req.sampling.max_tokens - req.num_output_tokens,
-                   self.config.max_model_len - req.num_tokens, budget + 1) - 1
+        room = min(req.sampling.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1, room)
         if room <= 0:
             return []
         return self.drafter.propose(req.request_id, req.token_ids, room)

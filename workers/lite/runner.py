@@ -128,7 +128,11 @@ class LiteRunner:
                           in enumerate(zip(self.layout.specs, self.num_blocks))],
             speculative_method=self.args.speculative_method or "",
             num_speculative_tokens=(self.args.num_speculative_tokens
-                                    if self.args.speculative_method else 0))
+                                    if self.args.speculative_method else 0),
+            # below the many-row product and the attention by matrix products, every row's
+            # arithmetic is the same whatever the step's row count (docs/speculative.md)
+            speculative_max_rows=min(int(self.model.lib.pq_gemm_rows(0)),
+                                     self.model.stack_rows) - 1)
 
     def launch(self, plan: StepPlan) -> LiteStep:
         """Compute a step and sample it; a failure comes back as ``StepResult.error``."""

@@ -86,32 +86,6 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* One Q8_0 block's 32 products (8 int32 lanes), natural order: vpmovsxbw from memory was
- * faster here than the lane-order unpacks (the LM head is bound by memory anyway). */
-static inline __m256i q8_0_block(const uint8_t *blk, const int16_t *q) {
-    return dot16_acc(dot16(widen16((const int8_t *)blk + 2), q), widen16((const int8_t *)blk + 18),
-                     q + 16);
-}
-
-/* Q8_0 straight from its blocks (f16 d | int8 q[32]), no decode buffer: one scale per
- * block, so both halves add up in integers first. */
-static float dot_q8_0(const uint8_t *w, const int16_t *q, const float *xd, int64_t n32) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < n32; b += 2) {
-        const uint8_t *b0 = w + 34 * b, *b1 = b0 + 34;
-        __m256i p0 = q8_0_block(b0, q + 32 * b), p1 = q8_0_block(b1, q + 32 * b + 32);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f16_at(b1) * xd[b + 1]), acc1);
-    }
-    if (b < n32) {
-        const uint8_t *b0 = w + 34 * b;
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_0_block(b0, q + 32 * b)),
-                               _mm256_set1_ps(f16_at(b0) * xd[b]), acc0);
-    }
-    return hsum(_mm256_add_ps(acc0, acc1));
-}
-
 #include "kernels_fused.h"
 
 /* Bytes ahead of the row being multiplied that are prefetched: the hardware prefetchers
@@ -132,16 +106,10 @@ static void mul_rows(const pq_mm_args *a, int64_t n0, int64_t n1, pq_scratch *s)
 #else
     const int16_t *qf = a->q;
 #endif
-    /* one Q8_0 row (the LM head of a decode step) pairs its blocks in two accumulators with
-     * loads that sign-extend in one instruction: 40% less time than the row form in cache */
-    if (t->id == PQ_Q8_0 && a->M == 1) {
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *wr = a->w + n * a->row_bytes;
-            prefetch_ahead(wr, a->row_bytes, end);
-            a->y[n] = dot_q8_0(wr, a->q, a->d, n32);
-        }
-        return;
-    }
+    /* One row takes the fused dots too (a Q8_0 row of its own, two accumulators over block
+     * pairs, was 40% faster in cache but summed in another order): a row's logits are then
+     * the same whatever else shares its step below the many-row product, which speculative
+     * decoding's exactness rests on (docs/speculative.md). */
     if (multi_row_type(t->id)) {
         const pq_rows x = {qf, a->d, a->gsum, K, a->qlo, a->qhi};
         for (int64_t n = n0; n < n1; n++) {
