@@ -49,6 +49,18 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
+def prose_ids() -> list[int]:
+    """The README as the embedded model's tokens, repeated to ``TEXT_TOKENS``."""
+    from pocketllm.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
+    with open(README, encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids
+    while len(ids) < TEXT_TOKENS:
+        ids += ids[1:]
+    return ids[:TEXT_TOKENS]
+
+
 def _torch_teacher_forced(runner: ModelRunner, ids: list[int], chunk: Optional[int] = None
                           ) -> tuple[np.ndarray, np.ndarray]:
     """(argmax, log-probability of the next text token) at each position: one prefill, or
@@ -104,14 +116,7 @@ def test_embedded_blocks_agree_with_float32_over_a_long_text(default_model_path)
     torch-free worker's float path with the many-row product and with the row dots at
     every row count, and through its decode stack: each path's top-1 token agrees with
     the dequantized float32 model at >= 99% of positions, and its perplexity is within 1%."""
-    from pocketllm.tokenizer.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
-    with open(README, encoding="utf-8") as f:
-        ids = tok.encode(f.read()).ids
-    while len(ids) < TEXT_TOKENS:
-        ids += ids[1:]
-    ids = ids[:TEXT_TOKENS]
+    ids = prose_ids()
     dense = _runner(dequantize_weights=True)
     top_f, lp_f = _torch_teacher_forced(dense, ids)
     del dense

@@ -51,19 +51,13 @@ def test_the_embedded_gguf_on_its_blocks_agrees_with_float32_over_a_long_text(de
     every product of a block layer is a block gemv), float32 activations: the top-1 token
     agrees with the file dequantized to float32 at >= 99% of positions, and the perplexity
     is within 1%, the CPU block path's bar (test_block_weights.py)."""
-    from test_block_weights import TEXT_TOKENS, _torch_teacher_forced, README
+    from test_block_weights import TEXT_TOKENS, _torch_teacher_forced, prose_ids
 
     from pocketllm.config import EngineArgs
     from pocketllm.model_info import load_model_info
-    from pocketllm.tokenizer.tokenizer import load_tokenizer
     from pocketllm.workers.runner import ModelRunner
 
-    tok = load_tokenizer(load_model_info(EngineArgs())).tokenizer
-    with open(README, encoding="utf-8") as f:
-        ids = tok.encode(f.read()).ids
-    while len(ids) < TEXT_TOKENS:
-        ids += ids[1:]
-    ids = ids[:TEXT_TOKENS]
+    ids = prose_ids()
 
     def runner(**kw):
         args = EngineArgs(device="cuda", dtype="float32", block_size=16, max_num_seqs=1,
