@@ -287,6 +287,8 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
         os.environ["POCKETLLM_NUM_THREADS"] = str(ns.threads)
     threads = cpu_thread_count()
     batches = tuple(int(b) for b in ns.batch_sizes.split(",") if b) if ns.batch_sizes else ()
+    if ns.replay_acceptance:
+        return bench_speculative_replay(ns, args, info.vocab_size, threads)
     ours, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
                                      batches, input_len=ns.input_len)
     results = [ours]
@@ -302,6 +304,36 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
                                      ns.runs, ns.warmup, threads))
     print(f"prompt: {len(prompt_ids)} tokens")
     print(report(results, ns.output_len, threads=threads if ours.device == "cpu" else None))
+    print(roofline(ours))
+    return 0
+
+
+def bench_speculative_replay(ns: argparse.Namespace, args, vocab_size: int,
+                             threads: int) -> int:
+    """Batch-1 decode without speculation, recording the greedy output, then with the
+    replay drafter proposing it (``--speculative-replay full``) or a copy no draft of which
+    is accepted (``none``): speculation's cost at either end of acceptance."""
+    import dataclasses
+
+    from .bench.latency import replay_file, report, roofline, run_pocketllm
+
+    if args.speculative_method is not None or ns.peer or ns.batch_sizes:
+        raise SystemExit("--speculative-replay runs its own two engines (without speculation, "
+                         "then replaying): no --speculative-method, --peer or --batch-sizes")
+    record: list = []
+    plain, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
+                                      input_len=ns.input_len, record=record)
+    path = replay_file(record, ns.replay_acceptance, vocab_size)
+    try:
+        spec_args = dataclasses.replace(args, speculative_method="replay",
+                                        speculative_replay=path)
+        ours, _ = run_pocketllm(spec_args, prompt_ids, None, ns.output_len, ns.runs, ns.warmup)
+    finally:
+        os.unlink(path)
+    plain.name = "no speculation"
+    print(f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed "
+          f"({ns.replay_acceptance} acceptance), k = {args.num_speculative_tokens}")
+    print(report([ours, plain], ns.output_len, threads=threads if ours.device == "cpu" else None))
     print(roofline(ours))
     return 0
 
@@ -442,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "OMP_NUM_THREADS, else every core this process may use)")
     lat.add_argument("--batch-sizes", default="",
                      help="also measure decode output tok/s at these batch sizes, e.g. 1,64")
+    lat.add_argument("--speculative-replay", dest="replay_acceptance", default=None,
+                     choices=["full", "none"],
+                     help="speculation's cost at full or no acceptance: decode without it, "
+                          "recording the greedy output, then with that output replayed as "
+                          "drafts (full) or shifted to other tokens (none)")
     lat.set_defaults(func=cmd_bench_latency)
 
     tp = bench.add_parser("throughput", help="offline output tokens/s over many requests")

@@ -27,9 +27,14 @@ FP8_QUANTIZATION = "fp8"
 KV_CACHE_DTYPES = ("auto", "fp8")
 # Speculative decoding (docs/speculative.md): drafts proposed by n-gram lookup in the
 # scheduler, verified by the worker in one multi-token step. "draft" (a draft model) and
-# "mtp" (a checkpoint's multi-token-prediction layers) are named, not built yet.
-SPECULATIVE_METHODS = ("ngram",)
+# "mtp" (a checkpoint's multi-token-prediction layers) are named, not built yet. "replay"
+# (benchmarks only) proposes a recorded output read from ``speculative_replay``.
+SPECULATIVE_METHODS = ("ngram", "replay")
 MAX_SPECULATIVE_TOKENS = 16
+# The largest batch of decodes that drafts at all: past it a step is better spent on more
+# requests than on more tokens of a few (the scheduler's default; the GPU worker's verify
+# graphs stop there).
+SPECULATIVE_MAX_BATCH = 4
 BACKEND_OPTIONS = {"eos_token_id"}  # every key the torch backend reads
 
 
@@ -65,6 +70,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     speculative_method: Optional[str] = None  # SPECULATIVE_METHODS; None: no speculation
     num_speculative_tokens: int = 4  # most drafts a request verifies in one step
+    speculative_replay: Optional[str] = None  # "replay"'s file (scheduler/replay.py)
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -143,6 +149,10 @@ class EngineArgs:
                 "speculative_method='ngram' is", "speculative_method")
         if self.speculative_method is not None:
             _choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        if (self.speculative_method == "replay") != (self.speculative_replay is not None):
+            raise InvalidRequestError("speculative_method='replay' and speculative_replay (the "
+                                      "recorded output it proposes) go together",
+                                      "speculative_replay")
         if (isinstance(self.num_speculative_tokens, bool)
                 or not isinstance(self.num_speculative_tokens, int)
                 or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):

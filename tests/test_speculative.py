@@ -12,7 +12,8 @@ import pytest
 
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
-from pocketllm.scheduler.ngram import COOLDOWN, NgramDrafter
+from pocketllm.scheduler.drafter import COOLDOWN
+from pocketllm.scheduler.ngram import NgramDrafter
 from test_scheduler_harness import Driver, config, make_request, next_token
 
 # --- the n-gram drafter -------------------------------------------------------------------
@@ -239,11 +240,88 @@ def test_engine_args_refusals():
         EngineArgs(speculative_method="eagle")
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
         EngineArgs(speculative_method="ngram", num_speculative_tokens=99)
+    with pytest.raises(InvalidRequestError, match="speculative_replay"):
+        EngineArgs(speculative_method="replay")
+    with pytest.raises(InvalidRequestError, match="speculative_replay"):
+        EngineArgs(speculative_replay="runs.json")
 
 
-def test_the_torch_worker_refuses_speculation():
+# --- the torch worker: tiny dense and MLA checkpoints, the replay drafter --------------------
+
+def _drafts(llm, before):
+    from pocketllm.bench.throughput import settled_stats
+
+    after = settled_stats(llm, newer_than=before, timeout=5.0)
+    return (after.spec_draft_tokens - before.spec_draft_tokens,
+            after.spec_accepted_tokens - before.spec_accepted_tokens)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+GPU = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("family,device", [
+    ("llama", "cpu"), ("deepseek_v2", "cpu"),
+    pytest.param("llama", "cuda", marks=GPU), pytest.param("gemma3", "cuda", marks=GPU),
+    pytest.param("deepseek_v2", "cuda", marks=GPU)])
+def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, tmp_path):
+    """Dense, sliding-window and MLA models on the torch worker (float32): n-gram drafts
+    change no token, two requests drafting in one step and a cached prefix in play; then
+    the replay drafter replays the greedy output (every draft accepted) and a shifted copy
+    (none accepted). On a GPU, verification steps replay CUDA graphs (MLA's run eagerly)."""
+    import json
+
+    from pocketllm import LLM, SamplingParams
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(family)
+    prompts = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
+    common = dict(model=path, dtype="float32", max_model_len=256, device=device)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(**common)
+    try:
+        want = plain.generate(prompts, greedy)
+    finally:
+        plain.shutdown()
+    spec = LLM(**common, speculative_method="ngram")
+    try:
+        for _ in range(2):  # the second time from the prefix cache
+            before = spec.engine_stats()
+            _same(want, spec.generate(prompts, greedy))
+            assert _drafts(spec, before)[0] > 0
+    finally:
+        spec.shutdown()
+    for shift in (0, 1):
+        replay = tmp_path / f"replay{shift}.json"
+        replay.write_text(json.dumps({"runs": [
+            {"prompt": p, "output": [(t + shift) % 512 for t in o.token_ids]}
+            for p, o in zip(prompts, want)]}))
+        llm = LLM(**common, speculative_method="replay", speculative_replay=str(replay),
+                  num_speculative_tokens=3)
+        try:
+            graphs = llm.engine_caps().speculative_max_rows
+            before = llm.engine_stats()
+            _same(want, llm.generate(prompts, greedy))
+            drafted, accepted = _drafts(llm, before)
+            eager = llm.engine_stats().steps_by_path.get("eager", 0) - before.steps_by_path.get(
+                "eager", 0)
+        finally:
+            llm.shutdown()
+        assert drafted > 0 and accepted == (drafted if shift == 0 else 0)
+        if device == "cuda" and family != "deepseek_v2":
+            assert graphs == 4 * 4 and eager == 0  # 4 requests of 3 drafts + 1
+
+
+def test_a_model_with_recurrent_state_refuses_speculation():
     from pocketllm import LLM
     from tiny_checkpoints import make_tiny_checkpoint
 
-    with pytest.raises(UnsupportedFeatureError, match="torch-free CPU worker"):
-        LLM(model=make_tiny_checkpoint("llama"), speculative_method="ngram")
+    with pytest.raises(UnsupportedFeatureError, match="recurrent state"):
+        LLM(model=make_tiny_checkpoint("qwen3_5"), speculative_method="ngram")

@@ -27,16 +27,9 @@ def main(ctx: StageContext) -> None:
         link = SchedulerLink(ctx.zmq, plan_endpoint(args.master_addr, args.master_port),
                              read_secret(args.tensor_parallel_secret_file), rank)
         recv, send = link.recv, link.send
-    runner, why = lite_runner(ctx.info, args, world)  # a CPU GGUF model: no torch at all
+    runner, _why = lite_runner(ctx.info, args, world)  # a CPU GGUF model: no torch at all
     fatal: tuple = ()  # what stops this rank (a tensor-parallel step out of step)
     if runner is None:
-        if args.speculative_method is not None:
-            from pocketllm.errors import UnsupportedFeatureError
-
-            raise UnsupportedFeatureError(
-                f"speculative_method={args.speculative_method!r} runs on the torch-free CPU "
-                f"worker only for now (a GGUF model on a CPU), and this model runs on the "
-                f"torch worker ({why})", "speculative_method")
         distributed, runner = torch_runner(ctx, rank, world)
         fatal = (distributed.RankFailure,)
     try:

@@ -88,6 +88,9 @@ def capture_ladder(rungs: Sequence[int], capture: Callable, started: float, budg
 
 
 class DecodeGraphs:
+    query_rows = 1  # rows of a sequence (verify_graphs.VerifyGraphs: its drafts' too)
+    kind = "decode"
+
     def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int,
                  pad_blocks: Sequence[int], device: torch.device, max_batch: int,
                  state_groups: Sequence[bool] = ()):
@@ -100,14 +103,15 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         rungs = ladder(max_batch)
         g = rungs[-1]
-        self.input_ids = torch.zeros(g, dtype=torch.long, device=device)
-        self.positions = torch.zeros(g, dtype=torch.long, device=device)
+        t = g * self.query_rows
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.positions = torch.zeros(t, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(g, dtype=torch.int32, device=device)
         self.q_start = torch.arange(g, dtype=torch.int32, device=device)
         self.q_lens = torch.ones(g, dtype=torch.int32, device=device)
         # per cache group: the new tokens' slots and the block tables
         # (a state group's: its rows' state slots, int64 for index_select / index_copy_)
-        self.slots = [torch.zeros(g, dtype=torch.long if state else torch.int32, device=device)
+        self.slots = [torch.zeros(t, dtype=torch.long if state else torch.int32, device=device)
                       for state in self.state_groups]
         self.tables = [torch.full((g, self.width), pad, dtype=torch.int32, device=device)
                        for pad in self.pad_blocks]
@@ -147,8 +151,8 @@ class DecodeGraphs:
             "CUDA graph capture stopped after %.0fs: batches under %d pad up to the next "
             "captured size"))
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),
-                    min(self.graphs, default=0), max(self.graphs, default=0),
+        logger.info("captured %d %s CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),
+                    self.kind, min(self.graphs, default=0), max(self.graphs, default=0),
                     time.perf_counter() - started)
 
     def _reset_padding(self, start: int, stop: int) -> None:

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from pocketllm.config import EngineArgs
+from pocketllm.config import SPECULATIVE_MAX_BATCH, EngineArgs
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
@@ -34,7 +35,8 @@ from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
-from .step_rows import RequestBook, RequestState, ScheduledSeq, check_state_plan, snapshot_rows
+from .step_rows import (RequestBook, RequestState, ScheduledSeq, StepError, StepRows,
+                        accept_drafts, check_state_plan, snapshot_rows)
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -47,6 +49,7 @@ class LaunchedStep:
     copy: Optional[HostCopy] = None  # the sampled tokens on their way; None: none sampled
     specs: list = None
     slots: list[tuple[str, int]] = None  # (request id, position of its new token)
+    drafts: Optional[dict[str, list[int]]] = None  # a speculative step's, by request
     error: Optional[str] = None
     path: str = ""  # StepResult.path
     launch_s: float = 0.0  # host time to queue the step
@@ -71,6 +74,11 @@ class ModelRunner:
             share_cpu_threads(ranks_on_this_host(args))
         if args.batch_invariant:
             kernel_policy.check_batch_invariant(self.device, world_size)
+        if args.speculative_method is not None and arch_config(info).linear_layers:
+            raise UnsupportedFeatureError(
+                "speculative decoding of a model with recurrent state (linear-attention "
+                "layers) is not built yet: its states cannot be rolled back to the accepted "
+                "drafts", "speculative_method")
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
@@ -122,7 +130,7 @@ class ModelRunner:
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
         self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
-        self.graphs, self.mixed_graphs = self._capture_graphs()
+        self.graphs, self.mixed_graphs, self.verify_graphs = self._capture_graphs()
         self._warm_up_sampler()
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, KV capacity %d tokens (%s; blocks of %d%s), "
@@ -209,14 +217,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self):
-        """(decode graphs, piecewise graphs of the other steps), each None when off: CUDA
-        graphs need the Triton kernels on a GPU, and the flags must allow them."""
+        """(decode graphs, piecewise graphs of the other steps, graphs of speculative
+        verification steps), each None when off: CUDA graphs need the Triton kernels on a
+        GPU, and the flags must allow them."""
         if not (self.args.cuda_graphs and self.device.type == "cuda" and self.policy.triton):
             if self.args.cuda_graph_max_tokens:
                 logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
                                "(they need the Triton kernels on a GPU, and not "
                                "--no-cuda-graphs)")
-            return None, None
+            return None, None, None
         # A garbage collection during a capture may destroy another runner's graphs (a
         # process that built one before, as tests do): that CUDA call invalidates the
         # capture. So collect once now and not while capturing.
@@ -229,7 +238,9 @@ class ModelRunner:
 
     def _capture(self):
         from .cuda_graphs import DecodeGraphs
+        from .kernels.attention_backend import TritonAttention
         from .piecewise_graphs import MixedGraphs
+        from .verify_graphs import VerifyGraphs
 
         with torch.inference_mode():
             decode = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
@@ -247,7 +258,14 @@ class ModelRunner:
                 max_tokens = 0
             mixed = MixedGraphs(self.model, self.kv_caches, self.max_model_len, self.device,
                                 max_tokens) if max_tokens > 0 else None
-        return decode, mixed
+            verify = None
+            if self.args.speculative_method is not None and isinstance(self.backend,
+                                                                       TritonAttention):
+                verify = VerifyGraphs(self.model, self.kv_caches, self.block_size,
+                                      self.max_model_len, self.kv.pad_blocks, self.device,
+                                      min(SPECULATIVE_MAX_BATCH, self.args.max_num_seqs),
+                                      self.args.num_speculative_tokens + 1)
+        return decode, mixed, verify
 
     @property
     def computes_at_launch(self) -> bool:
@@ -273,7 +291,13 @@ class ModelRunner:
             weight_bytes=self.model.step_read_bytes(),
             state_step_bytes=sum(2 * self.kv.state_slot_bytes(g)  # read, then written
                                  for g, state in enumerate(self.state_groups) if state),
-            cache_groups=self.kv.groups())
+            cache_groups=self.kv.groups(),
+            speculative_method=self.args.speculative_method or "",
+            num_speculative_tokens=(self.args.num_speculative_tokens
+                                    if self.args.speculative_method else 0),
+            # a verification step past the verify graphs' rows would run eagerly (slowly)
+            speculative_max_rows=(self.verify_graphs.batch_sizes[-1] * self.verify_graphs.query_rows
+                                  if self.verify_graphs and self.verify_graphs.batch_sizes else 0))
 
     def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Queue a step's forward and sampling on the device without waiting for them, so
@@ -322,6 +346,9 @@ class ModelRunner:
             state = self.book.requests.get(rid)
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
+        if step.drafts:
+            return accept_drafts(step.step_id, [rid for rid, _ in step.slots], out.token_ids,
+                                 out.logprobs, step.drafts, **timing)
         return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
                           token_ids=out.token_ids, logprobs=out.logprobs, **timing)
 
@@ -360,7 +387,11 @@ class ModelRunner:
         rung = 0 if plan.state_snapshots else self._graph_rung(seqs[0], len(samplers))
         if rung:
             logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
-            return self._sample(plan, samplers, logits, "graph")
+            return self._sample(plan, rows, logits, "graph")
+        rung = self._verify_rung(plan, rows)
+        if rung:
+            logits = self.verify_graphs.run(seqs, input_ids, positions, rung, pending)
+            return self._sample(plan, rows, logits, "graph")
         meta = self.metadata(seqs, snapshots)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
@@ -383,7 +414,7 @@ class ModelRunner:
                 raise RankFailure(f"rank {self.rank} failed mid-forward: "
                                   f"{type(e).__name__}: {e}") from e
             raise
-        return self._sample(plan, samplers, logits, path)
+        return self._sample(plan, rows, logits, path)
 
     def _start_states(self, seqs: list[list[ScheduledSeq]]) -> None:
         """Zero the state slots of requests whose computation starts at position 0."""
@@ -430,6 +461,15 @@ class ModelRunner:
             return 0
         return self.graphs.rung(len(seqs))
 
+    def _verify_rung(self, plan: StepPlan, rows: StepRows) -> int:
+        """The captured batch size for a step of decodes with drafts, every row sampled;
+        0: eager."""
+        if self.verify_graphs is None or not plan.draft_token_ids or plan.state_snapshots:
+            return 0
+        if len(rows.samplers) != len(rows.input_ids):
+            return 0
+        return self.verify_graphs.fits(rows.seqs[0])
+
     def _pending_inputs(self, pending_rows: list[tuple[int, str]]
                         ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(rows, tokens on the device) for the PENDING inputs: each is the token the last
@@ -440,8 +480,13 @@ class ModelRunner:
         src = to_device([self._last_rows[rid] for _row, rid in pending_rows], self.device)
         return rows, self._last_tokens.index_select(0, src)
 
-    def _sample(self, plan: StepPlan, samplers: list[tuple[str, RequestState]],
-                logits: Optional[torch.Tensor], path: str) -> "LaunchedStep":
+    def _sample(self, plan: StepPlan, rows: StepRows, logits: Optional[torch.Tensor],
+                path: str) -> "LaunchedStep":
+        """Sample every sample row: a draft's row at its own position (its token's)."""
+        samplers = rows.samplers
+        if rows.drafts and plan.next_follows:
+            raise StepError("a step with drafts was planned ahead: the next plan cannot "
+                            "name its accepted tokens")
         if logits is None:  # tensor parallel: only rank 0 holds the logits and samples
             if plan.next_follows:  # ...but every rank feeds them to the next plan
                 self._keep_last(samplers, self.tp.broadcast_from_first(torch.empty(
@@ -451,7 +496,8 @@ class ModelRunner:
         histories = [state.history for _rid, state in samplers]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in samplers])  # None: none structured
-        positions = [len(state.token_ids) for _rid, state in samplers]
+        positions = [len(state.token_ids) + offset
+                     for (_rid, state), offset in zip(samplers, rows.sample_offsets)]
         tokens, tables = self.sampler.draw(
             logits, specs, positions, histories if any(h is not None for h in histories) else None,
             mask)
@@ -459,4 +505,4 @@ class ModelRunner:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)],
-                            path=path)
+                            drafts=rows.drafts, path=path)

@@ -12,7 +12,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from pocketllm.proto.messages import NULL_BLOCK, PENDING, SamplingSpec, StepPlan
+from pocketllm.proto.messages import NULL_BLOCK, PENDING, SamplingSpec, StepPlan, StepResult
 from pocketllm.sampling import uses_penalties
 
 
@@ -231,3 +231,32 @@ def snapshot_rows(seqs: Sequence[ScheduledSeq], snapshots: Sequence[Sequence[int
                             "or its own")
         out.append((s.row + position - s.start - 1, snapshot))
     return out
+
+
+def accept_drafts(step_id: int, row_ids: list[str], tokens: list[int], logprobs: list,
+                  drafts: dict[str, list[int]], **result) -> StepResult:
+    """The step's result from its sample rows (``row_ids``: each row's request; a request
+    with k drafts has k + 1 rows in a run): each request's first token, and for one with
+    drafts the drafts accepted after it, each accepted while the token sampled at the
+    position before equals it, then the token sampled after the last accepted one.
+    ``result``: StepResult's other fields (path, times)."""
+    ids, firsts, first_lps, extras, extra_lps = [], [], [], [], []
+    i = 0
+    while i < len(row_ids):
+        rid, d = row_ids[i], drafts.get(row_ids[i], [])
+        got = tokens[i:i + len(d) + 1]
+        accepted = 0
+        while accepted < len(d) and got[accepted] == d[accepted]:
+            accepted += 1
+        lps = logprobs[i:i + accepted + 1] if logprobs else [None] * (accepted + 1)
+        ids.append(rid)
+        firsts.append(got[0])
+        first_lps.append(lps[0])
+        extras.append(got[1:accepted + 1])
+        extra_lps.append(lps[1:accepted + 1])
+        i += len(d) + 1
+    spec = bool(drafts)
+    return StepResult(step_id=step_id, request_ids=ids, token_ids=firsts,
+                      logprobs=first_lps if logprobs else [],
+                      extra_token_ids=extras if spec else [],
+                      extra_logprobs=extra_lps if spec and logprobs else [], **result)

@@ -44,9 +44,11 @@ class LatencyResult:
 
 def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | None,
                   output_len: int, runs: int, warmup: int, batch_sizes: tuple[int, ...] = (),
-                  input_len: int | None = None) -> tuple[LatencyResult, list[int]]:
+                  input_len: int | None = None, record: list | None = None
+                  ) -> tuple[LatencyResult, list[int]]:
     """Batch-1 latency of PocketLLM on ``prompt_ids``, else on ``prompt_ids_for(prompt,
-    input_len)``; returns the ids too, for the peer to run the same prompt."""
+    input_len)``; returns the ids too, for the peer to run the same prompt. ``record``:
+    a list that gets each run's (prompt ids, output ids)."""
     from .. import LLM
 
     t0 = time.perf_counter()
@@ -62,12 +64,16 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
         for i in range(warmup + runs):
             start = time.perf_counter()
             first = None
-            n = 0
-            for event in llm.generate_stream(fresh_prompt(ids, i, llm.model_info.vocab_size), sp):
+            out: list[int] = []
+            prompt_i = fresh_prompt(ids, i, llm.model_info.vocab_size)
+            for event in llm.generate_stream(prompt_i, sp):
                 if event.token_ids and first is None:
                     first = time.perf_counter()
-                n += len(event.token_ids)
+                out.extend(event.token_ids)
             end = time.perf_counter()
+            n = len(out)
+            if record is not None:
+                record.append((prompt_i, out))
             if i >= warmup and first is not None and n > 1:
                 ttfts.append(first - start)
                 tps.append((n - 1) / (end - first))
@@ -87,6 +93,22 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
     result.prompt_tokens = len(ids)
     result.spec = spec
     return result, ids
+
+
+def replay_file(record: list, accept: str, vocab_size: int) -> str:
+    """A file of the recorded runs for the replay drafter (``scheduler/replay.py``):
+    ``accept="full"`` as recorded (every draft accepted); ``"none"`` each token moved to the
+    next id, so no draft is the token the target picks (a draft shifted by one position
+    would still be accepted wherever the output repeats a token)."""
+    import json
+    import tempfile
+
+    shift = {"full": 0, "none": 1}[accept]
+    runs = [{"prompt": p, "output": [(t + shift) % vocab_size for t in out]} for p, out in record]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pocketllm-replay-",
+                                     delete=False) as f:
+        json.dump({"runs": runs}, f)
+    return f.name
 
 
 def fresh_prompt(ids: list[int], run: int, vocab_size: int) -> list[int]:

@@ -77,7 +77,7 @@ class SchedulerLoop:
 
         self.scheduler = Scheduler(
             config_from_capabilities(caps, args.max_num_batched_tokens, args.admission_delay,
-                                     overlap_scheduling(args, caps)),
+                                     overlap_scheduling(args, caps), args.speculative_replay),
             grammars=Grammars(XGrammarCompiler(self._load_tokenizer, caps.vocab_size,
                                                list(self.ctx.info.eos_token_ids), on_ready=wake),
                               caps.vocab_size, args.structured_output_timeout_s, on_done=wake))

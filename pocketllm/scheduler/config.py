@@ -4,7 +4,9 @@ what one ``schedule()`` call has decided so far."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from pocketllm.config import SPECULATIVE_MAX_BATCH
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.proto.messages import CacheGroup, CacheSpec, WorkerCapabilities
 
@@ -29,13 +31,14 @@ class SchedulerConfig:
     overlap: bool = False
     # The worker's KV cache groups (kv_groups.py); empty: one full group of num_kv_blocks.
     cache_groups: list[CacheGroup] = field(default_factory=list)
-    # Speculative decoding (ngram.py): the most drafts a decoding request verifies in one
-    # step (0: off), and the largest batch of decodes that drafts at all (past it a step
-    # is better spent on more requests than on more tokens of a few).
+    # Speculative decoding (drafter.py): the most drafts a decoding request verifies in one
+    # step (0: off), and the largest batch of decodes that drafts at all.
     num_speculative_tokens: int = 0
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = SPECULATIVE_MAX_BATCH
     # the most tokens a step with drafts may hold (the worker's exact rows; 0: no limit)
     speculative_max_rows: int = 0
+    speculative_method: str = ""  # the drafter: "ngram" (ngram.py) or "replay" (replay.py)
+    speculative_replay: Optional[str] = None  # the replay drafter's file
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -52,7 +55,8 @@ REQUIRED_CAPABILITIES = ("paged_kv", "continuous_batching")
 
 
 def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: int,
-                             admission_delay_s: float, overlap: bool) -> SchedulerConfig:
+                             admission_delay_s: float, overlap: bool,
+                             speculative_replay: Optional[str] = None) -> SchedulerConfig:
     """The scheduler branches on what the worker declared, never on the engine arguments
     behind it: the KV geometry, and whether prompts may be chunked and prefixes cached."""
     missing = [name for name in REQUIRED_CAPABILITIES if not getattr(caps, name)]
@@ -68,7 +72,8 @@ def config_from_capabilities(caps: WorkerCapabilities, max_num_batched_tokens: i
         admission_delay_s=admission_delay_s if caps.cuda_graph_batch_sizes else 0.0,
         overlap=overlap, cache_groups=list(caps.cache_groups),
         num_speculative_tokens=caps.num_speculative_tokens,
-        speculative_max_rows=caps.speculative_max_rows)
+        speculative_max_rows=caps.speculative_max_rows,
+        speculative_method=caps.speculative_method, speculative_replay=speculative_replay)
 
 
 class StepDraft:

@@ -65,8 +65,10 @@ from pocketllm.sampling import uses_penalties
 from .block_manager import BlockManager, blocks_for
 from .config import SchedulerConfig, StepDraft
 from .fair_queue import FairQueue
+from .drafter import Drafter
 from .kv_groups import CacheGroups
 from .ngram import NgramDrafter
+from .replay import ReplayDrafter, load_runs
 from .request import Request, RequestStatus, refusal
 from .structured import StructuredRequests
 
@@ -99,8 +101,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
         self.num_overlapped_steps = 0
-        k = config.num_speculative_tokens
-        self.drafter = NgramDrafter(k) if k else None
+        self.drafter = drafter_for(config)
         self.spec_draft_tokens = 0  # verified drafts
         self.spec_accepted_tokens = 0
         self.clock = time.monotonic  # replaceable in tests
@@ -595,3 +596,13 @@ class Scheduler:
         self.kv.check_invariants(self.running, [(g, slot) for held in self._snapshots.values()
                                                 for g, slot, _ in held],
                                  self.config.num_speculative_tokens)
+
+
+def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
+    """The drafter of the worker's speculative method (None: no speculation)."""
+    k = config.num_speculative_tokens
+    if not k:
+        return None
+    if config.speculative_method == "replay":
+        return ReplayDrafter(k, load_runs(config.speculative_replay or ""))
+    return NgramDrafter(k)

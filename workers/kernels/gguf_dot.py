@@ -19,7 +19,10 @@ words), Q6_K (six bits from a nibble and two high bits; signed through its offse
 group of 16's sum is sc * dx * (sum q qx - 32 sum qx)), Q8_0 (signed by signed) and Q4_0
 (its offset of 8 through the block's float sum of x). Blocks whose size is not a
 multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16.
-``DOTS`` holds the ones the GPU path takes: only those timed and checked on a GPU.
+``DOTS`` holds the ones the GPU path takes: those timed and checked on a GPU whose type
+also has a float block kernel (``gguf_gemv.BLOCKS``) for longer steps. Q8_0's dots beat
+its float gemv on the wide projections only (docs/benchmarks.md); taken for all, as one
+rule per type.
 
 Under Triton's CPU interpreter (no inline assembly) ``dp4a`` is four multiply-adds of
 the bytes, the same integers.
@@ -393,4 +396,4 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
 # and those the GPU path takes (measured on a GPU, docs/benchmarks.md). The others have
 # passed only the interpreter's tests and wait for a device to time and check them.
 KERNELS = {Q4_K: q4_k_dot, Q8_0: q8_0_dot, Q4_0: q4_0_dot, Q5_K: q5_k_dot, Q6_K: q6_k_dot}
-DOTS = {Q4_K: q4_k_dot}
+DOTS = {Q4_K: q4_k_dot, Q6_K: q6_k_dot, Q8_0: q8_0_dot}

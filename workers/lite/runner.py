@@ -34,7 +34,7 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook, check_state_plan, snapshot_rows
+from ..step_rows import RequestBook, accept_drafts, check_state_plan, snapshot_rows
 from .model import LiteModel, StepViews, step_view
 from ..sampler import numpy_ops
 from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
@@ -207,36 +207,8 @@ class LiteRunner:
                            [len(s.token_ids) + off for s, off in zip(states, rows.sample_offsets)],
                            histories if any(h is not None for h in histories) else None, mask)
         result = accept_drafts(plan.step_id, [rid for rid, _ in rows.samplers], out.token_ids,
-                               out.logprobs, rows.drafts)
+                               out.logprobs, rows.drafts, path="eager")
         self._last_tokens = {rid: ([first, *more])[-1] for rid, first, more in
                              zip(result.request_ids, result.token_ids,
                                  result.extra_token_ids or [[]] * len(result.request_ids))}
         return result
-
-
-def accept_drafts(step_id: int, row_ids: list[str], tokens: list[int], logprobs: list,
-                  drafts: dict[str, list[int]]) -> StepResult:
-    """The step's result from its sample rows (``row_ids``: each row's request; a request
-    with k drafts has k + 1 rows in a run): each request's first token, and for one with
-    drafts the drafts accepted after it, each accepted while the token sampled at the
-    position before equals it, then the token sampled after the last accepted one."""
-    ids, firsts, first_lps, extras, extra_lps = [], [], [], [], []
-    i = 0
-    while i < len(row_ids):
-        rid, d = row_ids[i], drafts.get(row_ids[i], [])
-        got = tokens[i:i + len(d) + 1]
-        accepted = 0
-        while accepted < len(d) and got[accepted] == d[accepted]:
-            accepted += 1
-        lps = logprobs[i:i + accepted + 1] if logprobs else [None] * (accepted + 1)
-        ids.append(rid)
-        firsts.append(got[0])
-        first_lps.append(lps[0])
-        extras.append(got[1:accepted + 1])
-        extra_lps.append(lps[1:accepted + 1])
-        i += len(d) + 1
-    spec = bool(drafts)
-    return StepResult(step_id=step_id, request_ids=ids, token_ids=firsts,
-                      logprobs=first_lps if logprobs else [],
-                      extra_token_ids=extras if spec else [],
-                      extra_logprobs=extra_lps if spec and logprobs else [], path="eager")

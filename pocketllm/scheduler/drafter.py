@@ -1,0 +1,63 @@
+"""What every drafter shares: how many drafts a request proposes, adapted per request.
+
+A drafter (``ngram.py``, ``replay.py``) says which tokens may follow a request's verified
+ones; this base decides how many it may propose: ``k`` times the request's recent
+acceptance (an exponential average of accepted / drafted), at least one. A request whose
+drafts keep failing proposes none for a while (``COOLDOWN`` steps, doubled each time it
+fails again), so speculation costs a rejecting request little (docs/speculative.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+EMA = 0.5  # weight of the newest step in the acceptance average
+FAIL_RATE = 0.2  # below this average, a request pauses drafting
+COOLDOWN = 4  # steps of the first pause
+
+
+class Pace:
+    """One request's acceptance average and pause."""
+
+    def __init__(self) -> None:
+        self.rate = 1.0  # acceptance average
+        self.pause = 0  # steps left without drafts
+        self.next_pause = COOLDOWN
+
+
+class Drafter:
+    def __init__(self, k: int):
+        self.k = k
+        self._paces: dict[str, Pace] = {}
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        """Up to ``min(limit, k)`` drafts to follow ``tokens`` (all verified)."""
+        pace = self._paces.setdefault(request_id, Pace())
+        self.observe(request_id, tokens)
+        if pace.pause > 0:
+            pace.pause -= 1
+            return []
+        want = min(limit, max(1, round(self.k * pace.rate)))
+        return self.candidates(request_id, tokens, want)[:want] if want > 0 else []
+
+    def observe(self, request_id: str, tokens: list[int]) -> None:
+        """Called with a request's verified tokens before each proposal (an index grows)."""
+
+    def candidates(self, request_id: str, tokens: list[int], want: int) -> list[int]:
+        """Up to ``want`` tokens that may follow ``tokens``."""
+        raise NotImplementedError
+
+    def verified(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A step verified ``drafted`` drafts of the request and accepted ``accepted``."""
+        pace: Optional[Pace] = self._paces.get(request_id)
+        if pace is None or drafted == 0:
+            return
+        pace.rate = (1 - EMA) * pace.rate + EMA * accepted / drafted
+        if pace.rate < FAIL_RATE:
+            pace.pause, pace.next_pause = pace.next_pause, 2 * pace.next_pause
+            pace.rate = 1.0  # after the pause, try again at full length
+        elif accepted:
+            pace.next_pause = COOLDOWN
+
+    def forget(self, request_id: str) -> None:
+        self._paces.pop(request_id, None)
