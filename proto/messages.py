@@ -306,8 +306,8 @@ class WorkerCapabilities(msgspec.Struct, omit_defaults=True):
     # request may bring to one step.
     speculative_method: str = ""
     num_speculative_tokens: int = 0
-    # the most rows a step that verifies drafts may hold: up to there the worker computes
-    # each row exactly as it would alone (its products' paths do not change with the count)
+    # the most rows a step that verifies drafts may hold (0: any): the CPU worker's rows
+    # computed exactly as alone, the GPU worker's verification graphs' (docs/speculative.md)
     speculative_max_rows: int = 0
 
 
