@@ -297,3 +297,13 @@ def test_requests_without_penalties_cost_nothing(runner, monkeypatch):
     monkeypatch.setattr(sampler_mod.TokenHistory, "__init__", fail)
     drive(runner, SamplingSpec(temperature=0.7, top_k=5, seed=1), preempt_at=3)
     assert all(state.history is None for state in runner.book.requests.values())
+
+
+def test_a_draft_rows_history_counts_the_drafts_before_it_and_leaves_the_request_alone():
+    spec = SamplingSpec(frequency_penalty=0.5, repetition_penalty=1.3)
+    history = sampler_mod.TokenHistory(spec, [1, 2], [3, 3], 16)
+    row = history.extended([3, 4, 9])
+    assert row.output_counts() == {3: 3, 4: 1, 9: 1}
+    assert sorted(row.seen_ids.tolist()) == [1, 2, 3, 4, 9]
+    assert history.output_counts() == {3: 2} and sorted(history.seen_ids.tolist()) == [1, 2, 3]
+    assert history.extended([]) is history

@@ -129,11 +129,16 @@ def test_prefix_caching_and_preemption_with_rejected_drafts():
     assert driver.sched.stats()["prefix_cache_hits"] > 0
 
 
-def test_requests_with_penalties_grammar_or_bias_do_not_draft():
+def test_requests_with_penalties_or_bias_draft_too():
+    """The worker counts a run's earlier drafts in each row's penalties (exact per
+    position), so such requests draft like any other."""
     _, driver = run([make_request("p", [1, 2, 3, 1, 2], max_tokens=5, presence_penalty=0.5),
                      make_request("b", [1, 2, 3, 1, 2], max_tokens=5, logit_bias={3: 1.0})],
                     Oracle(4, 4))
-    assert not any(any(p.draft_token_ids) for p in driver.plans)
+    drafting = {rid for p in driver.plans for rid, d in zip(
+        [r.request_id for r in p.new_requests] + [r.request_id for r in p.cached_requests],
+        p.draft_token_ids) if d}
+    assert drafting == {"p", "b"}
 
 
 def test_no_drafts_above_the_batch_limit():
@@ -210,6 +215,35 @@ def test_engine_stop_strings_logprobs_and_a_cached_prefix(engines):
     again = spec.generate([COPY], SamplingParams(max_tokens=40, temperature=0))  # cached
     assert again[0].usage.cached_tokens > 0
     _same(again, [first])
+
+
+COPY_JSON = ('Repeat this JSON object exactly.\n\n{"keeper": "Ada", "years": 100, "light": '
+             '"on", "ships": ["Lumen", "Petrel"]}\n\nRepeated: ')
+JSON_CHAT = [{"role": "user", "content": 'Repeat this JSON object exactly: {"keeper": "Ada", '
+              '"years": 100, "light": "on", "ships": ["Lumen", "Petrel"]}'}]
+
+
+def test_engine_penalties_bias_and_grammars_apply_per_position(engines):
+    """Each draft's row gets the penalties counting the drafts before it, logit_bias, and
+    the grammar's mask after them: the text is the text without speculation, and drafts
+    were verified for each kind of request."""
+    from pocketllm import SamplingParams
+    from pocketllm.bench.throughput import settled_stats
+
+    plain, spec = engines
+    for sp in (SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.4,
+                              presence_penalty=0.2),
+               SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.15),
+               SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+                              logit_bias={236764: 3.0, 107: -5.0}),
+               SamplingParams(max_tokens=60, temperature=0,
+                              response_format={"type": "json_object"})):
+        before = settled_stats(spec)
+        if sp.response_format:
+            _same(plain.chat(JSON_CHAT, sp), spec.chat(JSON_CHAT, sp))
+        else:
+            _same(plain.generate([COPY_JSON], sp), spec.generate([COPY_JSON], sp))
+        assert settled_stats(spec, newer_than=before).spec_draft_tokens > before.spec_draft_tokens
 
 
 def test_engine_counts_drafts_and_accepts_most_on_a_copy(engines):

@@ -156,8 +156,8 @@ def test_stop_ids_outside_the_vocabulary_do_not_reach_the_matcher(tiny_llama):
         rg.future.result(timeout=120)
         assert rg.poll(time.monotonic()) is None and rg.ready
         assert rg.stop_ids == [2]
-        fields, failures = grammars.bitmask_rows([type("R", (), {"grammar": rg,
-                                                                 "request_id": "r"})()])
+        fields, failures = grammars.bitmask_rows([(type("R", (), {"grammar": rg,
+                                                                  "request_id": "r"})(), [])])
         assert failures == [] and fields["structured_request_ids"] == ["r"]
     finally:
         grammars.shutdown()

@@ -173,6 +173,11 @@ def test_sampler_mask_applies_after_bias_and_logprobs_stay_raw():
     assert structured_token_mask([], b"", ["a"]) is None
     with pytest.raises(ValueError, match="samples no token"):
         structured_token_mask(["zz"], words.tobytes(), ["a"])
+    # a request with drafts: one row per sampled position, in order; never more
+    two = np.concatenate([words, words]).tobytes()
+    assert structured_token_mask(["b", "b"], two, ["a", "b", "b"])[0].tolist() == [1, 2]
+    with pytest.raises(ValueError, match="no more tokens"):
+        structured_token_mask(["b", "b"], two, ["a", "b"])
 
 
 # ---------------------------------------------------------------- offline engine

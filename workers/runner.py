@@ -36,7 +36,7 @@ from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 from .step_rows import (RequestBook, RequestState, ScheduledSeq, StepError, StepRows,
-                        accept_drafts, check_state_plan, snapshot_rows)
+                        accept_drafts, check_state_plan, row_histories, snapshot_rows)
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -493,14 +493,11 @@ class ModelRunner:
                     len(samplers), dtype=torch.long, device=self.device)))
             return LaunchedStep(plan.step_id, path=path)
         specs = [state.sampling for _rid, state in samplers]
-        histories = [state.history for _rid, state in samplers]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in samplers])  # None: none structured
         positions = [len(state.token_ids) + offset
                      for (_rid, state), offset in zip(samplers, rows.sample_offsets)]
-        tokens, tables = self.sampler.draw(
-            logits, specs, positions, histories if any(h is not None for h in histories) else None,
-            mask)
+        tokens, tables = self.sampler.draw(logits, specs, positions, row_histories(rows), mask)
         if plan.next_follows:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,

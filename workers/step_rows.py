@@ -233,6 +233,18 @@ def snapshot_rows(seqs: Sequence[ScheduledSeq], snapshots: Sequence[Sequence[int
     return out
 
 
+def row_histories(rows: StepRows) -> Optional[list]:
+    """Each sample row's penalty history (None: no row has one): a draft's row counts the
+    drafts before it as generated, as decoding them one by one would have."""
+    out = []
+    for (rid, state), offset in zip(rows.samplers, rows.sample_offsets):
+        history = state.history
+        if history is not None and offset:
+            history = history.extended(rows.drafts[rid][:offset])
+        out.append(history)
+    return out if any(h is not None for h in out) else None
+
+
 def accept_drafts(step_id: int, row_ids: list[str], tokens: list[int], logprobs: list,
                   drafts: dict[str, list[int]], **result) -> StepResult:
     """The step's result from its sample rows (``row_ids``: each row's request; a request

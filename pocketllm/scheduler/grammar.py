@@ -102,34 +102,40 @@ class Grammars:
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
 
     def bitmask_rows(self, requests: list) -> tuple[dict, list]:
-        """The StepPlan fields for these requests' masks: one packed row each (numpy int32,
-        the layout xgrammar fills; the scheduler never needs torch for it), and the requests
-        that must fail instead, each with why: its matcher raised, or its grammar allows no
-        token at all here (a grammar that can match nothing: the request's fault)."""
+        """The StepPlan fields for these (request, drafts) pairs' masks: packed rows (numpy
+        int32, the layout xgrammar fills; the scheduler never needs torch for it), one for
+        the request's next token and one after each draft, the request id repeated for
+        each; and the requests that must fail instead, each with why: its matcher raised,
+        or its grammar allows no token at all here (a grammar that can match nothing: the
+        request's fault)."""
         import numpy as np
 
-        bitmask = np.zeros((len(requests), self.words), dtype=np.int32)
-        keep, failures = [], []
-        for i, req in enumerate(requests):
+        bitmask = np.zeros((sum(1 + len(d) for _, d in requests), self.words), dtype=np.int32)
+        keep, ids, failures = [], [], []
+        at = 0
+        for req, drafts in requests:
+            rows = range(at, at + 1 + len(drafts))
+            at = rows.stop
             spec = req.grammar.spec
             what = spec.kind.replace("_", " ")
             try:
-                req.grammar.fill(bitmask, i)
+                req.grammar.fill_run(bitmask, rows.start, drafts)
             except Exception as e:  # noqa: BLE001 - one request's grammar, never the loop
                 failures.append((req, ErrorDetail(
                     ErrorKind.internal, f"the {what} could not be applied: {explain(e)}")))
                 continue
-            if not bitmask[i].any():
+            if not all(bitmask[i].any() for i in rows):
                 failures.append((req, ErrorDetail(
                     ErrorKind.invalid_request,
                     f"the {what} allows no token at this point: it can match no text "
                     "(check it for contradictory or impossible constraints)", spec.param)))
                 continue
-            keep.append(i)
+            keep.extend(rows)
+            ids.extend([req.request_id] * len(rows))
         if not keep:
             return {}, failures
-        return dict(structured_request_ids=[requests[i].request_id for i in keep],
-                    structured_bitmask=bitmask[keep].tobytes()), failures
+        return dict(structured_request_ids=ids, structured_bitmask=bitmask[keep].tobytes()), \
+            failures
 
     def submit(self, spec: StructuredSpec) -> Future:
         """The cached or newly started compile of ``spec`` (never blocks)."""
@@ -219,8 +225,36 @@ class RequestGrammar:
         return max(self.submitted, ready_at) + self.grammars.timeout_s - now
 
 
-    def fill(self, bitmask, row: int) -> None:
+    def fill_run(self, bitmask, row: int, drafts: list[int]) -> None:
+        """Rows ``row`` .. ``row + len(drafts)``: the mask now, then after each draft (the
+        matcher is rolled back after: the drafts are not verified yet)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        accepted = 0
+        try:
+            for j, token in enumerate(drafts):
+                if not self.matcher.accept_token(token):
+                    raise ValueError(f"draft token {token} is not allowed")
+                accepted += 1
+                self.matcher.fill_next_token_bitmask(bitmask, row + 1 + j)
+        finally:
+            if accepted:
+                self.matcher.rollback(accepted)
+
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of ``tokens`` the grammar allows in turn, short of a token that
+        would complete it (the request ends there: nothing after it to mask)."""
+        accepted = 0
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                accepted -= 1
+                self.matcher.rollback(1)
+                break
+        if accepted:
+            self.matcher.rollback(accepted)
+        return tokens[:accepted]
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)

@@ -238,16 +238,16 @@ class Scheduler:
                 room -= len(drafts)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
-        """The draft tokens a decoding request may verify (at most ``room``): none where
-        speculation cannot be exact (a grammar, penalties or logit_bias, whose next row
-        depends on the token before) or no room is left (max_tokens, max_model_len)."""
-        if req.grammar is not None or uses_penalties(req.sampling):
-            return []
+        """The draft tokens a decoding request may verify (at most ``room``): none when no
+        room is left (max_tokens, max_model_len); with a grammar, those it allows in turn
+        (each draft's row then gets the grammar's mask after the drafts before it, and the
+        worker's penalties count those drafts: docs/speculative.md)."""
         room = min(req.sampling.max_tokens - req.num_output_tokens - 1,
                    self.config.max_model_len - req.num_tokens - 1, room)
         if room <= 0:
             return []
-        return self.drafter.propose(req.request_id, req.token_ids, room)
+        drafts = self.drafter.propose(req.request_id, req.token_ids, room)
+        return req.grammar.allowed_prefix(drafts) if req.grammar is not None and drafts else drafts
 
     def _ends_with_pending_token(self, req: Request) -> bool:
         """Its token still in flight reaches max_tokens or max_model_len: update() will end
@@ -358,7 +358,7 @@ class Scheduler:
         """The plan of a decided step. Its tokens count as computed from now on, and each
         request that samples gets a PENDING placeholder that update() replaces with the
         real token, so the next step can be planned before this one's result arrives."""
-        structured, failures = self.structured.rows(step.scheduled)
+        structured, failures = self.structured.rows(step.scheduled, step.drafts)
         for req, detail in failures:  # it leaves the step and fails alone
             step.budget += step.scheduled.pop(req)
             self._fail(self.ended, req, detail)

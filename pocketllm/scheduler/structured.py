@@ -61,12 +61,15 @@ class StructuredRequests:
         waits = [w for w in (r.grammar.deadline(now) for r in self.compiling) if w is not None]
         return max(0.0, min(waits)) if waits else None
 
-    def rows(self, scheduled: dict[Request, int]) -> tuple[dict, list[tuple[Request, ErrorDetail]]]:
-        """The plan's bitmask rows: one per structured request that samples in this step;
-        and the requests whose grammar cannot fill its row, or allows no token at all (an
-        empty row would make the worker sample an arbitrary token)."""
-        rows = [req for req, n in scheduled.items()
-                if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens]
+    def rows(self, scheduled: dict[Request, int], drafts: dict[Request, list[int]]
+             ) -> tuple[dict, list[tuple[Request, ErrorDetail]]]:
+        """The plan's bitmask rows: one per structured request that samples in this step,
+        and one more per draft it verifies; and the requests whose grammar cannot fill a
+        row, or allows no token at all (an empty row would make the worker sample an
+        arbitrary token)."""
+        rows = [(req, drafts.get(req, [])) for req, n in scheduled.items()
+                if req.grammar is not None
+                and req.num_computed_tokens + n - len(drafts.get(req, ())) == req.num_tokens]
         if not rows:
             return {}, []
         return self.grammars.bitmask_rows(rows)

@@ -34,7 +34,8 @@ from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepRe
 from pocketllm.sampling import MAX_LOGPROBS
 
 from ..kv_plan import cache_layout, check_available, plan_blocks, populated_zeros
-from ..step_rows import RequestBook, accept_drafts, check_state_plan, snapshot_rows
+from ..step_rows import (RequestBook, accept_drafts, check_state_plan, row_histories,
+                         snapshot_rows)
 from .model import LiteModel, StepViews, step_view
 from ..sampler import numpy_ops
 from ..sampler.rules import Sampler, TokenHistory, structured_token_mask
@@ -200,12 +201,11 @@ class LiteRunner:
         if not rows.sample_rows:
             return StepResult(step_id=plan.step_id, path="eager")
         states = [state for _rid, state in rows.samplers]
-        histories = [state.history for state in states]
         mask = structured_token_mask(plan.structured_request_ids, plan.structured_bitmask,
                                      [rid for rid, _state in rows.samplers])
         out = self.sampler(logits, [s.sampling for s in states],
                            [len(s.token_ids) + off for s, off in zip(states, rows.sample_offsets)],
-                           histories if any(h is not None for h in histories) else None, mask)
+                           row_histories(rows), mask)
         result = accept_drafts(plan.step_id, [rid for rid, _ in rows.samplers], out.token_ids,
                                out.logprobs, rows.drafts, path="eager")
         self._last_tokens = {rid: ([first, *more])[-1] for rid, first, more in

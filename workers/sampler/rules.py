@@ -38,6 +38,7 @@ they hold less than ``top_p`` (both give the same prefix sums, so the same cut).
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -138,6 +139,18 @@ class TokenHistory:
                 self._seen.update(new)
                 self.seen_ids = np.concatenate([self.seen_ids, np.array(new, np.int64)])
 
+    def extended(self, token_ids: Sequence[int]) -> "TokenHistory":
+        """This history as a draft's row sees it: the drafts before it counted as generated
+        (a copy; this one is unchanged, since the drafts may be rejected)."""
+        if not token_ids:
+            return self
+        other = copy.copy(self)
+        other._slots, other._seen = dict(self._slots), set(self._seen)
+        if self.counts is not None:
+            other.counts = self.counts.copy()  # add_output adds to it in place
+        other.add_output(token_ids)
+        return other
+
     def output_counts(self) -> dict[int, int]:
         """token -> times generated (for tests and debugging; not on the hot path)."""
         if self.count_ids is None:
@@ -186,12 +199,17 @@ def structured_token_mask(request_ids: Sequence[str], bitmask: bytes,
     no request of the step is structured (then the sampler does no extra work)."""
     if not request_ids:
         return None
-    where = {rid: i for i, rid in enumerate(sampled_ids)}
-    missing = [rid for rid in request_ids if rid not in where]
-    if missing:
-        raise ValueError(f"a grammar bitmask row for {missing[0]!r}, which samples no token here")
+    rows_of = collections.defaultdict(collections.deque)  # a request with drafts: several
+    for i, rid in enumerate(sampled_ids):
+        rows_of[rid].append(i)
+    rows = []
+    for rid in request_ids:  # a request's rows in order: its first token's, then its drafts'
+        if not rows_of.get(rid):
+            raise ValueError(f"a grammar bitmask row for {rid!r}, which samples no token "
+                             "(or no more tokens) here")
+        rows.append(rows_of[rid].popleft())
     words = np.frombuffer(bitmask, dtype="<i4").reshape(len(request_ids), -1)
-    return np.array([where[rid] for rid in request_ids], dtype=np.int64), words
+    return np.array(rows, dtype=np.int64), words
 
 
 def apply_token_mask(xp, logits, mask: tuple[np.ndarray, np.ndarray]) -> None:
