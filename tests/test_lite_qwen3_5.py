@@ -147,3 +147,37 @@ def test_a_plan_s_hostile_state_entries_are_step_errors():
     for bad in ([1, 3, 5, 16], [1, 3, 5, 25], [1, 4, 5, 20], [1, 3, 3, 20], [1, 3, 8, 20]):
         with pytest.raises(StepError):
             snapshot_rows(seqs, [bad], 1, 8)
+
+
+def test_speculative_drafts_roll_the_states_back(q8_file, tmp_path):
+    """Drafts on a hybrid model (issue 37): each draft row's states are kept in a spare
+    slot and a rejected draft's step restored from the last accepted one. Replayed drafts
+    with every third token wrong (runs of two accepted, then a rejection) give the greedy
+    tokens of decoding without them, two requests side by side."""
+    import json
+
+    from pocketllm.bench.throughput import settled_stats
+
+    prompts = [PROMPT[:40], PROMPT_NEXT[:33]]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = LLM(model=q8_file, max_model_len=256)
+    try:
+        want = plain.generate(prompts, greedy)
+    finally:
+        plain.shutdown()
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"runs": [
+        {"prompt": p, "output": [(t + (i % 3 == 2)) % 512 for i, t in enumerate(o.token_ids)]}
+        for p, o in zip(prompts, want)]}))
+    spec = LLM(model=q8_file, max_model_len=256, speculative_method="replay",
+               speculative_replay=str(replay), num_speculative_tokens=4)
+    try:
+        before = spec.engine_stats()
+        got = spec.generate(prompts, greedy)
+        after = settled_stats(spec, newer_than=before)
+    finally:
+        spec.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert 0 < accepted < drafted

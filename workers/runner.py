@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 from pocketllm.config import SPECULATIVE_MAX_BATCH, EngineArgs
-from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
@@ -74,11 +73,6 @@ class ModelRunner:
             share_cpu_threads(ranks_on_this_host(args))
         if args.batch_invariant:
             kernel_policy.check_batch_invariant(self.device, world_size)
-        if args.speculative_method is not None and arch_config(info).linear_layers:
-            raise UnsupportedFeatureError(
-                "speculative decoding of a model with recurrent state (linear-attention "
-                "layers) is not built yet: its states cannot be rolled back to the accepted "
-                "drafts", "speculative_method")
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
@@ -259,8 +253,9 @@ class ModelRunner:
             mixed = MixedGraphs(self.model, self.kv_caches, self.max_model_len, self.device,
                                 max_tokens) if max_tokens > 0 else None
             verify = None
-            if self.args.speculative_method is not None and isinstance(self.backend,
-                                                                       TritonAttention):
+            # a linear-attention model's verification keeps each row's state: eager
+            if (self.args.speculative_method is not None and not any(self.state_groups)
+                    and isinstance(self.backend, TritonAttention)):
                 verify = VerifyGraphs(self.model, self.kv_caches, self.block_size,
                                       self.max_model_len, self.kv.pad_blocks, self.device,
                                       min(SPECULATIVE_MAX_BATCH, self.args.max_num_seqs),

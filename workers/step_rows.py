@@ -172,10 +172,8 @@ class RequestBook:
             if start < 0 or end <= start or end > len(state.token_ids):
                 raise StepError(f"request {rid!r}: tokens [{start}, {end}) scheduled but only "
                                 f"{len(state.token_ids)} known")
-            if drafts and (end != len(state.token_ids) or any(
-                    g and not p for g, p in zip(state.block_ids, self.positional))):
-                raise StepError(f"request {rid!r}: drafts follow the last known token of a "
-                                "request with no recurrent state")
+            if drafts and end != len(state.token_ids):
+                raise StepError(f"request {rid!r}: drafts follow its last known token")
             if any(start + n > len(table) * self.block_size
                    for table, positional in zip(state.block_ids, self.positional) if positional):
                 raise StepError(f"request {rid!r}: {start + n} tokens need more than its "

@@ -83,6 +83,8 @@ class StepDraft:
         self.budget = budget
         self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
         self.drafts: dict[Request, list[int]] = {}  # their draft tokens (counted in scheduled)
+        # a recurrent-state model's: (group, slots) keeping each draft row's state
+        self.draft_snapshots: dict[Request, list[tuple[int, list[int]]]] = {}
         self.preempted_ids: list[str] = []  # ids workers must drop in this very plan
         self.preempted = False
         self.has_prefill = False

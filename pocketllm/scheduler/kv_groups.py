@@ -223,6 +223,28 @@ class CacheGroups:
                     out.append(([g, req.block_ids[g][0], pool.allocate(1)[0], b], block_hash))
         return out
 
+    def spare_state_slots(self) -> int:
+        """Slots every state pool can give now (cached snapshots evicted first)."""
+        return min(self.pools[g].num_free_blocks for g in self._state)
+
+    def draft_snapshots(self, req, n: int) -> list[tuple[int, list[int]]]:
+        """(group, ``n`` fresh slots) per state group: where a speculative step keeps the
+        request's states after its first ``n`` rows, so a rejected draft's state can be
+        rolled back (check ``spare_state_slots`` first)."""
+        return [(g, self.pools[g].allocate(n)) for g in self._state]
+
+    def end_draft_snapshots(self, req, held: list[tuple[int, list[int]]],
+                            accepted: Optional[int]) -> None:
+        """A speculative step ended with ``accepted`` drafts (None: failed, or the request
+        is gone): the snapshot after the last accepted row goes back into the request's
+        slot before its next step (``state_restores``) unless every draft was accepted
+        (then the slot holds it already); the rest are freed."""
+        for g, slots in held:
+            keep = slots[accepted] if accepted is not None and accepted < len(slots) else None
+            if keep is not None:
+                req.state_restores.append([g, keep, req.block_ids[g][0]])
+            self.pools[g].free([s for s in slots if s != keep])
+
     def publish_snapshot(self, group: int, slot: int, block_hash: Optional[bytes]) -> None:
         """A snapshot's step ended: cache it under ``block_hash`` (None: the step failed),
         then release it, evictable."""

@@ -97,6 +97,9 @@ class Scheduler:
         self._inflight: deque[tuple[StepPlan, list[tuple[Request, int, bool]]]] = deque()
         # per step in flight: the state snapshots it writes, (group, slot, block hash)
         self._snapshots: dict[int, list[tuple[int, int, bytes]]] = {}
+        # per speculative step in flight of a recurrent-state model: each request's
+        # (group, slots) holding its states after each row but the last (kv_groups.py)
+        self._draft_snapshots: dict[int, dict[Request, list[tuple[int, list[int]]]]] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.num_preemptions = 0
@@ -230,6 +233,10 @@ class Scheduler:
             if room <= 0:
                 return
             drafts = self._drafts(req, room)[:max(0, self.kv.fit_tokens(req) - 1)]
+            if drafts and self.kv.has_state:  # each row's state kept, to roll back to
+                drafts = drafts[:self.kv.spare_state_slots()]
+                if drafts:
+                    step.draft_snapshots[req] = self.kv.draft_snapshots(req, len(drafts))
             if drafts:
                 self.kv.grow(req, req.num_computed_tokens + 1 + len(drafts))
                 step.scheduled[req] += len(drafts)
@@ -371,6 +378,9 @@ class Scheduler:
                                                           req.num_computed_tokens + n):
                 taken.append(entry)
                 snapshots.append((entry[0], entry[2], block_hash))
+            for g, slots in step.draft_snapshots.get(req, ()):  # after the token, each draft
+                taken += [[g, req.block_ids[g][0], slot, req.num_computed_tokens + 1 + j]
+                          for j, slot in enumerate(slots)]
             samples = req.num_computed_tokens + n == req.num_tokens
             if req.worker_num_tokens is None:
                 new.append(NewRequestData(req.request_id, list(req.token_ids),
@@ -398,6 +408,8 @@ class Scheduler:
                                        **structured), entries, step.preempted_ids)
         if snapshots:
             self._snapshots[plan.step_id] = snapshots
+        if step.draft_snapshots:
+            self._draft_snapshots[plan.step_id] = step.draft_snapshots
         return plan
 
     def _register(self, plan: StepPlan, entries: list, preempted_ids: list[str]) -> StepPlan:
@@ -449,6 +461,7 @@ class Scheduler:
         entries = self._inflight.popleft()[1]
         for g, slot, block_hash in self._snapshots.pop(plan.step_id, ()):
             self.kv.publish_snapshot(g, slot, None if result.error is not None else block_hash)
+        self._end_draft_snapshots(plan, result)
         batch = TokenBatch(new_requests=[], deltas=[])
         if result.error is not None:
             detail = ErrorDetail(ErrorKind.internal, result.error)  # the worker's own why
@@ -485,6 +498,16 @@ class Scheduler:
                     ErrorKind.internal, f"the scheduler failed on this request's token "
                     f"{token}: {type(exc).__name__}: {exc}"))
         return batch
+
+    def _end_draft_snapshots(self, plan: StepPlan, result: StepResult) -> None:
+        """Roll each request of a recurrent-state model back to the state after its last
+        accepted draft (or free the slots: a failed step, a finished request)."""
+        index = {rid: i for i, rid in enumerate(result.request_ids)}
+        for req, held in self._draft_snapshots.pop(plan.step_id, {}).items():
+            i = index.get(req.request_id)
+            ok = result.error is None and i is not None and not req.is_finished
+            extra = result.extra_token_ids[i] if ok and i < len(result.extra_token_ids) else []
+            self.kv.end_draft_snapshots(req, held, len(extra) if ok else None)
 
     def _after_drafts(self, batch: TokenBatch, req: Request, drafts: list[int], first: int,
                       result: StepResult, i: int) -> None:
@@ -594,7 +617,11 @@ class Scheduler:
         assert len(self._requests) == len(self.running) + len(self.waiting)
         assert len(self.running) <= self.config.max_num_seqs
         self.kv.check_invariants(self.running, [(g, slot) for held in self._snapshots.values()
-                                                for g, slot, _ in held],
+                                                for g, slot, _ in held]
+                                 + [(g, s) for held in self._draft_snapshots.values()
+                                    for pairs in held.values() for g, slots in pairs for s in slots]
+                                 + [(g, slot) for req in self.running
+                                    for g, slot, _dst in req.state_restores],
                                  self.config.num_speculative_tokens)
 
 

@@ -27,7 +27,6 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from pocketllm.config import EngineArgs, cpu_thread_count
-from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.proto.messages import (CacheGroup, SamplingSpec, StepPlan, StepResult,
                                       WorkerCapabilities)
@@ -69,11 +68,6 @@ class LiteRunner:
                               state_layers=getattr(cfg, "linear_layers", None) or None)
         self.layout = layout
         self.state_groups = [layout.is_state(g) for g in range(len(layout.specs))]
-        if args.speculative_method is not None and any(self.state_groups):
-            raise UnsupportedFeatureError(
-                "speculative decoding of a model with recurrent state (linear-attention "
-                "layers) is not built yet: its states cannot be rolled back to the accepted "
-                "drafts", "speculative_method")
         row = cfg.num_kv_heads * cfg.head_dim  # floats a slot holds, K or V
         per_layer_block = 2 * self.block_size * row * 4
         state_shapes = self.model.state_shapes() if any(self.state_groups) else ((0,), (0,))
