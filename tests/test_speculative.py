@@ -304,7 +304,7 @@ GPU = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
 @pytest.mark.parametrize("family,device", [
     ("llama", "cpu"), ("deepseek_v2", "cpu"), ("qwen3_5", "cpu"),
     pytest.param("llama", "cuda", marks=GPU), pytest.param("gemma3", "cuda", marks=GPU),
-    pytest.param("deepseek_v2", "cuda", marks=GPU)])
+    pytest.param("deepseek_v2", "cuda", marks=GPU), pytest.param("qwen3_5", "cuda", marks=GPU)])
 def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, tmp_path):
     """Dense, sliding-window, MLA and hybrid (Qwen3.5: each draft row's state kept and
     the rejected ones rolled back) models on the torch worker (float32): n-gram drafts

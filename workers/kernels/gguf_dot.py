@@ -20,9 +20,7 @@ group of 16's sum is sc * dx * (sum q qx - 32 sum qx)), Q8_0 (signed by signed) 
 (its offset of 8 through the block's float sum of x). Blocks whose size is not a
 multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16.
 ``DOTS`` holds the ones the GPU path takes: those timed and checked on a GPU whose type
-also has a float block kernel (``gguf_gemv.BLOCKS``) for longer steps. Q8_0's dots beat
-its float gemv on the wide projections only (docs/benchmarks.md); taken for all, as one
-rule per type.
+also has a float block kernel (``gguf_gemv.BLOCKS``) for longer steps.
 
 Under Triton's CPU interpreter (no inline assembly) ``dp4a`` is four multiply-adds of
 the bytes, the same integers.
@@ -342,12 +340,19 @@ def _launch(kernel, xq, words: torch.Tensor, out: torch.Tensor, n: int, k: int, 
     return out
 
 
+# (rows a program, blocks (Q8_0) or super-blocks (Q6_K) of each a loop step, warps): the
+# fastest on an H100 over Llama-3-8B's four projection shapes (``bench_gguf --tune``,
+# docs/benchmarks.md, session 29; Q6_K's qkv alone preferred two rows, by 1%)
+Q8_0_CONFIG = (1, 16, 1)
+Q6_K_CONFIG = (1, 2, 1)
+
+
 def q8_0_dot(xq, blocks, n, k, out, config=None):
     """As ``q4_k_dot``, for Q8_0 blocks."""
     q, d, _ = xq
     w = _blocks_as(blocks, Q8_0, n, k, torch.int16)
     return _launch(_q8_0_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
-                   config or (2, 8, 1), w)
+                   config or Q8_0_CONFIG, w)
 
 
 def q4_0_dot(xq, blocks, n, k, out, config=None):
@@ -371,7 +376,7 @@ def q6_k_dot(xq, blocks, n, k, out, config=None):
     q, d, _ = xq
     w = _blocks_as(blocks, Q6_K, n, k, torch.int16)
     return _launch(_q6_k_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
-                   config or (2, 2, 1), w, blocks.view(torch.int8))
+                   config or Q6_K_CONFIG, w, blocks.view(torch.int8))
 
 
 # (rows a program, super-blocks of each a loop step, warps): the fastest on an H100 over
