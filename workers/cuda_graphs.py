@@ -165,6 +165,14 @@ class DecodeGraphs:
         self.input_ids[rows].zero_()
         self.positions[rows].zero_()
 
+    def _copy_groups(self, host: torch.Tensor, at: int, n: int, rows: int, width: int) -> None:
+        """Each group's ``rows`` slots, then its [n, width] tables, from ``host[at:]``."""
+        for slots, tables in zip(self.slots, self.tables):
+            slots[:rows].copy_(host[at:at + rows], non_blocking=True)
+            tables[:n, :width].copy_(host[at + rows:at + rows + n * width].view(n, width),
+                                     non_blocking=True)
+            at += rows + n * width
+
     def rung(self, batch: int) -> int:
         """The captured batch size a step of ``batch`` decodes replays (0: none fits)."""
         return smallest_rung(self.batch_sizes, batch)
@@ -196,12 +204,7 @@ class DecodeGraphs:
         host = torch.frombuffer(flat, dtype=torch.int32)
         # non_blocking: a blocking copy would wait for the step still running (device.to_device)
         self.seq_lens[:n].copy_(host[:n], non_blocking=True)
-        at = n
-        for slots, tables in zip(self.slots, self.tables):
-            slots[:n].copy_(host[at:at + n], non_blocking=True)
-            tables[:n, :width].copy_(host[at + n:at + n + n * width].view(n, width),
-                                     non_blocking=True)
-            at += n + n * width
+        self._copy_groups(host, n, n, n, width)
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         if n < rung:
             self._reset_padding(n, rung)

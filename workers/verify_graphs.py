@@ -88,12 +88,7 @@ class VerifyGraphs(DecodeGraphs):
         host = torch.frombuffer(flat, dtype=torch.int32)
         for i, buffer in enumerate((self.seq_lens, self.q_start, self.q_lens)):
             buffer[:n].copy_(host[i * n:(i + 1) * n], non_blocking=True)
-        at = 3 * n
-        for slots, tables in zip(self.slots, self.tables):
-            slots[:t].copy_(host[at:at + t], non_blocking=True)
-            tables[:n, :width].copy_(host[at + t:at + t + n * width].view(n, width),
-                                     non_blocking=True)
-            at += t + n * width
+        self._copy_groups(host, 3 * n, n, t, width)
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         self._reset_padding(n, rung, first_row=t)
         graph, logits = self.graphs[rung]
