@@ -29,16 +29,22 @@ def test_the_tokens_after_the_latest_match_of_the_longest_suffix():
     assert d.propose("c", [8, 1, 2, 3, 9, 2, 4, 8, 1, 2], 4) == [3, 9, 2, 4]
 
 
-def test_drafts_shorten_and_pause_as_they_fail():
+def test_drafts_shorten_as_they_fail_and_pause_when_none_is_accepted():
     d = NgramDrafter(4)
     tokens = [1, 2, 3, 4, 5, 1, 2]
     assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
     d.verified("a", 4, 1)  # average 0.625: 4 * 0.625 = 2.5 -> 2
     assert d.propose("a", tokens, 10) == [3, 4]
-    d.verified("a", 2, 0)
-    d.verified("a", 2, 0)  # below the floor: a pause
+    d.verified("a", 2, 0)  # none accepted: a pause
     assert all(d.propose("a", tokens, 10) == [] for _ in range(COOLDOWN))
     assert d.propose("a", tokens, 10) == [3, 4, 5, 1]  # then full length again
+    d.verified("a", 4, 0)  # failing again: a pause twice as long
+    assert all(d.propose("a", tokens, 10) == [] for _ in range(2 * COOLDOWN))
+    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
+    d.verified("a", 4, 4)  # an accepted draft: the next pause is short again
+    d.verified("a", 4, 0)
+    assert all(d.propose("a", tokens, 10) == [] for _ in range(COOLDOWN))
+    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
     d.forget("a")
 
 

@@ -2,9 +2,11 @@
 
 A drafter (``ngram.py``, ``replay.py``) says which tokens may follow a request's verified
 ones; this base decides how many it may propose: ``k`` times the request's recent
-acceptance (an exponential average of accepted / drafted), at least one. A request whose
-drafts keep failing proposes none for a while (``COOLDOWN`` steps, doubled each time it
-fails again), so speculation costs a rejecting request little (docs/speculative.md).
+acceptance (an exponential average of accepted / drafted), at least one. A step that
+accepts none of a request's drafts pauses its drafting (``COOLDOWN`` steps, doubled each
+time it fails again, back to ``COOLDOWN`` once a draft is accepted): a verification step
+costs more than a decode step (on a GPU about 1.8 of them, docs/speculative.md), so a
+request whose drafts keep failing probes about log2 of its steps times, not every step.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 EMA = 0.5  # weight of the newest step in the acceptance average
-FAIL_RATE = 0.2  # below this average, a request pauses drafting
 COOLDOWN = 4  # steps of the first pause
 
 
@@ -52,12 +53,12 @@ class Drafter:
         pace: Optional[Pace] = self._paces.get(request_id)
         if pace is None or drafted == 0:
             return
-        pace.rate = (1 - EMA) * pace.rate + EMA * accepted / drafted
-        if pace.rate < FAIL_RATE:
+        if not accepted:
             pace.pause, pace.next_pause = pace.next_pause, 2 * pace.next_pause
             pace.rate = 1.0  # after the pause, try again at full length
-        elif accepted:
-            pace.next_pause = COOLDOWN
+            return
+        pace.rate = (1 - EMA) * pace.rate + EMA * accepted / drafted
+        pace.next_pause = COOLDOWN
 
     def forget(self, request_id: str) -> None:
         self._paces.pop(request_id, None)
