@@ -64,8 +64,8 @@ from pocketllm.sampling import uses_penalties
 
 from .block_manager import BlockManager, blocks_for
 from .config import SchedulerConfig, StepDraft
-from .fair_queue import FairQueue
 from .drafter import Drafter
+from .fair_queue import FairQueue
 from .kv_groups import CacheGroups
 from .ngram import NgramDrafter
 from .replay import ReplayDrafter, load_runs
