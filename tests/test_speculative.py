@@ -8,6 +8,8 @@ logprobs and a cached prefix; and the refusals."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pocketllm.config import EngineArgs
@@ -360,3 +362,45 @@ def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, t
             0 < accepted < drafted)
         if device == "cuda" and family not in ("deepseek_v2", "qwen3_5"):
             assert graphs == 4 * 4 and eager == 0  # 4 requests of 3 drafts + 1
+
+
+def test_server_n_choices_and_metrics_with_speculation(default_model_path):
+    """n > 1 over HTTP: each greedy choice is the same with n-gram speculation as without,
+    and /metrics counts the drafts. (Seeded sampling is compared on one request above: the
+    choices of one request run side by side, and a decode that shares a step with another
+    choice's prompt chunk is computed by the many-row product, with or without
+    speculation, depending on arrival times: docs/speculative.md.)"""
+    import httpx
+
+    from server_process import ServerProcess
+
+    body = {"prompt": COPY, "max_tokens": 32, "n": 3, "temperature": 0}
+    texts = []
+    for extra in ((), ("--speculative-method", "ngram")):
+        srv = ServerProcess("--max-model-len", "1024", *extra)
+        try:
+            got = [httpx.post(srv.url + "/v1/completions", json=b, timeout=120).json()
+                   for b in (body, {**body, "max_tokens": 9, "n": 2})]
+            texts.append([[c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+                          for r in got])
+            drafted = _metric(srv, "pocketllm_spec_draft_tokens_total")
+        finally:
+            assert srv.stop() == 0
+    assert texts[0] == texts[1] and len(texts[0][0]) == 3
+    assert drafted > 0
+
+
+def _metric(srv, name: str) -> float:
+    """A counter of /metrics once the scheduler's idle report has reached it (5 s at most)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 5
+    while True:
+        found = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$",
+                          httpx.get(srv.url + "/metrics").text, re.M)
+        value = float(found.group(1)) if found else 0.0
+        if value > 0 or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
