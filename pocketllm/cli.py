@@ -288,7 +288,15 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     threads = cpu_thread_count()
     batches = tuple(int(b) for b in ns.batch_sizes.split(",") if b) if ns.batch_sizes else ()
     if ns.replay_acceptance:
-        return bench_speculative_replay(ns, args, info.vocab_size, threads)
+        from .bench.latency import speculative_replay
+
+        if args.speculative_method is not None or ns.peer or ns.batch_sizes:
+            raise SystemExit("--speculative-replay runs its own two engines (without "
+                             "speculation, then replaying): no --speculative-method, --peer "
+                             "or --batch-sizes")
+        print(speculative_replay(args, ns.prompt, ns.input_len, ns.output_len, ns.runs,
+                                 ns.warmup, ns.replay_acceptance, info.vocab_size, threads))
+        return 0
     ours, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
                                      batches, input_len=ns.input_len)
     results = [ours]
@@ -304,36 +312,6 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
                                      ns.runs, ns.warmup, threads))
     print(f"prompt: {len(prompt_ids)} tokens")
     print(report(results, ns.output_len, threads=threads if ours.device == "cpu" else None))
-    print(roofline(ours))
-    return 0
-
-
-def bench_speculative_replay(ns: argparse.Namespace, args, vocab_size: int,
-                             threads: int) -> int:
-    """Batch-1 decode without speculation, recording the greedy output, then with the
-    replay drafter proposing it (``--speculative-replay full``) or a copy no draft of which
-    is accepted (``none``): speculation's cost at either end of acceptance."""
-    import dataclasses
-
-    from .bench.latency import replay_file, report, roofline, run_pocketllm
-
-    if args.speculative_method is not None or ns.peer or ns.batch_sizes:
-        raise SystemExit("--speculative-replay runs its own two engines (without speculation, "
-                         "then replaying): no --speculative-method, --peer or --batch-sizes")
-    record: list = []
-    plain, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
-                                      input_len=ns.input_len, record=record)
-    path = replay_file(record, ns.replay_acceptance, vocab_size)
-    try:
-        spec_args = dataclasses.replace(args, speculative_method="replay",
-                                        speculative_replay=path)
-        ours, _ = run_pocketllm(spec_args, prompt_ids, None, ns.output_len, ns.runs, ns.warmup)
-    finally:
-        os.unlink(path)
-    plain.name = "no speculation"
-    print(f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed "
-          f"({ns.replay_acceptance} acceptance), k = {args.num_speculative_tokens}")
-    print(report([ours, plain], ns.output_len, threads=threads if ours.device == "cpu" else None))
     print(roofline(ours))
     return 0
 

@@ -95,6 +95,34 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
     return result, ids
 
 
+def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | None,
+                       output_len: int, runs: int, warmup: int, accept: str, vocab_size: int,
+                       threads: int) -> str:
+    """``bench latency --speculative-replay``: batch-1 decode without speculation, recording
+    the greedy output, then with the replay drafter proposing it (``accept="full"``) or a
+    copy no draft of which is accepted (``"none"``): speculation's cost at either end of
+    acceptance. Returns the report."""
+    import dataclasses
+    import os
+
+    record: list = []
+    plain, prompt_ids = run_pocketllm(args, None, prompt, output_len, runs, warmup,
+                                      input_len=input_len, record=record)
+    path = replay_file(record, accept, vocab_size)
+    try:
+        spec_args = dataclasses.replace(args, speculative_method="replay",
+                                        speculative_replay=path)
+        ours, _ = run_pocketllm(spec_args, prompt_ids, None, output_len, runs, warmup)
+    finally:
+        os.unlink(path)
+    plain.name = "no speculation"
+    return "\n".join([
+        f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed ({accept} "
+        f"acceptance), k = {args.num_speculative_tokens}",
+        report([ours, plain], output_len, threads=threads if ours.device == "cpu" else None),
+        roofline(ours)])
+
+
 def replay_file(record: list, accept: str, vocab_size: int) -> str:
     """A file of the recorded runs for the replay drafter (``scheduler/replay.py``):
     ``accept="full"`` as recorded (every draft accepted); ``"none"`` each token moved to the
