@@ -1,4 +1,4 @@
-"""Matrix-vector products for one-row steps, with the op before them fused in.
+"""Matrix-vector products for steps of one to eight rows, with the op before them fused in.
 
 Reference: ``F.linear`` (bf16 operands, float32 accumulation) after that op's own
 reference: ``layers.norm.RMSNorm`` with the decoder layer's residual add before it
@@ -17,6 +17,13 @@ kernels round it, and program 0 writes the new residual. The q/k/v projection ca
 also leave q and k rotated: a program then owns the same dims of both halves of a
 head, the pairs that rotary embedding mixes. The weights are marked
 evict-first so the row stays cached.
+
+Two to eight rows (a small batch, or a speculative step's last token and its drafts,
+docs/speculative.md) share each weight chunk in ``_rows_kernel``, which gives every row
+the bits the one-row kernel gives it alone: the same partial sums per (feature, column)
+and the same fixed-order sum of them (``fixed_sum.py``); its norm and rotary run in their
+own launches, whose rounding is the fused ones'. A draft is then verified with exactly the
+arithmetic that would have decoded it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import triton.language as tl
 from pocketllm.errors import UnsupportedFeatureError
 
 from . import pdl
+from .fixed_sum import lane_sum
 from .gated_act import KERNEL_ACTIVATIONS, activate
 from .pdl import wait_for_prior
 
@@ -116,7 +124,7 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
                 x = (x.to(tl.float32) + tl.load(Res + cols, mask=k_ok, other=0.0).to(tl.float32)
                      ).to(X.dtype.element_ty)
             sq += x.to(tl.float32) * x.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(lane_sum(sq[None, :], 1, ROW_BLOCK), 0) / K + eps)
     acc_a = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([HB, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -132,7 +140,7 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
         acc_a += _weights(wa, SCALED) * xf[None, :]
         acc_b += _weights(wb, SCALED) * xf[None, :]
         wa, wb = wa_next, wb_next
-    ya, yb = tl.sum(acc_a, 1), tl.sum(acc_b, 1)
+    ya, yb = lane_sum(acc_a, HB, BLOCK_K), lane_sum(acc_b, HB, BLOCK_K)
     if SCALED:  # FP8 weights: each row's scale, once, on its sum
         ya = ya * E4M3_UNBIAS * tl.load(Scale + rows_a)
         yb = yb * E4M3_UNBIAS * tl.load(Scale + rows_b)
@@ -150,6 +158,46 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
     tl.store(Y + rows_a, ya.to(Y.dtype.element_ty), mask=a_ok)
     tl.store(Y + rows_b, yb.to(Y.dtype.element_ty), mask=b_ok)
 
+
+
+@triton.jit
+def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y, x_half,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, PRE: tl.constexpr,
+                 PDL: tl.constexpr):
+    """``_gemv_kernel`` for M <= ROWS rows at once (PRE: none or an activation; a norm or a
+    rotary runs in its own launch, rows_gemv): each weight chunk is read once for all rows,
+    and each row's sum is the one-row kernel's, bit for bit, given its BLOCK_K: the same
+    partial sum per (feature, column), the same fixed-order lane_sum."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    rows = tl.where(n_ok, rows, 0)
+    ms = tl.arange(0, ROWS)
+    m_ok = ms < M
+    x_rows = ms.to(tl.int64)[:, None] * stride_x
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_prior(PDL)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + ks
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=(cols + BLOCK_K < K)[None, :], other=0.0,
+                         eviction_policy="evict_first")
+        xf = _input_chunk(X, X, X, X, X, x_rows + cols[None, :], m_ok[:, None] & (cols < K)[None, :],
+                          x_half, 1.0, False, PRE, False)
+        acc += _weights(w, SCALED)[None, :, :] * xf[:, None, :]
+        w = w_next
+    y = tl.reshape(lane_sum(tl.reshape(acc, [ROWS * BLOCK_N, BLOCK_K]), ROWS * BLOCK_N, BLOCK_K),
+                   [ROWS, BLOCK_N])
+    if SCALED:
+        y = y * E4M3_UNBIAS * tl.load(Scale + rows)[None, :]
+    if HAS_BIAS:
+        y += tl.load(Bias + rows).to(tl.float32)[None, :]
+    tl.store(Y + ms.to(tl.int64)[:, None] * stride_y + rows[None, :], y.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
 # models, launched with PDL (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for
@@ -193,12 +241,26 @@ def rotary_block_n(block_n: int, head_dim: int) -> int:
     return block_n
 
 
-def _check_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"a gemv takes one row, got {what} of shape {tuple(x.shape)}")
+MAX_ROWS = 8  # the most rows one launch takes (rows of x, each computed as alone)
+ROWS_ACC = 8192  # float32 partial sums a program of _rows_kernel holds (64 a thread, 4 warps)
+
+
+def _check_rows(x: torch.Tensor, width: int, what: str, rows: int = MAX_ROWS) -> torch.Tensor:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= rows:
+        raise ValueError(f"a gemv takes 1 to {rows} rows, got {what} of shape {tuple(x.shape)}")
     if x.shape[1] != width:
         raise ValueError(f"{what} has {x.shape[1]} features; the weight takes {width}")
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_weight(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+    n = weight.shape[0]
+    if weight.stride(-1) != 1:
+        raise ValueError("a gemv needs a weight whose rows are contiguous")
+    if (scale is None) == (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError("an FP8 weight takes its row scales, and only it")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError(f"row scales {tuple(scale.shape)} {scale.dtype} for {n} float32 rows")
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pre: str,
@@ -208,12 +270,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             normed_out: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     n, k = weight.shape
-    if weight.stride(-1) != 1:
-        raise ValueError("a gemv needs a weight whose rows are contiguous")
-    if (scale is None) == (weight.dtype == torch.float8_e4m3fn):
-        raise ValueError("an FP8 weight takes its row scales, and only it")
-    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
-        raise ValueError(f"row scales {tuple(scale.shape)} {scale.dtype} for {n} float32 rows")
+    _check_weight(weight, scale)
     y = torch.empty(1, n, device=x.device, dtype=out_dtype or x.dtype)
     res_out = torch.empty_like(x) if pre == "add_norm" else None
     block_n, block_k, warps = config or _config(n, k, pre, rotary is not None,
@@ -244,25 +301,53 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return y, res_out
 
 
+def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pre: str,
+          lanes_pre: str, rotates: bool = False, out_dtype: Optional[torch.dtype] = None,
+          config: Optional[tuple[int, int, int]] = None,
+          scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (1 < M <= MAX_ROWS) through ``_rows_kernel``. Its BLOCK_K is the one a
+    one-row launch of the same product takes (``_config`` with that launch's ``lanes_pre``
+    and ``rotates``), so each row's sums are that launch's."""
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    fp8 = weight.element_size() == 1
+    _check_weight(weight, scale)
+    rows = triton.next_power_of_2(m)
+    lanes = min(_config(n, k, lanes_pre, rotates, fp8)[1], triton.next_power_of_2(k))
+    block_n, block_k, warps = config or (min(16, max(1, ROWS_ACC // (rows * lanes))), lanes, 4)
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    _rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight if scale is None else weight.view(torch.uint8),
+        scale if scale is not None else weight, bias if bias is not None else weight, y,
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0), k, ROWS=rows, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, SCALED=scale is not None, PRE=pre,
+        num_warps=warps, **pdl.launch_options(x.device))
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out_dtype: Optional[torch.dtype] = None,
          config: Optional[tuple[int, int, int]] = None,
          scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [1, K] -> [1, N] (``out_dtype``: x's if None).
-    ``scale``: float32 [N] for an FP8 (e4m3) weight, w = weight * scale[:, None]."""
-    x = _check_row(x, weight.shape[1], "x")
+    """``F.linear(x, weight, bias)`` for x [M, K] -> [M, N], M <= MAX_ROWS (``out_dtype``:
+    x's if None). ``scale``: float32 [N] for an FP8 (e4m3) weight, w = weight * scale[:, None].
+    Each row's result is the same whatever M."""
+    x = _check_rows(x, weight.shape[1], "x")
+    if x.shape[0] > 1:
+        return _rows(x, weight, bias, "", "", out_dtype=out_dtype, config=config, scale=scale)
     return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config, scale=scale)[0]
 
 
 def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                hidden_act: str, config: Optional[tuple[int, int, int]] = None,
                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(act_and_mul(gate_up), weight, bias)`` for a ``[gate | up]`` row [1, 2K]
+    """``F.linear(act_and_mul(gate_up), weight, bias)`` for ``[gate | up]`` rows [M, 2K]
     (``scale``: as ``gemv``'s)."""
     act = KERNEL_ACTIVATIONS.get(hidden_act)
     if act is None:
         raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
-    gate_up = _check_row(gate_up, 2 * weight.shape[1], "gate_up")
+    gate_up = _check_rows(gate_up, 2 * weight.shape[1], "gate_up")
+    if gate_up.shape[0] > 1:
+        return _rows(gate_up, weight, bias, act, act, config=config, scale=scale)
     return _launch(gate_up, weight, bias, act, config=config, scale=scale)[0]
 
 
@@ -274,14 +359,34 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
     """``(F.linear(rmsnorm(x + residual), weight, bias), x + residual)``, the sum rounded
     to x's dtype first (``add_rms_norm``'s contract); residual None: ``rmsnorm(x)``, x.
     ``rotary`` = (cos, sin, head_dim, rows): the first ``rows`` outputs are heads of
-    ``head_dim`` that leave rotated by the token's cos/sin ([D/2] each), as
+    ``head_dim`` that leave rotated by each token's cos/sin ([M, 1, D/2] each), as
     ``rotary.apply_rotary_qk`` rotates q and k. ``normed_out`` (like x): receives the
-    normed row itself, for a second product of it (the experts after their router).
-    ``scale``: as ``gemv``'s."""
-    x = _check_row(x, weight.shape[1], "x")
+    normed rows themselves, for a second product of them (the experts after their router).
+    ``scale``: as ``gemv``'s. One row is one launch; more rows take the norm, the product
+    and the rotary as three, each row's bits those of the one-row launch (the norm sums
+    as this kernel does, fixed_sum.py)."""
+    x = _check_rows(x, weight.shape[1], "x")
+    if residual is not None:
+        residual = _check_rows(residual, weight.shape[1], "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    pre = "norm" if residual is None else "add_norm"
+    if x.shape[0] == 1:
+        y, res_out = _launch(x, weight, bias, pre, residual, norm_weight, eps, rotary=rotary,
+                             config=config, normed_out=normed_out, scale=scale)
+        return y, x if residual is None else res_out
+    from .rmsnorm import add_rms_norm, rms_norm
+    from .rotary import apply_rotary_qk
+
     if residual is None:
-        return _launch(x, weight, bias, "norm", None, norm_weight, eps, rotary=rotary,
-                       config=config, normed_out=normed_out, scale=scale)[0], x
-    residual = _check_row(residual, weight.shape[1], "residual")
-    return _launch(x, weight, bias, "add_norm", residual, norm_weight, eps, rotary=rotary,
-                   config=config, normed_out=normed_out, scale=scale)
+        h = rms_norm(x, norm_weight, eps)
+    else:
+        h, x = add_rms_norm(x, residual, norm_weight, eps)
+    if normed_out is not None:
+        normed_out.copy_(h)
+    y = _rows(h, weight, bias, "", pre, rotary is not None, config=config, scale=scale)
+    if rotary is not None:
+        cos, sin, head_dim, rot_rows = rotary
+        apply_rotary_qk(y[:, :rot_rows].unflatten(1, (-1, head_dim)),
+                        y.new_empty(y.shape[0], 0, head_dim), cos, sin)
+    return y, x

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fixed_sum import lane_sum
+
 
 @triton.jit
 def _rmsnorm_kernel(X, Res, W, Out, ResOut, inner, stride_x0, stride_x1, stride_r,
@@ -31,7 +33,8 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, inner, stride_x0, stride_x1, stride_
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded as torch does
         tl.store(ResOut + row.to(tl.int64) * stride_o + cols, x, mask=ok)
     xf = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / DIM + eps)
+    # the squares summed as the fused norm_gemv sums them (fixed_sum.py): the same bits
+    inv_rms = 1.0 / tl.sqrt(tl.sum(lane_sum((xf * xf)[None, :], 1, BLOCK), 0) / DIM + eps)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + row.to(tl.int64) * stride_o + cols, (xf * inv_rms * w).to(Out.dtype.element_ty),
              mask=ok)
