@@ -364,6 +364,42 @@ def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, t
             assert graphs == 4 * 4 and eager == 0  # 4 requests of 3 drafts + 1
 
 
+
+@GPU
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("k", [4, 7])
+def test_bf16_drafts_of_the_greedy_output_are_all_accepted_on_the_gpu(family, k, tmp_path):
+    """In bfloat16 on CUDA, a verification step computes each of its k + 1 rows with the
+    bits its decode step would have had (the gemv's rows, the decode kernel's splits), so
+    every draft replaying the greedy output is accepted and the text is the same, though
+    a tiny random model's logits are full of near ties."""
+    import json
+
+    from pocketllm import LLM, SamplingParams
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(family)
+    prompt = [[40, 41, 42, 43, 44, 45, 46]]
+    common = dict(model=path, dtype="bfloat16", max_model_len=256, device="cuda")
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    plain = LLM(**common)
+    try:
+        want = plain.generate(prompt, greedy)
+    finally:
+        plain.shutdown()
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"runs": [{"prompt": prompt[0],
+                                            "output": list(want[0].token_ids)}]}))
+    llm = LLM(**common, speculative_method="replay", speculative_replay=str(replay),
+              num_speculative_tokens=k)
+    try:
+        before = llm.engine_stats()
+        _same(want, llm.generate(prompt, greedy))
+        drafted, accepted = _drafts(llm, before)
+    finally:
+        llm.shutdown()
+    assert drafted > 0 and accepted == drafted
+
 def test_server_n_choices_and_metrics_with_speculation(default_model_path):
     """n > 1 over HTTP: each greedy choice is the same with n-gram speculation as without,
     and /metrics counts the drafts. (Seeded sampling is compared on one request above: the

@@ -106,14 +106,15 @@ class DecodeGraphs:
         t = g * self.query_rows
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
         self.positions = torch.zeros(t, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(g, dtype=torch.int32, device=device)
-        self.q_start = torch.arange(g, dtype=torch.int32, device=device)
-        self.q_lens = torch.ones(g, dtype=torch.int32, device=device)
-        # per cache group: the new tokens' slots and the block tables
+        # per row (a decode: one a sequence): its length, its place, one query
+        self.seq_lens = torch.ones(t, dtype=torch.int32, device=device)
+        self.q_start = torch.arange(t, dtype=torch.int32, device=device)
+        self.q_lens = torch.ones(t, dtype=torch.int32, device=device)
+        # per cache group: the new tokens' slots and each row's block table
         # (a state group's: its rows' state slots, int64 for index_select / index_copy_)
         self.slots = [torch.zeros(t, dtype=torch.long if state else torch.int32, device=device)
                       for state in self.state_groups]
-        self.tables = [torch.full((g, self.width), pad, dtype=torch.int32, device=device)
+        self.tables = [torch.full((t, self.width), pad, dtype=torch.int32, device=device)
                        for pad in self.pad_blocks]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(rungs)
@@ -156,7 +157,11 @@ class DecodeGraphs:
                     time.perf_counter() - started)
 
     def _reset_padding(self, start: int, stop: int) -> None:
-        rows = slice(start, stop)
+        """Sequences [start, stop) become padding: their rows."""
+        self._pad_rows(start * self.query_rows, stop * self.query_rows)
+
+    def _pad_rows(self, first: int, stop: int) -> None:
+        rows = slice(first, stop)
         for slots, tables, pad, state in zip(self.slots, self.tables, self.pad_blocks,
                                              self.state_groups):
             slots[rows].fill_(pad if state else pad * self.block_size)

@@ -72,6 +72,8 @@ class KernelPolicy:
     # Steps of at most this many tokens run their experts as gemvs (kernels/moe_gemv.py):
     # below it a token's experts are rarely shared, so grouping buys no reuse.
     moe_gemv_max_tokens: int = 4
+    # Products of at most this many rows run as the gemv (kernels/gemv.py), more as a GEMM
+    gemv_max_rows: int = 8
 
     def decode_partition(self, num_seqs: int, kv_heads: int, span: int, sms: int,
                          block_n: int) -> int:
@@ -100,6 +102,11 @@ class KernelPolicy:
     def one_row(self, x: torch.Tensor) -> bool:
         """Whether a product of x runs as the one-row gemv (with whatever it fuses)."""
         return self.triton and not self.batch_invariant and x.shape[0] == 1
+
+    def gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether a product of x runs as the gemv (one to ``gemv_max_rows`` rows, each
+        computed as if alone: a speculative step's drafts as their decode would)."""
+        return self.triton and not self.batch_invariant and 1 <= x.shape[0] <= self.gemv_max_rows
 
     def product(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -66,20 +66,24 @@ class TritonAttention:
                                       meta.block_size, scale, window, softcap, out,
                                       tiles=INVARIANT_TILES, sinks=sinks)
             return out
-        if p is not None or meta.decode is None:
+        d = meta.decode
+        # A decode-only step's rows are all decodes: the decode kernel writes them, unless
+        # rows of one sequence read each other's (a speculative step run as decodes).
+        fused_write = p is None and d is not None and d.seq_rows == 1
+        if not fused_write:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.decode is not None:
-            d = meta.decode
+        if d is not None:
             span = min(d.max_seq_len, window) if window else d.max_seq_len
-            partition = self.policy.decode_partition(d.block_tables.shape[0], k_cache.shape[1],
-                                                     span, sm_count(q.device),
+            # splits sized by sequences, not rows: a speculative row then splits its keys as
+            # its decode would have, and sums them in the same order
+            partition = self.policy.decode_partition(d.block_tables.shape[0] // d.seq_rows,
+                                                     k_cache.shape[1], span, sm_count(q.device),
                                                      decode_block_n(q.shape[2]))
-            # A decode-only step's rows are all decodes: the decode kernel writes them.
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
                                    d.max_seq_len, meta.block_size, scale, window, softcap, out,
                                    partition=partition,
                                    min_partition=self.policy.decode_min_partition,
-                                   new_kv=(k, v, meta.slot_mapping) if p is None else None,
+                                   new_kv=(k, v, meta.slot_mapping) if fused_write else None,
                                    sinks=sinks)
         rows = p.lone_fresh_rows if p is not None else None
         if (rows is not None and softcap is None and sinks is None

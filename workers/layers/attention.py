@@ -59,6 +59,9 @@ class PagedSeqs:
     max_q_len: int
     lone_fresh_rows: Optional[slice] = None  # the rows of a lone sequence starting at 0
     host: tuple[tuple[int, int, int], ...] = ()  # per sequence: (q_start, q_len, seq_len)
+    # Decode rows per sequence: more than one in a speculative step run as decodes (each
+    # row a position of its sequence, its own length; verify_graphs.py)
+    seq_rows: int = 1
     # what a layer derives from these once a step for every layer (mla.py's key slots)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -139,9 +139,9 @@ class ColumnParallelLinear(nn.Module):
         return self.method.product(self, x, self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether ``normed`` runs as one launch for x: a one-row step on the GPU path, of
-        a method that fuses."""
-        return self.method.fuses and self.policy.one_row(x)
+        """Whether ``normed`` runs as the gemv for x (one launch for one row), on the GPU
+        path, of a method that fuses."""
+        return self.method.fuses and self.policy.gemv_rows(x)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
             return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                   rotary, scale=self.method.scale(self))
         if rotary is not None:
-            raise ValueError("rotary is fused only into a one-row projection on the GPU path")
+            raise ValueError("rotary is fused only into a gemv projection on the GPU path")
         h, residual = norm.add(x, residual) if residual is not None else (norm(x), x)
         return self(h), residual
 
@@ -187,13 +187,13 @@ class RowParallelLinear(nn.Module):
                                   (self.out_features, self.in_shard.full))
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether a one-row ``[gate | up]`` input can take its activation inside the
-        product (``hidden_act``)."""
-        return self.method.fuses and self.policy.one_row(x)
+        """Whether ``[gate | up]`` rows can take their activation inside the product
+        (``hidden_act``)."""
+        return self.method.fuses and self.policy.gemv_rows(x)
 
     def forward(self, x: torch.Tensor, hidden_act: str = "", reduce: bool = True) -> torch.Tensor:
-        """x @ W.T (+ bias). With ``hidden_act`` (only where ``fuses(x)``), x is one
-        ``[gate | up]`` row and the input is its ``act(gate) * up`` (the GPU path's fused
+        """x @ W.T (+ bias). With ``hidden_act`` (only where ``fuses(x)``), x is
+        ``[gate | up]`` rows and the input is their ``act(gate) * up`` (the GPU path's fused
         MLP tail).
         ``reduce=False``: this rank's partial sum, the all-reduce left to the caller
         (who sums it with another partial first; no bias then)."""

@@ -72,7 +72,7 @@ def weight_param(shape: Sequence[int], device: torch.device, dtype: torch.dtype)
 
 
 class DenseMethod:
-    fuses = True  # the one-row gemv takes the op before it
+    fuses = True  # the gemv takes the op before it
 
     @staticmethod
     def scale(layer) -> None:
@@ -90,7 +90,7 @@ class DenseMethod:
                 weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight``: another layer's (a tied LM head reads the embedding's)."""
         weight = layer.weight if weight is None else weight
-        if layer.policy.one_row(x):
+        if layer.policy.gemv_rows(x):
             return layer.gemv(x, weight, bias, out_dtype=out_dtype)
         return layer.policy.linear(x, weight, bias, out_dtype=out_dtype)
 
@@ -173,7 +173,7 @@ class Fp8Method:
 
     def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        if layer.policy.one_row(x):
+        if layer.policy.gemv_rows(x):
             return layer.gemv(x, layer.weight, bias, out_dtype=out_dtype, scale=layer.weight_scale)
         from ..kernels.fp8_linear import scaled_linear
 
