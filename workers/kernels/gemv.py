@@ -161,34 +161,35 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
 
 
 @triton.jit
-def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y, x_half,
+def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, PRE: tl.constexpr,
-                 PDL: tl.constexpr):
-    """``_gemv_kernel`` for M <= ROWS rows at once (PRE: none or an activation; a norm or a
-    rotary runs in its own launch, rows_gemv): each weight chunk is read once for all rows,
-    and each row's sum is the one-row kernel's, bit for bit, given its BLOCK_K: the same
-    partial sum per (feature, column), the same fixed-order lane_sum."""
+                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    """``_gemv_kernel``'s product for M <= ROWS rows at once (their norm, activation or
+    rotary run in launches of their own, ``_rows``): each weight chunk is read once for all
+    rows, and each row's sum is the one-row kernel's, bit for bit, given its BLOCK_K: the
+    same partial sum per (feature, column), the same fixed-order lane_sum. Weights and rows
+    are loaded as [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles, which (with the warps
+    along BLOCK_K only) share the product's layout: no shuffle through shared memory in
+    the loop."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rows < N
     rows = tl.where(n_ok, rows, 0)
     ms = tl.arange(0, ROWS)
     m_ok = ms < M
-    x_rows = ms.to(tl.int64)[:, None] * stride_x
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+    ks = tl.arange(0, BLOCK_K)[None, None, :]
+    w_ptrs = W + rows.to(tl.int64)[None, :, None] * stride_w + ks
+    x_ptrs = X + ms.to(tl.int64)[:, None, None] * stride_x + ks
+    w = tl.load(w_ptrs, mask=ks < K, other=0.0, eviction_policy="evict_first")
     wait_for_prior(PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + ks
         w_ptrs += BLOCK_K
-        w_next = tl.load(w_ptrs, mask=(cols + BLOCK_K < K)[None, :], other=0.0,
+        w_next = tl.load(w_ptrs, mask=k0 + BLOCK_K + ks < K, other=0.0,
                          eviction_policy="evict_first")
-        xf = _input_chunk(X, X, X, X, X, x_rows + cols[None, :], m_ok[:, None] & (cols < K)[None, :],
-                          x_half, 1.0, False, PRE, False)
-        acc += _weights(w, SCALED)[None, :, :] * xf[:, None, :]
+        xf = tl.load(x_ptrs, mask=m_ok[:, None, None] & (k0 + ks < K), other=0.0).to(tl.float32)
+        x_ptrs += BLOCK_K
+        acc += _weights(w, SCALED) * xf
         w = w_next
     y = tl.reshape(lane_sum(tl.reshape(acc, [ROWS * BLOCK_N, BLOCK_K]), ROWS * BLOCK_N, BLOCK_K),
                    [ROWS, BLOCK_N])
@@ -198,6 +199,7 @@ def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y, x_
         y += tl.load(Bias + rows).to(tl.float32)[None, :]
     tl.store(Y + ms.to(tl.int64)[:, None] * stride_y + rows[None, :], y.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
 # models, launched with PDL (``bench_gemv --tune``, docs/benchmarks.md): taller tiles for
@@ -242,7 +244,6 @@ def rotary_block_n(block_n: int, head_dim: int) -> int:
 
 
 MAX_ROWS = 8  # the most rows one launch takes (rows of x, each computed as alone)
-ROWS_ACC = 8192  # float32 partial sums a program of _rows_kernel holds (64 a thread, 4 warps)
 
 
 def _check_rows(x: torch.Tensor, width: int, what: str, rows: int = MAX_ROWS) -> torch.Tensor:
@@ -301,25 +302,27 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return y, res_out
 
 
-def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pre: str,
-          lanes_pre: str, rotates: bool = False, out_dtype: Optional[torch.dtype] = None,
+def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lanes_pre: str,
+          rotates: bool = False, out_dtype: Optional[torch.dtype] = None,
           config: Optional[tuple[int, int, int]] = None,
           scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (1 < M <= MAX_ROWS) through ``_rows_kernel``. Its BLOCK_K is the one a
     one-row launch of the same product takes (``_config`` with that launch's ``lanes_pre``
-    and ``rotates``), so each row's sums are that launch's."""
+    and ``rotates``), so each row's sums are that launch's; a warp covers 256 columns
+    (eight a thread), so BLOCK_K sets the warps, and BLOCK_N keeps 128 partial sums a
+    thread."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    fp8 = weight.element_size() == 1
     _check_weight(weight, scale)
     rows = triton.next_power_of_2(m)
-    lanes = min(_config(n, k, lanes_pre, rotates, fp8)[1], triton.next_power_of_2(k))
-    block_n, block_k, warps = config or (min(16, max(1, ROWS_ACC // (rows * lanes))), lanes, 4)
+    lanes = min(_config(n, k, lanes_pre, rotates, weight.element_size() == 1)[1],
+                triton.next_power_of_2(k))
+    block_n, block_k, warps = config or (max(1, 16 // rows), lanes, max(1, lanes // 256))
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight if scale is None else weight.view(torch.uint8),
         scale if scale is not None else weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0), k, ROWS=rows, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, SCALED=scale is not None, PRE=pre,
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0), ROWS=rows, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, SCALED=scale is not None,
         num_warps=warps, **pdl.launch_options(x.device))
     return y
 
@@ -333,7 +336,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     Each row's result is the same whatever M."""
     x = _check_rows(x, weight.shape[1], "x")
     if x.shape[0] > 1:
-        return _rows(x, weight, bias, "", "", out_dtype=out_dtype, config=config, scale=scale)
+        return _rows(x, weight, bias, "", out_dtype=out_dtype, config=config, scale=scale)
     return _launch(x, weight, bias, "", out_dtype=out_dtype, config=config, scale=scale)[0]
 
 
@@ -346,8 +349,11 @@ def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if act is None:
         raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
     gate_up = _check_rows(gate_up, 2 * weight.shape[1], "gate_up")
-    if gate_up.shape[0] > 1:
-        return _rows(gate_up, weight, bias, act, act, config=config, scale=scale)
+    if gate_up.shape[0] > 1:  # the activation as its own launch, rounded as the fused one
+        from .gated_act import act_and_mul
+
+        return _rows(act_and_mul(gate_up, hidden_act), weight, bias, act, config=config,
+                     scale=scale)
     return _launch(gate_up, weight, bias, act, config=config, scale=scale)[0]
 
 
@@ -384,7 +390,7 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
         h, x = add_rms_norm(x, residual, norm_weight, eps)
     if normed_out is not None:
         normed_out.copy_(h)
-    y = _rows(h, weight, bias, "", pre, rotary is not None, config=config, scale=scale)
+    y = _rows(h, weight, bias, pre, rotary is not None, config=config, scale=scale)
     if rotary is not None:
         cos, sin, head_dim, rot_rows = rotary
         apply_rotary_qk(y[:, :rot_rows].unflatten(1, (-1, head_dim)),
