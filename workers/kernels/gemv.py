@@ -159,7 +159,6 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
     tl.store(Y + rows_b, yb.to(Y.dtype.element_ty), mask=b_ok)
 
 
-
 @triton.jit
 def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
