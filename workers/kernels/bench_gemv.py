@@ -11,8 +11,7 @@ weights in e4m3 with row scales (``fp8_linear.quantize_weight``), swept over
 ``FP8_SWEEP``. ``--rows M`` (2..8): M rows a launch, with the ops before and after the
 product as the layers run them (norm, activation, rotary as launches of their own), beside
 cuBLAS (``F.linear`` on the same rows), each row checked to be bit-equal to its one-row
-launch; the sweep then varies BLOCK_N, warps (x a warp per 256 columns) and pipeline stages at
-the one-row launch's BLOCK_K.
+launch; the sweep then varies BLOCK_N and warps at the one-row launch's BLOCK_K.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ SHAPES = {
 SWEEP = [c for c in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8))
          if c[0] * c[1] <= 16384]
 FP8_SWEEP = list(itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8)))
-ROWS_BLOCK_N, ROWS_WARPS, ROWS_STAGES = (2, 4), (1, 2), (3, 4)  # the rows sweep
+ROWS_BLOCK_N, ROWS_WARPS = (1, 2, 4, 8), (1, 2)  # the rows sweep (warps: x the default)
 L2_MULTIPLE = 4  # a chain's weights are at least this many times the L2 cache
 
 
@@ -92,8 +91,7 @@ def default_config(n: int, k: int, pre: str, head_dim: int, fp8: bool = False):
 
 def rows_sweep(n: int, k: int, pre: str, head_dim: int, fp8: bool) -> list:
     lanes = min(gemv_mod._config(n, k, pre, bool(head_dim), fp8)[1], 1 << (k - 1).bit_length())
-    return [(bn, lanes, w * max(1, lanes // 256), st) for bn in ROWS_BLOCK_N
-            for w in ROWS_WARPS for st in ROWS_STAGES]
+    return [(bn, lanes, w * max(1, lanes // 256)) for bn in ROWS_BLOCK_N for w in ROWS_WARPS]
 
 
 def measure(model: str, tune: bool, fp8: bool = False, m: int = 1) -> list[dict]:

@@ -162,16 +162,14 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
 @triton.jit
 def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                 PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """``_gemv_kernel``'s product for M <= ROWS rows at once (their norm, activation or
     rotary run in launches of their own, ``_rows``): each weight chunk is read once for all
     rows, and each row's sum is the one-row kernel's, bit for bit, given its BLOCK_K: the
-    same partial sum per (feature, column), the same fixed-order lane_sum. A program's
-    partial sums fill most of its registers (ROWS x BLOCK_N x BLOCK_K), so its tiles are
-    small; the loop keeps STAGES - 1 chunks of weights and rows in flight (copied to shared
-    memory asynchronously) to stream at the memory's rate. Weights and rows are loaded as
-    [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles, broadcast into the product."""
+    same partial sum per (feature, column), the same fixed-order lane_sum. Weights and rows
+    are loaded as [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles, which (with the warps
+    along BLOCK_K only) share the product's layout: no shuffle through shared memory in
+    the loop."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rows < N
@@ -181,12 +179,17 @@ def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
     ks = tl.arange(0, BLOCK_K)[None, None, :]
     w_ptrs = W + rows.to(tl.int64)[None, :, None] * stride_w + ks
     x_ptrs = X + ms.to(tl.int64)[:, None, None] * stride_x + ks
+    w = tl.load(w_ptrs, mask=ks < K, other=0.0, eviction_policy="evict_first")
     wait_for_prior(PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = tl.load(w_ptrs + k0, mask=k0 + ks < K, other=0.0, eviction_policy="evict_first")
-        xf = tl.load(x_ptrs + k0, mask=m_ok[:, None, None] & (k0 + ks < K), other=0.0)
-        acc += _weights(w, SCALED) * xf.to(tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=k0 + BLOCK_K + ks < K, other=0.0,
+                         eviction_policy="evict_first")
+        xf = tl.load(x_ptrs, mask=m_ok[:, None, None] & (k0 + ks < K), other=0.0).to(tl.float32)
+        x_ptrs += BLOCK_K
+        acc += _weights(w, SCALED) * xf
+        w = w_next
     y = tl.reshape(lane_sum(tl.reshape(acc, [ROWS * BLOCK_N, BLOCK_K]), ROWS * BLOCK_N, BLOCK_K),
                    [ROWS, BLOCK_N])
     if SCALED:
@@ -240,7 +243,6 @@ def rotary_block_n(block_n: int, head_dim: int) -> int:
 
 
 MAX_ROWS = 8  # the most rows one launch takes (rows of x, each computed as alone)
-ROWS_STAGES = 3  # chunks a _rows_kernel loop has in flight, plus the one it sums
 
 
 def _check_rows(x: torch.Tensor, width: int, what: str, rows: int = MAX_ROWS) -> torch.Tensor:
@@ -301,26 +303,25 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 
 def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lanes_pre: str,
           rotates: bool = False, out_dtype: Optional[torch.dtype] = None,
-          config: Optional[tuple[int, ...]] = None,
+          config: Optional[tuple[int, int, int]] = None,
           scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (1 < M <= MAX_ROWS) through ``_rows_kernel``. Its BLOCK_K is the one a
     one-row launch of the same product takes (``_config`` with that launch's ``lanes_pre``
-    and ``rotates``), so each row's sums are that launch's. ``config``: (BLOCK_N, BLOCK_K,
-    warps, stages), for tuning; the default keeps 16 partial sums a column per program
-    (BLOCK_N x rows) and a warp per 128 columns."""
+    and ``rotates``), so each row's sums are that launch's; a warp covers 256 columns
+    (eight a thread), so BLOCK_K sets the warps, and BLOCK_N keeps 128 partial sums a
+    thread."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     _check_weight(weight, scale)
     rows = triton.next_power_of_2(m)
     lanes = min(_config(n, k, lanes_pre, rotates, weight.element_size() == 1)[1],
                 triton.next_power_of_2(k))
-    block_n, block_k, warps, stages = config or (max(1, 16 // rows), lanes,
-                                                 max(1, lanes // 128), ROWS_STAGES)
+    block_n, block_k, warps = config or (max(1, 16 // rows), lanes, max(1, lanes // 256))
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight if scale is None else weight.view(torch.uint8),
         scale if scale is not None else weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0), ROWS=rows, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, HAS_BIAS=bias is not None, SCALED=scale is not None,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, SCALED=scale is not None,
         num_warps=warps, **pdl.launch_options(x.device))
     return y
 
