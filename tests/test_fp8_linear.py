@@ -105,7 +105,7 @@ def test_many_rows_multiply_the_quantized_operands_on_fp8_tensor_cores(rows):
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=1e-2)  # bf16 output
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3])
 def test_fp8_layers_quantize_float_tensors_as_they_load(rows):
     shapes = {"attn.q_proj.weight": (64, H), "attn.k_proj.weight": (32, H),
               "attn.v_proj.weight": (32, H), "mlp.down_proj.weight": (H, INTER),
@@ -127,13 +127,13 @@ def test_fp8_layers_quantize_float_tensors_as_they_load(rows):
     torch.testing.assert_close(model.qkv.weight_scale.cpu(), s)
     x = torch.randn(rows, H, generator=g).to(DEVICE)
     deq = q.float() * s[:, None]
-    if rows <= 8:  # the gemv (up to 8 rows): the weights' rounding alone
+    if rows == 1:  # the gemv: the weights' rounding alone
         torch.testing.assert_close(model.qkv(x).cpu(), x.cpu() @ deq.T, atol=1e-4, rtol=1e-4)
         norm = RMSNorm(H, 1e-6, device=DEVICE)
         assert model.qkv.fuses(x)
         y, _ = model.qkv.normed(norm, x, None)
         torch.testing.assert_close(y.cpu(), norm(x).cpu() @ deq.T, atol=1e-4, rtol=1e-4)
-    else:  # a GEMM on FP8 tensor cores: the activations rounded to e4m3 too
+    else:  # the activations rounded to e4m3 too
         xq, xs = fp8_linear.quantize_rows(x)
         torch.testing.assert_close(model.qkv(x).float().cpu(), (xq.float() * xs).cpu() @ deq.T,
                                    atol=2e-2, rtol=1e-2)

@@ -128,3 +128,16 @@ def test_more_rows_than_a_launch_takes_are_refused():
         K.gemv.gemv(rand(9, 16), weight)
     with pytest.raises(ValueError, match="does not match"):
         K.gemv.norm_gemv(rand(2, 16), rand(3, 16), torch.ones(16, device=DEVICE), 1e-6, weight)
+
+
+def test_several_rows_take_the_gemv_only_inside_a_verification():
+    # outside, a batch of decodes keeps the GEMM (the gemv's rows take about twice its time)
+    from pocketllm.workers.kernel_policy import KernelPolicy, rows_as_alone
+
+    policy = KernelPolicy(triton=True)
+    one, five, nine = rand(1, 16), rand(5, 16), rand(9, 16)
+    assert policy.gemv_rows(one) and not policy.gemv_rows(five)
+    with rows_as_alone():
+        assert policy.gemv_rows(five) and not policy.gemv_rows(nine)
+        assert not KernelPolicy(triton=True, batch_invariant=True).gemv_rows(five)
+    assert not policy.gemv_rows(five)

@@ -136,10 +136,10 @@ class DecodeGraphs:
     def _capture(self, rungs: Sequence[int]) -> None:
         self._reset_padding(0, rungs[-1])  # every row is padding while capturing
         started = time.perf_counter()
-        # Compile every kernel before any capture (a compile may synchronize); steps of up
-        # to eight rows take the gemv, compiled per power of two of rows. Also grows the
-        # rotary tables.
-        for b in sorted({rungs[0], rungs[-1], *(r for r in rungs if r * self.query_rows <= 8)}):
+        # Compile every kernel before any capture (a compile may synchronize); one-row
+        # steps (a verification's rows at batch 1) take their own (gemv) kernels. Also
+        # grows the rotary tables.
+        for b in {rungs[0], rungs[-1]}:
             self._forward(b)
         torch.cuda.synchronize(self.device)
 

@@ -41,6 +41,7 @@ build a batch-invariant model beside a default one (the tests do).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -62,6 +63,24 @@ def _warn_once(message: str) -> None:
         logging.getLogger("pocketllm.worker").warning(message)
 
 
+_rows_as_alone: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_as_alone",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def rows_as_alone():
+    """Inside, products of up to ``gemv_max_rows`` rows run as the gemv, which computes each
+    row with the bits it gets alone (kernels/gemv.py): a speculative verification step's
+    rows then equal their decode steps' (verify_graphs.py). Outside, only one-row products
+    do: at five to eight rows the gemv takes about twice cuBLAS's time (docs/benchmarks.md,
+    session 30), so a plain batch of decodes keeps the GEMM."""
+    token = _rows_as_alone.set(True)
+    try:
+        yield
+    finally:
+        _rows_as_alone.reset(token)
+
+
 @dataclass(frozen=True)
 class KernelPolicy:
     triton: bool = False  # the Triton kernels of workers/kernels (CUDA with Triton)
@@ -72,7 +91,7 @@ class KernelPolicy:
     # Steps of at most this many tokens run their experts as gemvs (kernels/moe_gemv.py):
     # below it a token's experts are rarely shared, so grouping buys no reuse.
     moe_gemv_max_tokens: int = 4
-    # Products of at most this many rows run as the gemv (kernels/gemv.py), more as a GEMM
+    # Inside ``rows_as_alone``, products of at most this many rows run as the gemv
     gemv_max_rows: int = 8
 
     def decode_partition(self, num_seqs: int, kv_heads: int, span: int, sms: int,
@@ -104,9 +123,11 @@ class KernelPolicy:
         return self.triton and not self.batch_invariant and x.shape[0] == 1
 
     def gemv_rows(self, x: torch.Tensor) -> bool:
-        """Whether a product of x runs as the gemv (one to ``gemv_max_rows`` rows, each
-        computed as if alone: a speculative step's drafts as their decode would)."""
-        return self.triton and not self.batch_invariant and 1 <= x.shape[0] <= self.gemv_max_rows
+        """Whether a product of x runs as the gemv: one row, or up to ``gemv_max_rows``
+        inside ``rows_as_alone``."""
+        rows = x.shape[0]
+        return (self.triton and not self.batch_invariant
+                and (rows == 1 or (_rows_as_alone.get() and 1 <= rows <= self.gemv_max_rows)))
 
     def product(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -102,9 +102,8 @@ class MixedGraphs:
     def _capture(self, rungs: Sequence[int], capture: Callable) -> None:
         pieces = len(self.model.layers) + 1
         started = time.perf_counter()
-        for t in sorted({rungs[0], rungs[-1]}):  # compiles the kernels before any capture
-            for index in range(pieces):  # (the smallest rung's rows may take the gemv)
-                self._piece(index, t)
+        for index in range(pieces):  # compiles the kernels before any capture
+            self._piece(index, rungs[-1])
 
         def capture_rung(t: int, pool):
             graphs = []

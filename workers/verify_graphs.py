@@ -8,8 +8,8 @@ launching kernels than computing. So each rung b of the decode ladder is capture
 b × (k + 1) rows.
 
 The rows run as decodes, each a position of its sequence with its own length: the products
-of up to eight rows take the gemv, which gives each row the bits it gets alone
-(kernels/gemv.py), and the decode attention kernel splits each row's keys as for a step of
+of up to eight rows take the gemv (``rows_as_alone``), which gives each row the bits it
+gets alone (kernels/gemv.py), and the decode attention kernel splits each row's keys as for a step of
 b sequences (``PagedSeqs.seq_rows``), so every row is computed exactly as its decode step
 would have computed it, and greedy drafts that the model would have decoded are accepted.
 The K/V of all rows are written before the attention reads them. A step packs each
@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from .cuda_graphs import DecodeGraphs, write_inputs
+from .kernel_policy import rows_as_alone
 from .layers.attention import AttentionMetadata, PagedSeqs, ScheduledSeq
 
 
@@ -47,9 +48,10 @@ class VerifyGraphs(DecodeGraphs):
                      tables[:t], self.seq_lens[:t], self.q_start[:t], self.q_lens[:t],
                      self.max_model_len, 1, seq_rows=self.query_rows))
                  for slots, tables in zip(self.slots, self.tables)]
-        hidden = self.model(self.input_ids[:t], self.positions[:t], self.max_model_len - 1,
-                            metas, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        with rows_as_alone():  # each row's products as its decode step's
+            hidden = self.model(self.input_ids[:t], self.positions[:t], self.max_model_len - 1,
+                                metas, self.kv_caches)
+            return self.model.compute_logits(hidden)
 
     def fits(self, seqs: Sequence[ScheduledSeq]) -> int:
         """The rung a step of these sequences replays (0: none fits)."""
