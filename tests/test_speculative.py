@@ -14,7 +14,7 @@ import pytest
 
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
-from pocketllm.scheduler.drafter import COOLDOWN
+from pocketllm.scheduler.drafter import COOLDOWN, Drafter
 from pocketllm.scheduler.ngram import NgramDrafter
 from test_scheduler_harness import Driver, config, make_request, next_token
 
@@ -50,6 +50,39 @@ def test_drafts_shorten_as_they_fail_and_pause_when_none_is_accepted():
     d.forget("a")
 
 
+
+class WrongDrafter(Drafter):
+    """Proposes the fake model's continuation, each token moved by one: none accepted."""
+
+    def candidates(self, request_id, tokens, want):
+        out, ctx = [], list(tokens)
+        for _ in range(want):
+            out.append((next_token(ctx) + 1) % 1000)
+            ctx.append(next_token(ctx))
+        return out
+
+
+def test_paused_requests_are_planned_ahead_and_their_pause_still_runs_out():
+    """With overlap on, a step whose every request has paused drafting is planned before the
+    last one's result (no wait for tokens it would not draft from); those steps spend the
+    pause as asked ones do, so drafting resumes on the same steps as without overlap."""
+    def drafting_steps(driver):
+        return [i for i, p in enumerate(driver.plans) if p.draft_token_ids]
+
+    want, _ = run([make_request("a", [5, 6, 7, 8, 9], max_tokens=60)])
+    plain = Driver(config(num_speculative_tokens=4))
+    plain.sched.drafter = WrongDrafter(4)
+    plain.add(make_request("a", [5, 6, 7, 8, 9], max_tokens=60))
+    plain.run()
+    over = Driver(config(num_speculative_tokens=4, overlap=True))
+    over.sched.drafter = WrongDrafter(4)
+    over.add(make_request("a", [5, 6, 7, 8, 9], max_tokens=60))
+    got = over.run_overlapped()
+    assert got["a"].tokens == want["a"].tokens == plain.outcomes["a"].tokens
+    assert over.sched.num_overlapped_steps > 20  # the paused steps
+    assert drafting_steps(over) == drafting_steps(plain)
+    assert len(drafting_steps(plain)) == 4  # 0, then after pauses of 4, 8 and 16 steps
+
 # --- the scheduler's speculative steps, against the fake worker ----------------------------
 
 class Oracle:
@@ -69,6 +102,9 @@ class Oracle:
 
     def verified(self, rid: str, drafted: int, accepted: int) -> None:
         self.verified_calls.append((drafted, accepted))
+
+    def paused(self, rid: str) -> bool:
+        return False
 
     def forget(self, rid: str) -> None:
         pass

@@ -41,6 +41,18 @@ class Drafter:
         want = min(limit, max(1, round(self.k * pace.rate)))
         return self.candidates(request_id, tokens, want)[:want] if want > 0 else []
 
+    def paused(self, request_id: str) -> bool:
+        """Whether the request's next step proposes nothing (its pause has steps left)."""
+        pace = self._paces.get(request_id)
+        return pace is not None and pace.pause > 0
+
+    def skip(self, request_id: str) -> None:
+        """A step of the paused request ran without asking (planned before the last one's
+        result): one step of its pause is spent."""
+        pace = self._paces.get(request_id)
+        if pace is not None and pace.pause > 0:
+            pace.pause -= 1
+
     def observe(self, request_id: str, tokens: list[int]) -> None:
         """Called with a request's verified tokens before each proposal (an index grows)."""
 

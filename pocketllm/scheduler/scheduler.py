@@ -36,10 +36,10 @@ Speculative decoding (``SchedulerConfig.num_speculative_tokens``; ngram.py propo
 decode may bring draft tokens to its step, computed at the positions after its last token
 and counted in the budget, with blocks for them; the result returns the drafts the worker
 accepted and the token after them; the rejected positions are computed again as the
-request reaches them (their blocks stay with it, never published before then). Only
-requests whose tokens do not depend on what came before beyond the logits draft: no
-grammar, no penalties or logit_bias (those run as before: exact, never approximated).
-Drafts need the request's last token, so a step that may draft is never planned ahead.
+request reaches them (their blocks stay with it, never published before then). Requests
+with a grammar, penalties or logit_bias draft too: each draft's row gets the mask and counts
+of the drafts before it (docs/speculative.md). Drafts need the request's last token, so a step that may draft is never planned ahead (one
+whose every request has paused drafting is: drafter.py).
 
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
@@ -224,7 +224,11 @@ class Scheduler:
         alone (``speculative_max_rows``), the budget and the blocks free now (drafts never
         preempt)."""
         cfg = self.config
-        if (self.drafter is None or self._inflight or step.has_prefill
+        if self.drafter is not None and self._inflight:  # planned ahead: every one paused
+            for req in step.scheduled:
+                self.drafter.skip(req.request_id)
+            return
+        if (self.drafter is None or step.has_prefill
                 or len(self.running) > cfg.speculative_max_batch):
             return
         rows = cfg.speculative_max_rows or cfg.max_num_batched_tokens
@@ -443,7 +447,8 @@ class Scheduler:
         if not (self.config.overlap and self.config.enable_chunked_prefill and self._inflight
                 and self._inflight[-1][1] and self.running):
             return False  # (an empty plan is followed by nothing: no promise chain of them)
-        if self.drafter is not None and len(self.running) <= self.config.speculative_max_batch:
+        if (self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
+                and not all(self.drafter.paused(req.request_id) for req in self.running)):
             return False  # the next step may draft: it waits for this one's tokens
         return not any(samples and (req.grammar is not None or uses_penalties(req.sampling))
                        for req, _n, samples in self._inflight[-1][1])
