@@ -5,7 +5,7 @@ ones; this base decides how many it may propose: ``k`` times the request's recen
 acceptance (an exponential average of accepted / drafted), at least one. A step that
 accepts none of a request's drafts pauses its drafting (``COOLDOWN`` steps, doubled each
 time it fails again, back to ``COOLDOWN`` once a draft is accepted): a verification step
-costs more than a decode step (on a GPU about 1.8 of them, docs/speculative.md), so a
+costs more than a decode step (on a GPU 1.5 to 2.5 of them, docs/speculative.md), so a
 request whose drafts keep failing probes about log2 of its steps times, not every step.
 """
 
