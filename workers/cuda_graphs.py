@@ -137,7 +137,7 @@ class DecodeGraphs:
         self._reset_padding(0, rungs[-1])  # every row is padding while capturing
         started = time.perf_counter()
         # Compile every kernel before any capture (a compile may synchronize); one-row
-        # steps (a verification's rows at batch 1) take their own (gemv) kernels. Also
+        # steps, and a verification's rows at batch 1, take their own (gemv) kernels. Also
         # grows the rotary tables.
         for b in {rungs[0], rungs[-1]}:
             self._forward(b)

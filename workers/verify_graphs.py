@@ -7,11 +7,12 @@ step, by the weights it reads; launched eagerly, an 8B model's step would spend 
 launching kernels than computing. So each rung b of the decode ladder is captured over
 b × (k + 1) rows.
 
-The rows run as decodes, each a position of its sequence with its own length: the products
-of up to eight rows take the gemv (``rows_as_alone``), which gives each row the bits it
-gets alone (kernels/gemv.py), and the decode attention kernel splits each row's keys as for a step of
-b sequences (``PagedSeqs.seq_rows``), so every row is computed exactly as its decode step
-would have computed it, and greedy drafts that the model would have decoded are accepted.
+The rows run as decodes, each a position of its sequence with its own length: products of
+up to eight rows take the gemv (``rows_as_alone``), which gives each row the bits it gets
+alone (kernels/gemv.py), and the decode attention kernel splits each row's keys as for a
+step of b sequences (``PagedSeqs.seq_rows``); so every row is computed exactly as its
+decode step would have computed it, and greedy drafts the model would have decoded are
+accepted.
 The K/V of all rows are written before the attention reads them. A step packs each
 sequence's rows (its last token and up to k drafts) in plan order; rows past the step's
 belong to no sequence, write their K/V to the pad slot and are dropped. Only the Triton
