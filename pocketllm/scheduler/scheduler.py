@@ -38,8 +38,9 @@ and counted in the budget, with blocks for them; the result returns the drafts t
 accepted and the token after them; the rejected positions are computed again as the
 request reaches them (their blocks stay with it, never published before then). Requests
 with a grammar, penalties or logit_bias draft too: each draft's row gets the mask and counts
-of the drafts before it (docs/speculative.md). Drafts need the request's last token, so a step that may draft is never planned ahead (one
-whose every request has paused drafting is: drafter.py).
+of the drafts before it (docs/speculative.md). Drafts need the request's last token, so a
+step that may draft is never planned ahead (one whose every request has paused drafting
+is: drafter.py).
 
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
