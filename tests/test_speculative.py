@@ -334,6 +334,17 @@ def _drafts(llm, before):
             after.spec_accepted_tokens - before.spec_accepted_tokens)
 
 
+def _decoded(prompts, sampling, **engine):
+    """The output of an engine without speculation."""
+    from pocketllm import LLM
+
+    llm = LLM(**engine)
+    try:
+        return llm.generate(prompts, sampling)
+    finally:
+        llm.shutdown()
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -365,11 +376,7 @@ def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, t
     prompts = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
     common = dict(model=path, dtype="float32", max_model_len=256, device=device)
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = LLM(**common)
-    try:
-        want = plain.generate(prompts, greedy)
-    finally:
-        plain.shutdown()
+    want = _decoded(prompts, greedy, **common)
     spec = LLM(**common, speculative_method="ngram")
     try:
         for _ in range(2):  # the second time from the prefix cache
@@ -418,11 +425,7 @@ def test_bf16_drafts_of_the_greedy_output_are_all_accepted_on_the_gpu(family, k,
     prompt = [[40, 41, 42, 43, 44, 45, 46]]
     common = dict(model=path, dtype="bfloat16", max_model_len=256, device="cuda")
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    plain = LLM(**common)
-    try:
-        want = plain.generate(prompt, greedy)
-    finally:
-        plain.shutdown()
+    want = _decoded(prompt, greedy, **common)
     replay = tmp_path / "replay.json"
     replay.write_text(json.dumps({"runs": [{"prompt": prompt[0],
                                             "output": list(want[0].token_ids)}]}))
