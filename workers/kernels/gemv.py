@@ -245,9 +245,10 @@ def rotary_block_n(block_n: int, head_dim: int) -> int:
 MAX_ROWS = 8  # the most rows one launch takes (rows of x, each computed as alone)
 
 
-def _check_rows(x: torch.Tensor, width: int, what: str, rows: int = MAX_ROWS) -> torch.Tensor:
-    if x.dim() != 2 or not 1 <= x.shape[0] <= rows:
-        raise ValueError(f"a gemv takes 1 to {rows} rows, got {what} of shape {tuple(x.shape)}")
+def _check_rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"a gemv takes 1 to {MAX_ROWS} rows, got {what} of shape "
+                         f"{tuple(x.shape)}")
     if x.shape[1] != width:
         raise ValueError(f"{what} has {x.shape[1]} features; the weight takes {width}")
     return x if x.stride(-1) == 1 else x.contiguous()
