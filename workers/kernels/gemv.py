@@ -38,8 +38,10 @@ from pocketllm.errors import UnsupportedFeatureError
 
 from . import pdl
 from .fixed_sum import lane_sum
-from .gated_act import KERNEL_ACTIVATIONS, activate
+from .gated_act import KERNEL_ACTIVATIONS, act_and_mul, activate
 from .pdl import wait_for_prior
+from .rmsnorm import add_rms_norm, rms_norm
+from .rotary import apply_rotary_qk
 
 # (cos, sin, head_dim, rows): see norm_gemv.
 # 2^120: e4m3's exponent bias (7) against float32's (127), see _weights
@@ -350,8 +352,6 @@ def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
     gate_up = _check_rows(gate_up, 2 * weight.shape[1], "gate_up")
     if gate_up.shape[0] > 1:  # the activation as its own launch, rounded as the fused one
-        from .gated_act import act_and_mul
-
         return _rows(act_and_mul(gate_up, hidden_act), weight, bias, act, config=config,
                      scale=scale)
     return _launch(gate_up, weight, bias, act, config=config, scale=scale)[0]
@@ -381,9 +381,6 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
         y, res_out = _launch(x, weight, bias, pre, residual, norm_weight, eps, rotary=rotary,
                              config=config, normed_out=normed_out, scale=scale)
         return y, x if residual is None else res_out
-    from .rmsnorm import add_rms_norm, rms_norm
-    from .rotary import apply_rotary_qk
-
     if residual is None:
         h = rms_norm(x, norm_weight, eps)
     else:
