@@ -3,6 +3,10 @@
 Reference: ``layers.activation.act_and_mul`` (torch rounds after the activation
 and again after the product; this computes in float32 and rounds once). SiLU
 for Llama/Qwen/Mistral, the tanh GELU for Gemma, the erf GELU for the rest.
+
+``act_and_mul_int8``: the same launch writes the product as the int8 blocks of 32 that a
+GGUF layer's integer dots read (``int8_blocks.py``), in place of the product itself: the
+activation and the rounding as one launch before the down projection.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import triton.language as tl
 from pocketllm.errors import UnsupportedFeatureError
 
 from ..models.config import ACTIVATION_KINDS
+from .int8_blocks import store_int8_blocks
 
 # HF ``hidden_act`` name -> the kernel's activation (every name the torch path knows).
 KERNEL_ACTIVATIONS = ACTIVATION_KINDS
@@ -33,35 +38,69 @@ def activate(gate, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(GateUp, Out, inter, stride_in, stride_out,
-                    ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(GateUp, Out, Q, QD, QS, inter, stride_in, stride_out,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     row = GateUp + token.to(tl.int64) * stride_in
     gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + token.to(tl.int64) * stride_out + cols,
-             (activate(gate, ACT) * up).to(Out.dtype.element_ty), mask=ok)
+    h = (activate(gate, ACT) * up).to(GateUp.dtype.element_ty)  # Out's dtype is gate_up's
+    if QUANTIZE:  # whole blocks of 32 (inter and BLOCK multiples of 32): int8 in place of h
+        store_int8_blocks(tl.reshape(h.to(tl.float32), [BLOCK // 32, 32]),
+                          tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32), token,
+                          inter, Q, QD, QS, BLOCK // 32)
+    else:
+        tl.store(Out + token.to(tl.int64) * stride_out + cols, h, mask=ok)
+
+
+def _check(gate_up: torch.Tensor, hidden_act: str) -> tuple[str, torch.Tensor]:
+    act = KERNEL_ACTIVATIONS.get(hidden_act)
+    if act is None:
+        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
+    return act, gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+
+
+def _block(inter: int) -> int:
+    return min(1024, triton.next_power_of_2(inter))
 
 
 def act_and_mul(gate_up: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
     """gate_up [T, 2I] -> act(gate) * up [T, I]; ``hidden_act`` is the HF config name."""
-    act = KERNEL_ACTIVATIONS.get(hidden_act)
-    if act is None:
-        raise UnsupportedFeatureError(f"activation {hidden_act!r} has no Triton kernel")
-    if gate_up.stride(-1) != 1:
-        gate_up = gate_up.contiguous()
+    act, gate_up = _check(gate_up, hidden_act)
     tokens, width = gate_up.shape
     inter = width // 2
     out = torch.empty(tokens, inter, device=gate_up.device, dtype=gate_up.dtype)
     if tokens == 0:
         return out
-    block = min(1024, triton.next_power_of_2(inter))
+    block = _block(inter)
     _act_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), ACT=act, BLOCK=block,
-        num_warps=4 if block >= 512 else 1)
+        gate_up, out, out, out, out, inter, gate_up.stride(0), out.stride(0), ACT=act,
+        BLOCK=block, QUANTIZE=False, num_warps=4 if block >= 512 else 1)
     return out
+
+
+def act_and_mul_int8(gate_up: torch.Tensor, hidden_act: str = "silu"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gguf_dot.quantize_rows(act_and_mul(gate_up, hidden_act))``, the same bits, in one
+    launch: act(gate) * up is rounded to the model dtype and then to int8 blocks of 32
+    (``int8_blocks.py``), never written. I (half of gate_up's width) a multiple of 32."""
+    act, gate_up = _check(gate_up, hidden_act)
+    tokens, width = gate_up.shape
+    inter = width // 2
+    if width % 64:
+        raise ValueError(f"act_and_mul_int8 takes [T, 2I] rows, I a multiple of 32, got "
+                         f"{tuple(gate_up.shape)}")
+    q = torch.empty(tokens, inter, dtype=torch.int8, device=gate_up.device)
+    d = torch.empty(tokens, inter // 32, dtype=torch.float32, device=gate_up.device)
+    s = torch.empty_like(d)
+    if tokens:
+        block = _block(inter)
+        _act_mul_kernel[(tokens, triton.cdiv(inter, block))](
+            gate_up, q, q, d, s, inter, gate_up.stride(0), 0, ACT=act, BLOCK=block,
+            QUANTIZE=True, num_warps=4 if block >= 512 else 1)
+    return q, d, s
 
 
 @triton.jit

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .gguf_gemv import Q4_K, Q6_K, Q8_0, _check
+from .int8_blocks import store_int8_blocks
 
 Q4_0, Q5_K = 2, 13
 
@@ -80,18 +81,12 @@ def _word(W16, at, mask):
 @triton.jit
 def _quantize_kernel(X, Q, D, S, K, stride_x, BLOCKS: tl.constexpr):
     """Program (row, BLOCKS blocks of 32): each block's amax / 127, its int8 codes
-    (rounded to nearest even) and its float sum."""
+    (rounded to nearest even) and its float sum (``int8_blocks``)."""
     m, b0 = tl.program_id(0), tl.program_id(1) * BLOCKS
     blk = b0 + tl.arange(0, BLOCKS)
-    ok = blk < K // 32
     cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(X + m * stride_x + cols, mask=ok[:, None], other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), 1) / 127.0
-    inv = tl.where(d > 0, 1.0 / d, 0.0)
-    q = (x * inv[:, None] + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds to an integer
-    tl.store(Q + m * K + cols, q.to(tl.int8), mask=ok[:, None])
-    tl.store(D + m * (K // 32) + blk, d, mask=ok)
-    tl.store(S + m * (K // 32) + blk, tl.sum(x, 1), mask=ok)
+    x = tl.load(X + m * stride_x + cols, mask=(blk < K // 32)[:, None], other=0.0)
+    store_int8_blocks(x.to(tl.float32), blk, m, K, Q, D, S, BLOCKS)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
