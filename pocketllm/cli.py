@@ -67,7 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in GiB (default: sized from memory)")
     g.add_argument("--speculative-method", default=None,
                    help="ngram: draft tokens by looking the last tokens up earlier in the "
-                        "prompt and output, verified in one step")
+                        "prompt and output; draft: a smaller model of the same vocabulary "
+                        "(--speculative-model) drafts them; verified in one step")
+    g.add_argument("--speculative-model", default=None,
+                   help="the draft model of --speculative-method draft (a path, a shipped "
+                        "shape with --load-format dummy, or a Hugging Face id)")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens a request verifies in one step (default 4)")
     g.add_argument("--kv-cache-dtype", default="auto",

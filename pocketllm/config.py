@@ -26,10 +26,11 @@ FP8_QUANTIZATION = "fp8"
 # head on the GPU path (workers/kernels/kv_fp8.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
 # Speculative decoding (docs/speculative.md): drafts proposed by n-gram lookup in the
-# scheduler, verified by the worker in one multi-token step. "draft" (a draft model) and
-# "mtp" (a checkpoint's multi-token-prediction layers) are named, not built yet. "replay"
+# scheduler or by a smaller model of the same vocabulary that the worker runs
+# (``speculative_model``), verified by the worker in one multi-token step. "mtp" (a
+# checkpoint's multi-token-prediction layers) is named, not built yet. "replay"
 # (benchmarks only) proposes a recorded output read from ``speculative_replay``.
-SPECULATIVE_METHODS = ("ngram", "replay")
+SPECULATIVE_METHODS = ("ngram", "draft", "replay")
 MAX_SPECULATIVE_TOKENS = 16
 # The largest batch of decodes that drafts at all: past it a step is better spent on more
 # requests than on more tokens of a few (the scheduler's default; the GPU worker's verify
@@ -71,6 +72,8 @@ class EngineArgs:
     speculative_method: Optional[str] = None  # SPECULATIVE_METHODS; None: no speculation
     num_speculative_tokens: int = 4  # most drafts a request verifies in one step
     speculative_replay: Optional[str] = None  # "replay"'s file (scheduler/replay.py)
+    # "draft"'s model: a local path, a shipped shape (dummy weights) or a Hugging Face id
+    speculative_model: Optional[str] = None
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -143,16 +146,22 @@ class EngineArgs:
                                       "digits, '.', '_', '-', '/')", "revision")
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.speculative_method in ("draft", "mtp"):
+        if self.speculative_method == "mtp":
             raise UnsupportedFeatureError(
-                f"speculative_method={self.speculative_method!r} is not built yet; "
-                "speculative_method='ngram' is", "speculative_method")
+                "speculative_method='mtp' is not built yet; 'ngram' and 'draft' are",
+                "speculative_method")
         if self.speculative_method is not None:
             _choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
         if (self.speculative_method == "replay") != (self.speculative_replay is not None):
             raise InvalidRequestError("speculative_method='replay' and speculative_replay (the "
                                       "recorded output it proposes) go together",
                                       "speculative_replay")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise InvalidRequestError("speculative_method='draft' and speculative_model (the "
+                                      "draft model) go together", "speculative_model")
+        if self.speculative_model is not None and (
+                not isinstance(self.speculative_model, str) or not self.speculative_model):
+            raise InvalidRequestError("speculative_model must name a model", "speculative_model")
         if (isinstance(self.num_speculative_tokens, bool)
                 or not isinstance(self.num_speculative_tokens, int)
                 or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):

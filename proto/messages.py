@@ -13,7 +13,8 @@ from typing import Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: per-group block tables (cache groups); 3: speculative drafts
+# 2: per-group block tables (cache groups); 3: speculative drafts; 4: drafts the worker proposes
+PROTOCOL_VERSION = 4
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
@@ -219,6 +220,10 @@ class StepPlan(_Msg):
     # token, and sample there too; the worker keeps none of them (the next plan carries
     # the tokens that were accepted).
     draft_token_ids: list[list[int]] = []
+    # Drafts the worker proposes (a draft model it runs): per request of the plan, how many
+    # tokens to propose after this step's tokens (0 for most), for the next step to verify.
+    # The scheduler gave the request blocks for the positions the proposing writes.
+    propose_token_counts: list[int] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -241,6 +246,8 @@ class StepResult(_Msg):
     # per request id, the tokens after token_ids[i] and their logprobs (empty: none)
     extra_token_ids: list[list[int]] = []
     extra_logprobs: list[list[Optional[TokenLogprobs]]] = []
+    # per request id, the drafts proposed to follow its tokens (StepPlan.propose_token_counts)
+    proposed_token_ids: list[list[int]] = []
     error: Optional[str] = None  # a failed forward: the scheduler fails the step
     path: str = ""  # how the forward ran: one of STEP_PATHS ("": nothing to compute)
     launch_ms: float = 0.0  # host time to queue the step (on the CPU: to compute it)

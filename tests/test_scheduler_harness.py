@@ -219,6 +219,8 @@ class Driver:
             else None for g in cfg.cache_groups))
         self.outcomes: dict[str, Outcome] = {}
         self.plans: list[StepPlan] = []
+        # (plan, result) -> None: fills in what a real worker adds (a draft model's proposals)
+        self.before_update: Optional[Callable[[StepPlan, StepResult], None]] = None
 
     def add(self, req: TokenizedRequest) -> None:
         assert self.sched.add_request(req) is None
@@ -248,6 +250,8 @@ class Driver:
         result = self.worker.step(plan)
         if between is not None:
             between(plan)
+        if self.before_update is not None:
+            self.before_update(plan, result)
         self.collect(self.sched.update(plan, result))
         self.sched.check_invariants()
         return plan

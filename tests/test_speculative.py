@@ -88,6 +88,8 @@ def test_paused_requests_are_planned_ahead_and_their_pause_still_runs_out():
 class Oracle:
     """Drafts the fake model's own continuation: ``right`` tokens of it, then wrong ones."""
 
+    in_worker = False
+
     def __init__(self, k: int, right: int):
         self.k, self.right = k, right
         self.verified_calls: list[tuple[int, int]] = []

@@ -85,10 +85,12 @@ def sliding_cap(window: int, args: EngineArgs, max_model_len: int) -> int:
 
 def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
                 bytes_per_layer_block: int, gpu_free_bytes: Optional[int] = None,
-                state_slot_bytes: int = 0) -> list[int]:
+                state_slot_bytes: int = 0, first_group_extra_bytes: int = 0) -> list[int]:
     """Each group's pool size (the module docstring says how the budget is split); a state
     group's is its slots (``state_slots``; ``state_slot_bytes``: one slot of all its
-    layers), taken from the budget first."""
+    layers), taken from the budget first. ``first_group_extra_bytes``: what each block of
+    the first group costs besides its layers' (a draft model's pool, read through the same
+    tables)."""
     groups = range(len(layout.specs))
     caps = [None if layout.window(g) is None else sliding_cap(layout.window(g), args, max_model_len)
             for g in groups]
@@ -105,8 +107,8 @@ def plan_blocks(layout: CacheLayout, args: EngineArgs, max_model_len: int,
                 for g, cap in zip(groups, caps)]
 
     def cost(n: int) -> int:
-        return slots * state_slot_bytes + sum(c * k * bytes_per_layer_block
-                                              for c, k in zip(counts(n), layers))
+        return (slots * state_slot_bytes + counts(n)[0] * first_group_extra_bytes
+                + sum(c * k * bytes_per_layer_block for c, k in zip(counts(n), layers)))
 
     return counts(num_kv_blocks(args, max_model_len, cost, gpu_free_bytes))
 

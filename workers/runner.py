@@ -25,6 +25,7 @@ from .device import (choose_device, choose_dtype, configure_cpu_threads, dtype_n
                      gpu_free_bytes, kv_bytes_per_block, to_device)
 from . import kernel_policy
 from .distributed import RankFailure, current_group, ranks_on_this_host, share_cpu_threads
+from .draft_model import draft_model
 from .kv_cache import PagedKVCache, cache_layout, plan_blocks
 from .layers.attention import build_metadata
 from .layers.linear_attention import build_state_metadata
@@ -49,6 +50,7 @@ class LaunchedStep:
     specs: list = None
     slots: list[tuple[str, int]] = None  # (request id, position of its new token)
     drafts: Optional[dict[str, list[int]]] = None  # a speculative step's, by request
+    proposals: Optional[dict[str, int]] = None  # drafts the draft model proposes after it
     error: Optional[str] = None
     path: str = ""  # StepResult.path
     launch_s: float = 0.0  # host time to queue the step
@@ -76,9 +78,10 @@ class ModelRunner:
         with torch.inference_mode(), kernel_policy.building(args.batch_invariant):
             self.policy = kernel_policy.policy_for(self.device)
             self.backend = self.policy.attention_backend()
-            self.model = self._build(info, args)
+            self.model = self.build(info, args, self.backend)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
+        self.draft = draft_model(self, info, args)
         # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides
         # the metadata the runner builds and whether CUDA graphs can capture it.
         self.backend = self.model.attention_backend
@@ -105,7 +108,9 @@ class ModelRunner:
         # Every rank must hold what rank 0 declares: the smallest count wins.
         counts = [self.tp.min_int(n, self.device) for n in plan_blocks(
             layout, args, self.max_model_len, per_layer_block, gpu_free_bytes(self.device),
-            slot_bytes)]
+            slot_bytes, self.draft.block_bytes if self.draft else 0)]
+        if self.draft is not None:  # read through the first group's tables
+            self.draft.allocate(counts[0], self.max_model_len)
         self.kv = PagedKVCache(layout, counts, self.block_size, kv_heads, cfg.head_dim,
                                self.dtype, self.device, latent, state_shapes, kv_dtype)
         self.kv_caches = self.kv.layer_caches
@@ -123,6 +128,7 @@ class ModelRunner:
         # the next plan is read from here (overlapped scheduling).
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
+        self._sampled: dict[str, tuple[int, int]] = {}  # request -> (position, token) (draft)
         self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
         self.graphs, self.mixed_graphs, self.verify_graphs = self._capture_graphs()
         self._warm_up_sampler()
@@ -133,7 +139,7 @@ class ModelRunner:
                     ", FP8 keys and values" if kv_dtype == torch.float8_e4m3fn else "",
                     self.load_seconds)
 
-    def _build(self, info: ModelInfo, args: EngineArgs):
+    def build(self, info: ModelInfo, args: EngineArgs, backend):
         """The model, each linear layer with its method (``layers/linear_method.py``): a
         GGUF file's blocks (or ``--quantization``'s random ones) may stay blocks on the GPU
         path, and FP8 weights FP8, so their layers are built with the weights deferred
@@ -142,11 +148,11 @@ class ModelRunner:
 
         stored = stored_types(info, args, self.policy, self.device)
         if not stored:
-            return build_model(info, self.backend, self.device, self.dtype, self.tp)
+            return build_model(info, backend, self.device, self.dtype, self.tp)
         from .layers import linear_method
 
         with linear_method.deferred_weights():
-            model = build_model(info, self.backend, self.device, self.dtype, self.tp)
+            model = build_model(info, backend, self.device, self.dtype, self.tp)
         linear_method.materialize(model, stored, self.device)
         return model
 
@@ -341,11 +347,23 @@ class ModelRunner:
             state = self.book.requests.get(rid)
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
+            elif self.draft is not None:  # the plan naming it PENDING comes later (CPU)
+                self._sampled[rid] = (position, token)
         if step.drafts:
-            return accept_drafts(step.step_id, [rid for rid, _ in step.slots], out.token_ids,
-                                 out.logprobs, step.drafts, **timing)
-        return StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
-                          token_ids=out.token_ids, logprobs=out.logprobs, **timing)
+            result = accept_drafts(step.step_id, [rid for rid, _ in step.slots], out.token_ids,
+                                   out.logprobs, step.drafts, **timing)
+        else:
+            result = StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
+                                token_ids=out.token_ids, logprobs=out.logprobs, **timing)
+        if step.proposals:
+            try:
+                with torch.inference_mode():
+                    result.proposed_token_ids = self.draft.after_step(
+                        result, step.slots, step.proposals, self.book.requests)
+            except Exception:  # the tokens stand; the next step just has no drafts
+                logger.exception("the draft model failed after step %s", step.step_id)
+        return result
+
 
     def _timing(self, step: "LaunchedStep") -> dict:
         """StepResult's path and times. A device span runs from the first to the last of a
@@ -370,6 +388,8 @@ class ModelRunner:
 
     def _launch(self, plan: StepPlan) -> "LaunchedStep":
         entries = self.book.update(plan, lambda rid: rid in self._last_rows)
+        if self.draft is not None:
+            self._known_tokens(plan)
         rows = self.book.rows(plan, entries)
         seqs, input_ids, positions = rows.seqs, rows.input_ids, rows.positions
         sample_rows, samplers = rows.sample_rows, rows.samplers
@@ -497,4 +517,31 @@ class ModelRunner:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)],
-                            drafts=rows.drafts, path=path)
+                            drafts=rows.drafts, proposals=self._proposals(plan), path=path)
+
+    def _known_tokens(self, plan: StepPlan) -> None:
+        """The draft model reads a request's tokens from the book: put in the tokens a plan
+        named PENDING that a finished step already returned; a request back after
+        preemption starts over; a new request's draws are coupled to its drafts'."""
+        for rid, (position, token) in self._sampled.items():
+            state = self.book.requests.get(rid)
+            if state is not None and len(state.token_ids) > position:
+                state.token_ids[position] = token
+        self._sampled.clear()
+        for rid in plan.finished_request_ids:
+            self.draft.forget(rid)
+        for new in plan.new_requests:
+            self.draft.forget(new.request_id)
+            state = self.book.requests[new.request_id]
+            state.sampling = self.draft.coupled(state.sampling)
+
+    def _proposals(self, plan: StepPlan) -> Optional[dict[str, int]]:
+        """Request -> the drafts the plan asks the draft model to propose after the step."""
+        if not plan.propose_token_counts:
+            return None
+        ids = [r.request_id for r in plan.new_requests] + [r.request_id
+                                                          for r in plan.cached_requests]
+        if self.draft is None or len(ids) != len(plan.propose_token_counts):
+            raise StepError("propose_token_counts for a worker without a draft model, or "
+                            "not one per request")
+        return {rid: n for rid, n in zip(ids, plan.propose_token_counts) if n > 0}

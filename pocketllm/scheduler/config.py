@@ -37,7 +37,9 @@ class SchedulerConfig:
     speculative_max_batch: int = SPECULATIVE_MAX_BATCH
     # the most tokens a step with drafts may hold (the worker's exact rows; 0: no limit)
     speculative_max_rows: int = 0
-    speculative_method: str = ""  # the drafter: "ngram" (ngram.py) or "replay" (replay.py)
+    # the drafter: "ngram" (ngram.py), "draft" (the worker's model: worker_drafts.py) or
+    # "replay" (replay.py)
+    speculative_method: str = ""
     speculative_replay: Optional[str] = None  # the replay drafter's file
 
     def __post_init__(self) -> None:
@@ -83,6 +85,7 @@ class StepDraft:
         self.budget = budget
         self.scheduled: dict[Request, int] = {}  # request -> tokens to compute, in order
         self.drafts: dict[Request, list[int]] = {}  # their draft tokens (counted in scheduled)
+        self.proposals: dict[Request, int] = {}  # drafts the worker proposes after the step
         # a recurrent-state model's: (group, slots) keeping each draft row's state
         self.draft_snapshots: dict[Request, list[tuple[int, list[int]]]] = {}
         self.preempted_ids: list[str] = []  # ids workers must drop in this very plan

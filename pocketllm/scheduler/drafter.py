@@ -27,6 +27,8 @@ class Pace:
 
 
 class Drafter:
+    in_worker = False  # the worker proposes the drafts (worker_drafts.py), not this process
+
     def __init__(self, k: int):
         self.k = k
         self._paces: dict[str, Pace] = {}

@@ -70,6 +70,7 @@ from .fair_queue import FairQueue
 from .kv_groups import CacheGroups
 from .ngram import NgramDrafter
 from .replay import ReplayDrafter, load_runs
+from .worker_drafts import WorkerDrafter
 from .request import Request, RequestStatus, refusal
 from .structured import StructuredRequests
 
@@ -183,6 +184,7 @@ class Scheduler:
         if not step.preempted:
             self._admit_waiting(step)
         self._add_drafts(step)
+        self._ask_proposals(step)
         if not step.scheduled and self.structured.compiling:
             # Only requests whose grammar still compiles: wait for them (the loop wakes
             # when a compile ends or a time limit passes).
@@ -248,6 +250,25 @@ class Scheduler:
                 step.budget -= len(drafts)
                 step.drafts[req] = drafts
                 room -= len(drafts)
+
+    def _ask_proposals(self, step: StepDraft) -> None:
+        """Ask the worker's drafter (``worker_drafts.py``) for the drafts of each request's
+        next step, when that step may draft: up to k a request that samples now and is not
+        paused, each given its block now (the proposing writes the draft model's KV at the
+        positions after the request's tokens; the next step computes them there)."""
+        cfg, drafter = self.config, self.drafter
+        if (drafter is None or not drafter.in_worker or self._inflight
+                or len(self.running) > cfg.speculative_max_batch):
+            return
+        for req, n in step.scheduled.items():
+            own = n - len(step.drafts.get(req, ()))
+            if req.num_computed_tokens + own != req.num_tokens or drafter.paused(req.request_id):
+                continue
+            count = min(drafter.k, self.kv.fit_tokens(req) - n,
+                        cfg.max_model_len - req.num_computed_tokens - n)
+            if count > 0:
+                self.kv.grow(req, req.num_computed_tokens + n + count)
+                step.proposals[req] = count
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """The draft tokens a decoding request may verify (at most ``room``): none when no
@@ -405,11 +426,13 @@ class Scheduler:
             if samples:
                 req.token_ids.append(PENDING)
         drafts = [step.drafts.get(req, []) for req, _, _ in entries]
+        proposals = [step.proposals.get(req, 0) for req, _, _ in entries]
         plan = self._register(StepPlan(step_id=0, new_requests=new, cached_requests=cached,
                                        num_scheduled_tokens=[n + len(d) for (_, n, _), d
                                                              in zip(entries, drafts)],
                                        state_copies_before=before, state_snapshots=taken,
                                        draft_token_ids=drafts if any(drafts) else [],
+                                       propose_token_counts=proposals if any(proposals) else [],
                                        **structured), entries, step.preempted_ids)
         if snapshots:
             self._snapshots[plan.step_id] = snapshots
@@ -498,6 +521,9 @@ class Scheduler:
                 self._after_token(batch, req, token, logprob)
                 if plan.draft_token_ids and plan.draft_token_ids[e]:
                     self._after_drafts(batch, req, plan.draft_token_ids[e], token, result, i)
+                if (plan.propose_token_counts and i < len(result.proposed_token_ids)
+                        and not req.is_finished):
+                    self.drafter.offer(req.request_id, req.num_tokens, result.proposed_token_ids[i])
             except Exception as exc:  # noqa: BLE001
                 log.exception("request %s failed after token %d", req.request_id, token)
                 self._fail(batch, req, ErrorDetail(
@@ -628,7 +654,13 @@ class Scheduler:
                                     for pairs in held.values() for g, slots in pairs for s in slots]
                                  + [(g, slot) for req in self.running
                                     for g, slot, _dst in req.state_restores],
-                                 self.config.num_speculative_tokens)
+                                 self._blocks_ahead())
+
+    def _blocks_ahead(self) -> int:
+        """The most positions past its computed ones a running request holds blocks for: a
+        step's drafts, and with the worker's drafter the proposals written after them."""
+        k = self.config.num_speculative_tokens
+        return 2 * k if self.drafter is not None and self.drafter.in_worker else k
 
 
 def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
@@ -638,4 +670,6 @@ def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
         return None
     if config.speculative_method == "replay":
         return ReplayDrafter(k, load_runs(config.speculative_replay or ""))
+    if config.speculative_method == "draft":
+        return WorkerDrafter(k)
     return NgramDrafter(k)

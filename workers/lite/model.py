@@ -129,6 +129,8 @@ def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
         return "dummy float weights (no quantization)"
     if args.kv_cache_dtype != "auto":
         return f"kv_cache_dtype {args.kv_cache_dtype}"  # the torch worker says why not here
+    if args.speculative_method == "draft":
+        return "a draft model (the torch worker runs the two models)"
     if args.dequantize_weights or args.batch_invariant:
         return "dequantize_weights or batch_invariant"
     return refusal(info, dummy=args.load_format == "dummy")

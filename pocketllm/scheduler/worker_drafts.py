@@ -1,0 +1,33 @@
+"""Drafts the worker proposes: a draft model it runs beside the target (and later an MTP
+head or a block drafter: anything that needs the model's own forward).
+
+The scheduler asks a request's step for up to ``k`` proposals
+(``StepPlan.propose_token_counts``) when the next step may draft, having given it blocks
+for the positions the proposing writes; the worker returns them with the step's tokens
+(``StepResult.proposed_token_ids``); the next step verifies those that still follow the
+request's verified tokens, as any drafter's (``Drafter.propose``: pace and pause).
+"""
+
+from __future__ import annotations
+
+from .drafter import Drafter
+
+
+class WorkerDrafter(Drafter):
+    in_worker = True
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self._offers: dict[str, tuple[int, list[int]]] = {}  # (tokens they follow, drafts)
+
+    def offer(self, request_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """The worker's proposal to follow the request's first ``num_tokens`` tokens."""
+        self._offers[request_id] = (num_tokens, list(drafts))
+
+    def candidates(self, request_id: str, tokens: list[int], want: int) -> list[int]:
+        at, drafts = self._offers.pop(request_id, (-1, []))
+        return drafts[:want] if at == len(tokens) else []
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._offers.pop(request_id, None)
