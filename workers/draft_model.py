@@ -22,6 +22,7 @@ target's to apply; drafts ignore them.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -31,7 +32,7 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
-from pocketllm.proto.messages import SamplingSpec, StepResult
+from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult
 
 from .device import kv_bytes_per_block, to_device
 from .kv_cache import PagedKVCache, cache_layout
@@ -74,9 +75,12 @@ class DraftModel:
         self.sampler = Sampler(torch_ops, args.seed + 1)
         self._seeds = np.random.default_rng(args.seed)  # unseeded requests' (``coupled``)
         self.kv: Optional[PagedKVCache] = None
+        self.graphs = None  # decode CUDA graphs (``capture``)
         # request -> (positions below it computed for its tokens, the proposals computed
         # after them: valid where the target accepted them)
         self._done: dict[str, tuple[int, list[int]]] = {}
+        # request -> (position, token) a step returned before the book knew the position
+        self.sampled: dict[str, tuple[int, int]] = {}
         self.info = info
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
@@ -85,6 +89,24 @@ class DraftModel:
         self.kv = PagedKVCache(layout, [num_blocks], self.block_size, self.kv_heads,
                                self.head_dim, self.dtype, self.device)
         self.pad_slot = self.kv.pad_slot(0)
+
+    def read_plan(self, plan: StepPlan, requests: dict) -> None:
+        """Before a step: this model reads a request's tokens from the runner's book
+        (``requests``), so put in those a plan named PENDING that a finished step already
+        returned (``sampled``: on the CPU a step's tokens go before the next plan comes); a
+        request back after preemption starts over; a new one's draws are coupled to its
+        drafts' (``coupled``)."""
+        for rid, (position, token) in self.sampled.items():
+            state = requests.get(rid)
+            if state is not None and len(state.token_ids) > position:
+                state.token_ids[position] = token
+        self.sampled.clear()
+        for rid in plan.finished_request_ids:
+            self.forget(rid)
+        for new in plan.new_requests:
+            self.forget(new.request_id)
+            state = requests[new.request_id]
+            state.sampling = self.coupled(state.sampling)
 
     def coupled(self, spec: SamplingSpec) -> SamplingSpec:
         """A request's sampling with a seed, drawn here for one that has none: the target
@@ -129,61 +151,61 @@ class DraftModel:
     def propose(self, wanted: list[tuple[str, list[int], list[int], SamplingSpec, int]]
                 ) -> dict[str, list[int]]:
         """``wanted``: (request id, its verified tokens, its first group's block table, its
-        sampling, how many drafts) -> the drafts of each."""
+        sampling, how many drafts) -> the drafts of each. One row a request a forward (a
+        CUDA graph's decode step where captured): its tokens not computed yet, one by one
+        (a long run of them, a prompt, first in chunks of its own), then each draft."""
         runs = []
         for rid, tokens, table, spec, count in wanted:
             count = min(count, len(table) * self.block_size - len(tokens) + 1)  # its blocks
             if count > 0:
-                runs.append((rid, tokens, table, msgspec.structs.replace(spec, logprobs=None),
-                             count, self._catch_up(rid, tokens, table)))
-        if not runs:
-            return {}
-        # first: each request's uncomputed tokens, sampled after its last
-        feeds = [(tokens[start:], start) for _rid, tokens, _t, _s, _c, start in runs]
-        drafts: list[list[int]] = [[] for _ in runs]
-        active = list(range(len(runs)))
+                start = self._catch_up(table, tokens, self._computed(rid, tokens))
+                runs.append(_Run(rid, table, msgspec.structs.replace(spec, logprobs=None),
+                                 count, tokens[start:], start))
+        active = runs
         while active:
-            out = self._step([(runs[i][2], *feeds[i]) for i in active],
-                             [runs[i][3] for i in active],
-                             [len(runs[i][1]) + len(drafts[i]) for i in active])
-            for i, token in zip(active, out):
-                drafts[i].append(token)
-                feeds[i] = ([token], len(runs[i][1]) + len(drafts[i]) - 1)
-            active = [i for i in active if len(drafts[i]) < runs[i][4]]
-        for (rid, tokens, *_), d in zip(runs, drafts):
-            self._done[rid] = (len(tokens), d[:-1])  # the last one was never fed
-        return {run[0]: d for run, d in zip(runs, drafts)}
+            sampling = [r for r in active if len(r.queue) == 1]
+            logits = self._step(active, [i for i, r in enumerate(active) if len(r.queue) == 1])
+            tokens = []
+            if sampling:
+                tokens, _ = self.sampler.draw(logits, [r.spec for r in sampling],
+                                              [r.position + 1 for r in sampling])
+                tokens = tokens.tolist()
+            for r in active:
+                r.queue.pop(0)
+                r.position += 1
+            for r, token in zip(sampling, tokens):
+                r.drafts.append(token)
+                if len(r.drafts) < r.count:
+                    r.queue.append(token)
+            active = [r for r in active if r.queue]
+        for r in runs:  # the positions before its last draft hold its tokens and drafts
+            self._done[r.rid] = (r.position - len(r.drafts) + 1, r.drafts[:-1])
+        return {r.rid: r.drafts for r in runs}
 
-    def _catch_up(self, rid: str, tokens: list[int], table: list[int]) -> int:
-        """Compute all but the last ``max_tokens`` uncomputed tokens of a long catch-up
-        (a prompt) in chunks of their own; -> where ``propose``'s first forward starts."""
-        start = self._computed(rid, tokens)
-        while len(tokens) - start > self.max_tokens:
-            self._forward([(table, tokens[start:start + self.max_tokens], start)], [])
-            start += self.max_tokens
+    def _catch_up(self, table: list[int], tokens: list[int], start: int) -> int:
+        """Compute all but the last of a long run of uncomputed tokens (a prompt) in
+        multi-row forwards; -> where ``propose``'s one-row steps start."""
+        while len(tokens) - start > CATCH_UP_ROWS:
+            n = min(self.max_tokens, len(tokens) - 1 - start)
+            self._forward([ScheduledSeq(table, start, n, 0)], tokens[start:start + n], [])
+            start += n
         return start
 
-    def _step(self, feeds: list[tuple[list[int], list[int], int]], specs: list[SamplingSpec],
-              positions: list[int]) -> list[int]:
-        """One forward over each request's fed tokens; the token sampled after each's last
-        (``positions``: the positions those tokens take)."""
-        last, at = [], 0
-        for _table, ids, _start in feeds:
-            at += len(ids)
-            last.append(at - 1)
-        logits = self._forward(feeds, last)
-        tokens, _ = self.sampler.draw(logits, specs, positions)
-        return tokens.tolist()
+    def _step(self, runs: list["_Run"], sample_rows: list[int]) -> Optional[torch.Tensor]:
+        """One forward of each run's next token; the logits of ``sample_rows``."""
+        seqs = [ScheduledSeq(r.table, r.position, 1, i) for i, r in enumerate(runs)]
+        ids, positions = [r.queue[0] for r in runs], [r.position for r in runs]
+        rung = self.graphs.rung(len(runs)) if self.graphs is not None else 0
+        if rung:
+            logits = self.graphs.run([seqs], ids, positions, rung)
+            return logits.index_select(0, to_device(sample_rows, self.device)) if sample_rows else None
+        return self._forward(seqs, ids, sample_rows)
 
-    def _forward(self, feeds: list[tuple[list[int], list[int], int]], sample_rows: list[int]
+    def _forward(self, seqs: list[ScheduledSeq], ids: list[int], sample_rows: list[int]
                  ) -> Optional[torch.Tensor]:
-        """``feeds``: (block table, tokens, first position) per request -> logits of
+        """An eager forward of ``seqs`` (their tokens ``ids``, in order) -> the logits of
         ``sample_rows`` (None when none)."""
-        seqs, ids, positions = [], [], []
-        for table, tokens, start in feeds:
-            seqs.append(ScheduledSeq(table, start, len(tokens), len(ids)))
-            ids += tokens
-            positions += range(start, start + len(tokens))
+        positions = [p for s in seqs for p in range(s.start, s.start + s.num_tokens)]
         meta = build_metadata(seqs, self.block_size, [None], self.device, self.pad_slot,
                               kernel_tables=getattr(self.backend, "kernel_tables", False))
         hidden = self.model(to_device(ids, self.device, torch.long),
@@ -193,6 +215,32 @@ class DraftModel:
             return None
         return self.model.compute_logits(hidden.index_select(0, to_device(sample_rows,
                                                                            self.device)))
+
+    def capture(self, max_batch: int, max_model_len: int) -> None:
+        """Decode CUDA graphs for the one-row steps (the GPU, where the target has them)."""
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv.layer_caches, self.block_size,
+                                   max_model_len, self.kv.pad_blocks, self.device, max_batch)
+
+
+# A request's uncomputed tokens up to this many run one a step (a graph's); more (a prompt
+# the draft model has not seen) are computed in one forward first.
+CATCH_UP_ROWS = 4
+
+
+@dataclass
+class _Run:
+    """One request's proposing: the tokens still to feed (its uncomputed ones, then each
+    draft), the position of the next, the drafts so far."""
+
+    rid: str
+    table: list[int]
+    spec: SamplingSpec
+    count: int
+    queue: list[int]
+    position: int
+    drafts: list[int] = field(default_factory=list)
 
 
 def draft_model(runner, info: ModelInfo, args: EngineArgs) -> Optional[DraftModel]:

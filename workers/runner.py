@@ -7,7 +7,6 @@ The runner never appends the tokens it samples: the next plan's
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -16,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from pocketllm.config import SPECULATIVE_MAX_BATCH, EngineArgs
+from pocketllm.config import EngineArgs
 from pocketllm.model_info import ModelInfo
 from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
@@ -128,7 +127,6 @@ class ModelRunner:
         # the next plan is read from here (overlapped scheduling).
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
-        self._sampled: dict[str, tuple[int, int]] = {}  # request -> (position, token) (draft)
         self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
         self.graphs, self.mixed_graphs, self.verify_graphs = self._capture_graphs()
         self._warm_up_sampler()
@@ -218,55 +216,10 @@ class ModelRunner:
 
     def _capture_graphs(self):
         """(decode graphs, piecewise graphs of the other steps, graphs of speculative
-        verification steps), each None when off: CUDA graphs need the Triton kernels on a
-        GPU, and the flags must allow them."""
-        if not (self.args.cuda_graphs and self.device.type == "cuda" and self.policy.triton):
-            if self.args.cuda_graph_max_tokens:
-                logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
-                               "(they need the Triton kernels on a GPU, and not "
-                               "--no-cuda-graphs)")
-            return None, None, None
-        # A garbage collection during a capture may destroy another runner's graphs (a
-        # process that built one before, as tests do): that CUDA call invalidates the
-        # capture. So collect once now and not while capturing.
-        gc.collect()
-        gc.disable()
-        try:
-            return self._capture()
-        finally:
-            gc.enable()
+        verification steps), each None when off (``runner_graphs.py``)."""
+        from .runner_graphs import capture_graphs
 
-    def _capture(self):
-        from .cuda_graphs import DecodeGraphs
-        from .kernels.attention_backend import TritonAttention
-        from .piecewise_graphs import MixedGraphs
-        from .verify_graphs import VerifyGraphs
-
-        with torch.inference_mode():
-            decode = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
-                                  self.kv.pad_blocks, self.device,
-                                  min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                                  self.state_groups)
-            budget = self.args.max_num_batched_tokens
-            wanted = self.args.cuda_graph_max_tokens
-            max_tokens = budget if wanted is None else min(wanted, budget)
-            if any(self.state_groups) and max_tokens > 0:
-                # a piece between two layers hands on a layer's inputs, of one shape
-                # for attention layers only (piecewise_graphs.py)
-                logger.info("prefill steps of a linear-attention model run eagerly: no "
-                            "piecewise CUDA graphs for it yet")
-                max_tokens = 0
-            mixed = MixedGraphs(self.model, self.kv_caches, self.max_model_len, self.device,
-                                max_tokens) if max_tokens > 0 else None
-            verify = None
-            # a linear-attention model's verification keeps each row's state: eager
-            if (self.args.speculative_method is not None and not any(self.state_groups)
-                    and isinstance(self.backend, TritonAttention)):
-                verify = VerifyGraphs(self.model, self.kv_caches, self.block_size,
-                                      self.max_model_len, self.kv.pad_blocks, self.device,
-                                      min(SPECULATIVE_MAX_BATCH, self.args.max_num_seqs),
-                                      self.args.num_speculative_tokens + 1)
-        return decode, mixed, verify
+        return capture_graphs(self)
 
     @property
     def computes_at_launch(self) -> bool:
@@ -348,7 +301,7 @@ class ModelRunner:
             if state is not None and len(state.token_ids) > position:
                 state.token_ids[position] = token
             elif self.draft is not None:  # the plan naming it PENDING comes later (CPU)
-                self._sampled[rid] = (position, token)
+                self.draft.sampled[rid] = (position, token)
         if step.drafts:
             result = accept_drafts(step.step_id, [rid for rid, _ in step.slots], out.token_ids,
                                    out.logprobs, step.drafts, **timing)
@@ -389,7 +342,7 @@ class ModelRunner:
     def _launch(self, plan: StepPlan) -> "LaunchedStep":
         entries = self.book.update(plan, lambda rid: rid in self._last_rows)
         if self.draft is not None:
-            self._known_tokens(plan)
+            self.draft.read_plan(plan, self.book.requests)
         rows = self.book.rows(plan, entries)
         seqs, input_ids, positions = rows.seqs, rows.input_ids, rows.positions
         sample_rows, samplers = rows.sample_rows, rows.samplers
@@ -518,22 +471,6 @@ class ModelRunner:
         return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)],
                             drafts=rows.drafts, proposals=self._proposals(plan), path=path)
-
-    def _known_tokens(self, plan: StepPlan) -> None:
-        """The draft model reads a request's tokens from the book: put in the tokens a plan
-        named PENDING that a finished step already returned; a request back after
-        preemption starts over; a new request's draws are coupled to its drafts'."""
-        for rid, (position, token) in self._sampled.items():
-            state = self.book.requests.get(rid)
-            if state is not None and len(state.token_ids) > position:
-                state.token_ids[position] = token
-        self._sampled.clear()
-        for rid in plan.finished_request_ids:
-            self.draft.forget(rid)
-        for new in plan.new_requests:
-            self.draft.forget(new.request_id)
-            state = self.book.requests[new.request_id]
-            state.sampling = self.draft.coupled(state.sampling)
 
     def _proposals(self, plan: StepPlan) -> Optional[dict[str, int]]:
         """Request -> the drafts the plan asks the draft model to propose after the step."""

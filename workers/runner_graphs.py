@@ -1,0 +1,70 @@
+"""The torch worker's CUDA graphs, captured once at startup: decode steps
+(``cuda_graphs.py``), steps holding a prefill (``piecewise_graphs.py``), speculative
+verification steps (``verify_graphs.py``) and the draft model's one-row steps."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from pocketllm.config import SPECULATIVE_MAX_BATCH
+
+logger = logging.getLogger("pocketllm.worker")
+
+
+def capture_graphs(runner):
+    """(decode graphs, piecewise graphs, verification graphs) of ``runner`` (a
+    ``ModelRunner``), each None when off: CUDA graphs need the Triton kernels on a GPU, and
+    the flags must allow them."""
+    args = runner.args
+    if not (args.cuda_graphs and runner.device.type == "cuda" and runner.policy.triton):
+        if args.cuda_graph_max_tokens:
+            logger.warning("--cuda-graph-max-tokens has no effect: CUDA graphs are off "
+                           "(they need the Triton kernels on a GPU, and not "
+                           "--no-cuda-graphs)")
+        return None, None, None
+    # A garbage collection during a capture may destroy another runner's graphs (a
+    # process that built one before, as tests do): that CUDA call invalidates the
+    # capture. So collect once now and not while capturing.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            return _capture(runner, args)
+    finally:
+        gc.enable()
+
+
+def _capture(r, args):
+    from .cuda_graphs import DecodeGraphs
+    from .kernels.attention_backend import TritonAttention
+    from .piecewise_graphs import MixedGraphs
+    from .verify_graphs import VerifyGraphs
+
+    decode = DecodeGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len, r.kv.pad_blocks,
+                          r.device, min(args.cuda_graph_max_batch, args.max_num_seqs),
+                          r.state_groups)
+    budget = args.max_num_batched_tokens
+    wanted = args.cuda_graph_max_tokens
+    max_tokens = budget if wanted is None else min(wanted, budget)
+    if any(r.state_groups) and max_tokens > 0:
+        # a piece between two layers hands on a layer's inputs, of one shape
+        # for attention layers only (piecewise_graphs.py)
+        logger.info("prefill steps of a linear-attention model run eagerly: no "
+                    "piecewise CUDA graphs for it yet")
+        max_tokens = 0
+    mixed = MixedGraphs(r.model, r.kv_caches, r.max_model_len, r.device,
+                        max_tokens) if max_tokens > 0 else None
+    verify = None
+    # a linear-attention model's verification keeps each row's state: eager
+    max_batch = min(SPECULATIVE_MAX_BATCH, args.max_num_seqs)
+    if (args.speculative_method is not None and not any(r.state_groups)
+            and isinstance(r.backend, TritonAttention)):
+        verify = VerifyGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len,
+                              r.kv.pad_blocks, r.device, max_batch,
+                              args.num_speculative_tokens + 1)
+    if r.draft is not None:
+        r.draft.capture(max_batch, r.max_model_len)
+    return decode, mixed, verify
