@@ -253,16 +253,19 @@ class Scheduler:
 
     def _ask_proposals(self, step: StepDraft) -> None:
         """Ask the worker's drafter (``worker_drafts.py``) for the drafts of each request's
-        next step, when that step may draft: up to k a request that samples now and is not
+        next step, when that step may draft: up to k a decoding request that is not
         paused, each given its block now (the proposing writes the draft model's KV at the
-        positions after the request's tokens; the next step computes them there)."""
+        positions after the request's tokens; the next step computes them there). Not
+        after a prompt's last chunk: its first token would wait for the draft model to
+        read the whole prompt."""
         cfg, drafter = self.config, self.drafter
         if (drafter is None or not drafter.in_worker or self._inflight
                 or len(self.running) > cfg.speculative_max_batch):
             return
         for req, n in step.scheduled.items():
             own = n - len(step.drafts.get(req, ()))
-            if req.num_computed_tokens + own != req.num_tokens or drafter.paused(req.request_id):
+            if (own != 1 or req.num_computed_tokens + 1 != req.num_tokens
+                    or drafter.paused(req.request_id)):
                 continue
             count = min(drafter.k, self.kv.fit_tokens(req) - n,
                         cfg.max_model_len - req.num_computed_tokens - n)
