@@ -10,17 +10,18 @@
   so every rank holds the same number of rows); the head's logits are gathered
   on rank 0, which samples.
 
-Which kernel computes a product is the kernel policy's call (``kernel_policy.py``):
-on the GPU path a one-row product (a batch-1 decode step) runs as a Triton gemv
-(``kernels/gemv.py``) that also takes in the op before it: the RMSNorm (and
-residual add) before q/k/v and gate/up (``ColumnParallelLinear.normed``), the
-gated activation before the down projection (``RowParallelLinear(hidden_act=)``).
-
-How a layer's weight is held and multiplied is its method's (``linear_method.py``): one
-float parameter in the model dtype (``DENSE``: float checkpoints, and GGUF blocks that
-nothing reads in place, dequantized at load by ``BlockTensor.read``), or a GGUF file's
-blocks as stored, read by the GPU's block kernels (``GGUF_BLOCKS``). Only the dense
-method fuses the op before a one-row product (``fuses``).
+Which kernel computes a product is the kernel policy's call (``kernel_policy.py``) and
+the layer's method's (``linear_method.py``): how the weight is held (``DENSE``: one float
+parameter in the model dtype, for float checkpoints and GGUF blocks that nothing reads
+in place, dequantized at load by ``BlockTensor.read``; ``FP8``: e4m3 rows and their
+scales; ``GGUF_BLOCKS``: a GGUF file's blocks as stored, read by the GPU's block kernels)
+and how it is multiplied. On the GPU path a few-row product (a batch-1 decode step) also
+takes in the op before it where its method ``fuses(x)``: the RMSNorm (and residual add)
+before q/k/v and gate/up (``ColumnParallelLinear.normed``), the gated activation before
+the down projection (``RowParallelLinear(hidden_act=)``). The dense and FP8 methods run
+the op inside the Triton gemv's launch (``kernels/gemv.py``; the rotary of q/k too,
+where ``rotates(x)``); GGUF blocks have the norm or activation kernel write x as the
+8-bit blocks their integer dots read, in place of x.
 
 Each layer says, as a ``Shard``, which part of a checkpoint tensor it holds, so a
 loader reads only that part. At world 1 every shard is the whole tensor and the
@@ -139,18 +140,21 @@ class ColumnParallelLinear(nn.Module):
         return self.method.product(self, x, self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether ``normed`` runs as the gemv for x (one launch for one row), on the GPU
-        path, of a method that fuses."""
-        return self.method.fuses and self.policy.gemv_rows(x)
+        """Whether ``normed`` takes the norm into the product's launches for x's rows
+        (its method's call: the gemv's rows, or the GGUF blocks' integer dots)."""
+        return self.method.fuses(self, x)
+
+    def rotates(self, x: torch.Tensor) -> bool:
+        """Whether ``normed`` can also rotate q/k for x's rows (``rotary``)."""
+        return self.method.rotates and self.method.fuses(self, x)
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
                rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x + residual)), x + residual)``, or with no residual yet
-        ``(self(norm(x)), x)``: a pre-norm sublayer's entry, one launch for one row.
-        ``rotary`` (only where ``fuses(x)``): see ``kernels.gemv.norm_gemv``."""
+        ``(self(norm(x)), x)``: a pre-norm sublayer's entry, the norm fused where
+        ``fuses(x)``. ``rotary`` (only where ``rotates(x)``): see ``kernels.gemv.norm_gemv``."""
         if self.fuses(x):
-            return self.norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                  rotary, scale=self.method.scale(self))
+            return self.method.normed(self, norm, x, residual, rotary)
         if rotary is not None:
             raise ValueError("rotary is fused only into a gemv projection on the GPU path")
         h, residual = norm.add(x, residual) if residual is not None else (norm(x), x)
@@ -187,14 +191,14 @@ class RowParallelLinear(nn.Module):
                                   (self.out_features, self.in_shard.full))
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether ``[gate | up]`` rows can take their activation inside the product
-        (``hidden_act``)."""
-        return self.method.fuses and self.policy.gemv_rows(x)
+        """Whether ``[gate | up]`` rows x can take their activation inside the product's
+        launches (``hidden_act``; its method's call, as ``ColumnParallelLinear.fuses``)."""
+        return self.method.fuses(self, x)
 
     def forward(self, x: torch.Tensor, hidden_act: str = "", reduce: bool = True) -> torch.Tensor:
         """x @ W.T (+ bias). With ``hidden_act`` (only where ``fuses(x)``), x is
         ``[gate | up]`` rows and the input is their ``act(gate) * up`` (the GPU path's fused
-        MLP tail).
+        MLP tail: the gemv's prologue, or the activation writing the GGUF dots' int8 x).
         ``reduce=False``: this rank's partial sum, the all-reduce left to the caller
         (who sums it with another partial first; no bias then)."""
         if self.tp.world == 1:
@@ -209,8 +213,7 @@ class RowParallelLinear(nn.Module):
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor], hidden_act: str
                  ) -> torch.Tensor:
         if hidden_act:
-            return self.gated_gemv(x, self.weight, bias, hidden_act,
-                                   scale=self.method.scale(self))
+            return self.method.gated(self, x, bias, hidden_act)
         return self.method.product(self, x, bias)
 
 

@@ -2,19 +2,26 @@
 
 A layer (``linear.py``: column- and row-parallel products, the LM head) holds a method
 and asks it for every product and for the load targets of its checkpoint tensors; the
-layer itself never branches on storage.
+layer itself never branches on storage. A method also says, per x, whether it takes the
+op before the product into the product's launches (``fuses(layer, x)``): a pre-norm
+sublayer's add and RMSNorm (``normed``), the MLP's gated activation (``gated``); and
+whether ``normed`` can also rotate q/k (``rotates``).
 
 * ``DENSE``: one float parameter in the model dtype, ``layer.weight``. On the GPU path a
-  one-row product is the fused gemv of ``kernels/gemv.py`` (with the norm, activation
-  or rotary beside it: only this method fuses them); more rows take the library GEMM.
+  one-row product is the fused gemv of ``kernels/gemv.py``, which takes the norm,
+  activation or rotary into its own launch; more rows take the library GEMM.
   Every float checkpoint; a GGUF file's blocks where nothing reads them (the CPU's torch
   worker, a type with no GPU kernel, batch-invariant mode), dequantized at load.
-* ``GGUF_BLOCKS``: each stacked part's blocks as the file stores them, uint8
-  [rows, row_bytes] on the GPU (``layer.blocks``, ``layer.block_types``): up to
-  ``GEMV_ROWS`` rows run, per part, the integer dots of ``kernels/gguf_dot.py`` on 8-bit
-  activation blocks (Q4_K) or the float block gemv of ``kernels/gguf_gemv.py``, more rows
-  dequantize each part to the model dtype and take the GEMM. Weight memory is the file's
-  bytes.
+* ``GGUF_BLOCKS``: the blocks as the file stores them, uint8 [rows, row_bytes] on the GPU,
+  consecutive stacked parts of one type in one buffer (``layer.blocks``, of
+  ``layer.block_types``; q and k of Q4_K are one buffer, v of Q6_K another): up to
+  ``GEMV_ROWS`` rows run, per buffer, the integer dots of ``kernels/gguf_dot.py`` on 8-bit
+  activation blocks (or the float block gemv of ``kernels/gguf_gemv.py`` for a type
+  without a dot), more rows dequantize each buffer to the model dtype and take the GEMM.
+  Where every buffer takes the dots, the norm (``kernels/rmsnorm.rms_norm_int8``) or the
+  activation (``kernels/gated_act.act_and_mul_int8``) writes x's int8 blocks itself, so
+  the rounding costs no launch of its own; the rotary stays a launch of its own. Weight
+  memory is the file's bytes.
 * ``FP8``: float8_e4m3fn ``layer.weight`` with one float32 scale per output row,
   ``layer.weight_scale``, quantized as the float values arrive (``WeightTarget.quantize``):
   ``--quantization fp8`` on a float checkpoint, and an FP8 checkpoint (its per-tensor,
@@ -71,14 +78,33 @@ def weight_param(shape: Sequence[int], device: torch.device, dtype: torch.dtype)
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-class DenseMethod:
-    fuses = True  # the gemv takes the op before it
+class _GemvMethod:
+    """A float or e4m3 weight, whose one-row gemv (``kernels/gemv.py``) takes the op
+    before the product in its launch: the RMSNorm (and residual add), the rotary after
+    it, or the gated activation."""
+
+    rotates = True  # ``normed`` can also rotate q/k in the same launch
 
     @staticmethod
-    def scale(layer) -> None:
-        """The weight's row scales, for the fused gemv (none: float values)."""
+    def scale(layer) -> Optional[torch.Tensor]:
+        """The weight's row scales, for the fused gemv (None: float values)."""
         return None
 
+    def fuses(self, layer, x: torch.Tensor) -> bool:
+        """Whether ``normed`` / ``gated`` serve x's rows: the gemv's."""
+        return layer.policy.gemv_rows(x)
+
+    def normed(self, layer, norm, x: torch.Tensor, residual: Optional[torch.Tensor],
+               rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                               rotary, scale=self.scale(layer))
+
+    def gated(self, layer, gate_up: torch.Tensor, bias: Optional[torch.Tensor],
+              hidden_act: str) -> torch.Tensor:
+        return layer.gated_gemv(gate_up, layer.weight, bias, hidden_act, scale=self.scale(layer))
+
+
+class DenseMethod(_GemvMethod):
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
@@ -101,32 +127,77 @@ class DenseMethod:
 
 
 class GGUFBlockMethod:
-    fuses = False
+    """Consecutive parts of one type share a buffer (``layer.blocks[g]``, of type
+    ``layer.block_types[g]``; ``layer.part_types`` and ``layer.part_place`` say each part's
+    type and (group, first row)): q and k of Q4_K are one integer-dot launch, gate and up
+    another."""
+
+    rotates = False  # the integer dots write no rotated heads: the rotary runs on its own
+    # Devices whose rows up to GEMV_ROWS take the integer dots (the tests add the CPU, whose
+    # Triton interpreter runs them)
+    dot_devices = ("cuda",)
 
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
 
-        buf = layer.blocks[part]  # this part's alone: ``rows`` (the stacked ones) do not apply
+        group, first = layer.part_place[part]  # ``rows`` (the float layout's) do not apply
+        buf = layer.blocks[group]
         held = shard.size if shard is not None and shard.dim == 0 else stored_shape[0]
-        return WeightTarget(buf, None if held == buf.shape[0] else slice(0, held),  # padding
+        whole = first == 0 and held == buf.shape[0]
+        return WeightTarget(buf, None if whole else slice(first, first + held),  # padding
                             shard=shard, stored_shape=stored_shape,
-                            ggml_type=layer.block_types[part], by_method=True)
+                            ggml_type=layer.part_types[part], by_method=True)
+
+    def _dots(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= GEMV_ROWS and x.device.type in self.dot_devices
+
+    def fuses(self, layer, x: torch.Tensor) -> bool:
+        """Whether every group of x's rows takes the integer dots, so that the norm or the
+        activation before can write x's int8 blocks itself (``normed`` / ``gated``)."""
+        from ..kernels import gguf_dot
+
+        return (x.shape[0] > 0 and self._dots(x)
+                and all(t in gguf_dot.DOTS for t in layer.block_types))
+
+    def normed(self, layer, norm, x: torch.Tensor, residual: Optional[torch.Tensor],
+               rotary: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The add and norm write x's int8 blocks (one launch), then the dots."""
+        from ..kernels.rmsnorm import rms_norm_int8
+
+        if rotary is not None:
+            raise ValueError("GGUF blocks take no rotary in their product")
+        xq, res_out = rms_norm_int8(x, residual, norm.weight, norm.eps)
+        return self.product(layer, x, layer.bias, xq=xq), x if residual is None else res_out
+
+    def gated(self, layer, gate_up: torch.Tensor, bias: Optional[torch.Tensor],
+              hidden_act: str) -> torch.Tensor:
+        """act(gate) * up written as int8 blocks (one launch), then the dots."""
+        from ..kernels.gated_act import act_and_mul_int8
+
+        xq = act_and_mul_int8(gate_up, hidden_act)
+        return self.product(layer, gate_up[:, :gate_up.shape[1] // 2], bias, xq=xq)
 
     def product(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
-                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                out_dtype: Optional[torch.dtype] = None,
+                xq: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """``xq``: x already as int8 blocks (``gguf_dot.quantize_rows``' triple, written by
+        the op before; only where ``fuses(x)``): x then gives only its shape and dtype."""
         from ..kernels import gguf_dot, gguf_gemv
 
         k = x.shape[-1]
         y = torch.empty(x.shape[0], layer.out_width, dtype=out_dtype or x.dtype, device=x.device)
         at = 0
-        xq = None  # x in 8-bit blocks, for the parts the integer dots read (made once)
+        dots = self._dots(x)
         for blocks, ggml_type in zip(layer.blocks, layer.block_types):
             n = blocks.shape[0]
-            if x.shape[0] <= GEMV_ROWS and x.is_cuda and ggml_type in gguf_dot.DOTS:
-                if xq is None:
+            if dots and ggml_type in gguf_dot.DOTS:
+                if xq is None:  # x in 8-bit blocks, for the groups the integer dots read
                     xq = gguf_dot.quantize_rows(x)
                 gguf_dot.DOTS[ggml_type](xq, blocks, n, k, out=y[:, at:at + n])
+            elif xq is not None:
+                raise ValueError("int8 blocks of x given to a product that does not take them")
             elif x.shape[0] <= GEMV_ROWS:
                 gguf_gemv.block_gemv(x, blocks, ggml_type, n, k, out=y[:, at:at + n])
             else:
@@ -139,22 +210,30 @@ class GGUFBlockMethod:
         from ..kernels.gguf_gemv import BLOCKS
 
         rows, k = layer.weight.shape
-        layer.block_types = list(types)
-        layer.blocks = []
+        layer.part_types = list(types)
+        layer.part_place, sizes = [], []  # per part: (group, first row); per group: rows
         for j, (ggml_type, n) in enumerate(zip(types, layer.part_rows())):
+            if j and ggml_type == types[j - 1]:  # the run goes on: rows stacked below
+                layer.part_place.append((len(sizes) - 1, sizes[-1]))
+                sizes[-1] += n
+            else:
+                layer.part_place.append((len(sizes), 0))
+                sizes.append(n)
+        layer.block_types = [types[j] for j, (g, first) in enumerate(layer.part_place)
+                             if first == 0]
+        layer.blocks = []
+        for g, (ggml_type, n) in enumerate(zip(layer.block_types, sizes)):
             per, size = BLOCKS[ggml_type]
             buf = torch.zeros(n, k // per * size, dtype=torch.uint8, device=device)
-            layer.register_buffer(f"blocks{j}", buf, persistent=False)
+            layer.register_buffer(f"blocks{g}", buf, persistent=False)
             layer.blocks.append(buf)
         layer.out_width = rows
         layer.weight = None
 
 
-class Fp8Method:
-    fuses = True  # the gemv reads e4m3 rows and scales each sum
-
+class Fp8Method(_GemvMethod):
     @staticmethod
-    def scale(layer) -> torch.Tensor:
+    def scale(layer) -> torch.Tensor:  # the gemv reads e4m3 rows and scales each sum
         return layer.weight_scale
 
     def target(self, layer, part: int, rows: Optional[slice], shard, stored_shape

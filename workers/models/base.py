@@ -119,7 +119,7 @@ class Attention(nn.Module):
         """Rows entering the layer (and the residual, None for the first layer) ->
         q [T, H, D], k and v [T, Hkv, D] of ``norm(x + residual)``, rotary applied;
         and the new residual."""
-        if self.rotary_in_projection and self.qkv_proj.fuses(x):  # one launch for all of it
+        if self.rotary_in_projection and self.qkv_proj.rotates(x):  # one launch for all of it
             qkv, residual = self.qkv_proj.normed(norm, x, residual,
                                                  (*rope, self.head_dim, self.rotated_rows))
             return (*self._heads(qkv), residual)
@@ -190,7 +190,7 @@ class GatedMLP(nn.Module):
     def _down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         if self.act_kernel is not None:
             if self.down_proj.fuses(gate_up):
-                # one launch: the activation inside the product
+                # the activation inside the product's launches (its method's prologue)
                 return self.down_proj(gate_up, hidden_act=self.hidden_act, reduce=reduce)
             return self.down_proj(self.act_kernel(gate_up, self.hidden_act), reduce=reduce)
         return self.down_proj(act_and_mul(self.act, gate_up), reduce=reduce)
