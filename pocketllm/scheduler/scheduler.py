@@ -32,15 +32,8 @@ to snapshot the state there, mid-chunk (``StepPlan.state_snapshots``), and the s
 published with the step's blocks (kv_groups.py says where, and where a later prompt
 resumes).
 
-Speculative decoding (``SchedulerConfig.num_speculative_tokens``; ngram.py proposes): a
-decode may bring draft tokens to its step, computed at the positions after its last token
-and counted in the budget, with blocks for them; the result returns the drafts the worker
-accepted and the token after them; the rejected positions are computed again as the
-request reaches them (their blocks stay with it, never published before then). Requests
-with a grammar, penalties or logit_bias draft too: each draft's row gets the mask and counts
-of the drafts before it (docs/speculative.md). Drafts need the request's last token, so a
-step that may draft is never planned ahead (one whose every request has paused drafting
-is: drafter.py).
+Speculative decoding (speculation.py): a decode may bring draft tokens to its step, and
+the result returns those accepted and the token after them.
 
 With overlap (``SchedulerConfig.overlap``) the next step may be planned before
 the last one's result: a request's ``num_computed_tokens`` counts the tokens of
@@ -51,7 +44,6 @@ confirmed. Nothing is preempted while a step is in flight.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -63,15 +55,13 @@ from pocketllm.proto.messages import (PENDING, CachedRequestData, ErrorDetail,
                                       TokenLogprobs)
 from pocketllm.sampling import uses_penalties
 
+from .admission import Admission
 from .block_manager import BlockManager, blocks_for
 from .config import SchedulerConfig, StepDraft
-from .drafter import Drafter
 from .fair_queue import FairQueue
 from .kv_groups import CacheGroups
-from .ngram import NgramDrafter
-from .replay import ReplayDrafter, load_runs
-from .worker_drafts import WorkerDrafter
 from .request import Request, RequestStatus, refusal
+from .speculation import SpeculativeSteps, drafter_for
 from .structured import StructuredRequests
 
 if TYPE_CHECKING:
@@ -80,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pocketllm.scheduler")
 
 
-class Scheduler:
+class Scheduler(Admission, SpeculativeSteps):
     def __init__(self, config: SchedulerConfig, grammars: Optional["Grammars"] = None):
         self.config = config
         self.structured = StructuredRequests(grammars)
@@ -219,72 +209,6 @@ class Scheduler:
                 continue
             self._allocate_or_preempt(step, req, n)
 
-    def _add_drafts(self, step: StepDraft) -> None:
-        """Drafts for a step of decodes alone, once it is decided: when speculation is on,
-        no step is in flight (a draft follows the request's last token, which must be
-        known), the running batch is small enough to gain from more tokens a request
-        rather than more requests, and within the rows the worker computes exactly as
-        alone (``speculative_max_rows``), the budget and the blocks free now (drafts never
-        preempt)."""
-        cfg = self.config
-        if self.drafter is not None and self._inflight:  # planned ahead: every one paused
-            for req in step.scheduled:
-                self.drafter.skip(req.request_id)
-            return
-        if (self.drafter is None or step.has_prefill
-                or len(self.running) > cfg.speculative_max_batch):
-            return
-        rows = cfg.speculative_max_rows or cfg.max_num_batched_tokens
-        room = min(rows - sum(step.scheduled.values()), step.budget)
-        for req in list(step.scheduled):
-            if room <= 0:
-                return
-            drafts = self._drafts(req, room)[:max(0, self.kv.fit_tokens(req) - 1)]
-            if drafts and self.kv.has_state:  # each row's state kept, to roll back to
-                drafts = drafts[:self.kv.spare_state_slots()]
-                if drafts:
-                    step.draft_snapshots[req] = self.kv.draft_snapshots(req, len(drafts))
-            if drafts:
-                self.kv.grow(req, req.num_computed_tokens + 1 + len(drafts))
-                step.scheduled[req] += len(drafts)
-                step.budget -= len(drafts)
-                step.drafts[req] = drafts
-                room -= len(drafts)
-
-    def _ask_proposals(self, step: StepDraft) -> None:
-        """Ask the worker's drafter (``worker_drafts.py``) for the drafts of each request's
-        next step, when that step may draft: up to k a decoding request that is not
-        paused, each given its block now (the proposing writes the draft model's KV at the
-        positions after the request's tokens; the next step computes them there). Not
-        after a prompt's last chunk: its first token would wait for the draft model to
-        read the whole prompt."""
-        cfg, drafter = self.config, self.drafter
-        if (drafter is None or not drafter.in_worker or self._inflight
-                or len(self.running) > cfg.speculative_max_batch):
-            return
-        for req, n in step.scheduled.items():
-            own = n - len(step.drafts.get(req, ()))
-            if (own != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                    or drafter.paused(req.request_id)):
-                continue
-            count = min(drafter.k, self.kv.fit_tokens(req) - n,
-                        cfg.max_model_len - req.num_computed_tokens - n)
-            if count > 0:
-                self.kv.grow(req, req.num_computed_tokens + n + count)
-                step.proposals[req] = count
-
-    def _drafts(self, req: Request, room: int) -> list[int]:
-        """The draft tokens a decoding request may verify (at most ``room``): none when no
-        room is left (max_tokens, max_model_len); with a grammar, those it allows in turn
-        (each draft's row then gets the grammar's mask after the drafts before it, and the
-        worker's penalties count those drafts: docs/speculative.md)."""
-        room = min(req.sampling.max_tokens - req.num_output_tokens - 1,
-                   self.config.max_model_len - req.num_tokens - 1, room)
-        if room <= 0:
-            return []
-        drafts = self.drafter.propose(req.request_id, req.token_ids, room)
-        return req.grammar.allowed_prefix(drafts) if req.grammar is not None and drafts else drafts
-
     def _ends_with_pending_token(self, req: Request) -> bool:
         """Its token still in flight reaches max_tokens or max_model_len: update() will end
         it ("length"), so there is nothing to compute for it."""
@@ -327,68 +251,6 @@ class Scheduler:
             req.worker_num_tokens, req.worker_num_blocks = None, 0
         step.preempted = True
         self.num_preemptions += 1
-
-    def _hold_admission(self, step: StepDraft) -> bool:
-        """Whether to keep the waiting requests out of a decode-only step for now: until
-        the prompts that free slots can take fill the step's budget, or the oldest has
-        waited admission_delay_s."""
-        if self.config.admission_delay_s <= 0 or not step.scheduled or step.has_prefill:
-            return False  # nothing to disturb, or the step runs eagerly anyway
-        admissible_tokens = 0
-        for req in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
-            admissible_tokens += req.num_tokens
-            if admissible_tokens >= step.budget:
-                return False
-        return self.clock() - self.waiting[0].queued_at < self.config.admission_delay_s
-
-    def _admit_waiting(self, step: StepDraft) -> None:
-        cfg, kv = self.config, self.kv
-        if self.waiting and self._hold_admission(step):
-            return
-        while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.structured.next_admissible(self.waiting)
-            if req is None:
-                break
-            matched = self._match_prefix(req)  # a table per group
-            hit = len(matched[0])
-            num_computed = hit * cfg.block_size
-            remaining = req.num_tokens - num_computed
-            if cfg.enable_chunked_prefill:
-                n = min(remaining, step.budget)
-            elif remaining <= step.budget:
-                n = remaining
-            elif remaining > cfg.max_num_batched_tokens and not step.has_prefill:
-                n = remaining  # can never fit the budget: run it whole, as the step's only prefill
-            else:
-                break
-            need = blocks_for(num_computed + n, cfg.block_size) - hit
-            if not kv.can_admit(matched, need):
-                break  # FCFS: later requests wait behind it
-            self.waiting.remove(req)
-            self.waiting.admitted(req)
-            kv.admit(req, matched, need)
-            req.num_computed_tokens = req.num_verified_tokens = num_computed
-            req.num_cached_blocks = hit
-            if cfg.enable_prefix_caching:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_computed
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_computed
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            step.add(req, n)
-
-    def _match_prefix(self, req: Request) -> list[list[int]]:
-        if not self.config.enable_prefix_caching:
-            return self.kv.empty_tables()
-        bs = self.config.block_size
-        req.update_block_hashes(bs)
-        # Leave at least one token to compute: the step must produce logits to sample.
-        hashes = req.block_hashes[:(req.num_tokens - 1) // bs]
-        tables = self.kv.match_prefix(hashes)
-        if self.kv.has_state:  # where a snapshot would have made the hit longer
-            req.snapshot_hint = self.kv.positional_match(hashes) * bs
-        return tables
 
     def _build_plan(self, step: StepDraft) -> StepPlan:
         """The plan of a decided step. Its tokens count as computed from now on, and each
@@ -534,39 +396,6 @@ class Scheduler:
                     f"{token}: {type(exc).__name__}: {exc}"))
         return batch
 
-    def _end_draft_snapshots(self, plan: StepPlan, result: StepResult) -> None:
-        """Roll each request of a recurrent-state model back to the state after its last
-        accepted draft (or free the slots: a failed step, a finished request)."""
-        index = {rid: i for i, rid in enumerate(result.request_ids)}
-        for req, held in self._draft_snapshots.pop(plan.step_id, {}).items():
-            i = index.get(req.request_id)
-            ok = result.error is None and i is not None and not req.is_finished
-            extra = result.extra_token_ids[i] if ok and i < len(result.extra_token_ids) else []
-            self.kv.end_draft_snapshots(req, held, len(extra) if ok else None)
-
-    def _after_drafts(self, batch: TokenBatch, req: Request, drafts: list[int], first: int,
-                      result: StepResult, i: int) -> None:
-        """A speculative step's further tokens: each accepted draft's position is computed,
-        and the token after it joins as if decoded alone (a stop, EOS or max_tokens among
-        them ends the request there). The blocks of rejected positions stay with the
-        request (the worker's tables only grow): its next tokens fill them."""
-        extra = result.extra_token_ids[i] if i < len(result.extra_token_ids) else []
-        logprobs = result.extra_logprobs[i] if i < len(result.extra_logprobs) else []
-        if [first, *extra][:len(extra)] != drafts[:len(extra)] or len(extra) > len(drafts):
-            raise ValueError(f"the worker accepted {len(extra)} of drafts {drafts} but "
-                             f"returned {[first, *extra]}")
-        self.spec_draft_tokens += len(drafts)
-        self.spec_accepted_tokens += len(extra)
-        self.drafter.verified(req.request_id, len(drafts), len(extra))
-        for j, token in enumerate(extra):
-            if req.is_finished:
-                return
-            req.num_computed_tokens += 1  # the accepted draft's position
-            req.num_verified_tokens += 1
-            req.token_ids.append(token)
-            self._cache_full_blocks(req)
-            self._after_token(batch, req, token, logprobs[j] if j < len(logprobs) else None)
-
     def _after_token(self, batch: TokenBatch, req: Request, token: int,
                      logprob: Optional[TokenLogprobs]) -> None:
         grammar = req.grammar
@@ -659,20 +488,3 @@ class Scheduler:
                                     for g, slot, _dst in req.state_restores],
                                  self._blocks_ahead())
 
-    def _blocks_ahead(self) -> int:
-        """The most positions past its computed ones a running request holds blocks for: a
-        step's drafts, and with the worker's drafter the proposals written after them."""
-        k = self.config.num_speculative_tokens
-        return 2 * k if self.drafter is not None and self.drafter.in_worker else k
-
-
-def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
-    """The drafter of the worker's speculative method (None: no speculation)."""
-    k = config.num_speculative_tokens
-    if not k:
-        return None
-    if config.speculative_method == "replay":
-        return ReplayDrafter(k, load_runs(config.speculative_replay or ""))
-    if config.speculative_method == "draft":
-        return WorkerDrafter(k)
-    return NgramDrafter(k)
