@@ -208,6 +208,27 @@ def test_stops_penalties_grammars_n_and_preemption_with_a_draft_model():
         llm.shutdown()
 
 
+def test_a_long_prompt_is_read_by_the_draft_model_in_chunks():
+    """A prompt longer than the step budget: the target reads it in chunks, and so does
+    the draft model when it first proposes (``DraftModel._catch_up``); then drafts, all
+    accepted from the target as its own draft."""
+    from pocketllm import SamplingParams
+
+    target = _tiny()
+    prompt = [[(7 * i) % 400 + 20 for i in range(45)]]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = _decoded(prompt, greedy, model=target, dtype="float32", max_model_len=256,
+                    device="cpu", max_num_batched_tokens=16)
+    llm = _draft_engine(target, target, max_num_batched_tokens=16)
+    try:
+        before = llm.engine_stats()
+        _same(want, llm.generate(prompt, greedy))
+        drafted, accepted = _drafts(llm, before)
+    finally:
+        llm.shutdown()
+    assert drafted > 0 and accepted == drafted
+
+
 # --- refusals ----------------------------------------------------------------------------------
 
 def test_draft_model_refusals():
