@@ -6,9 +6,10 @@ through the target's block tables (the scheduler gives a request blocks for the
 positions the proposing writes: ``Scheduler._ask_proposals``), so it needs no tables of
 its own. When a step's result is known, ``propose`` brings the draft model's KV up to the
 request's tokens (the positions it has not computed, or computed for other tokens: a
-rejected proposal, a prompt it never saw) in one forward, then proposes one token at a
-time, each fed back. What it computed for its own proposals is kept and reused where the
-target accepted them.
+rejected proposal, a prompt it never saw), then proposes one token at a time, each fed
+back: one row a request a forward (on a GPU a decode CUDA graph of its own), a prompt
+first in multi-row forwards. What it computed for its own proposals is kept and reused
+where the target accepted them.
 
 A draft is sampled as the target samples its position: greedy for greedy requests, else
 with the request's temperature and cuts and the same per-(seed, position) uniform (an
@@ -21,6 +22,7 @@ target's to apply; drafts ignore them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -81,7 +83,6 @@ class DraftModel:
         self._done: dict[str, tuple[int, list[int]]] = {}
         # request -> (position, token) a step returned before the book knew the position
         self.sampled: dict[str, tuple[int, int]] = {}
-        self.info = info
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
         """The pool, once the target's first group has its block count."""
@@ -251,8 +252,6 @@ def draft_model(runner, info: ModelInfo, args: EngineArgs) -> Optional[DraftMode
     if info.draft is None:
         raise UnsupportedFeatureError("speculative_method='draft' without the draft model's "
                                       "info (load_model_info resolves it)", "speculative_model")
-    import dataclasses
-
     draft_args = dataclasses.replace(args, model=args.speculative_model, quantization=None,
                                      speculative_method=None, speculative_model=None)
     draft = DraftModel(runner, ModelInfo(**info.draft), draft_args)
