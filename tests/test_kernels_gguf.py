@@ -138,3 +138,23 @@ def test_integer_dots_are_exact_on_int8_activations(ggml_type, m, config):
                                             out, config=config).cpu().double()
         want = x.double() @ w.T
         assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [None, (1, 1, 1), (16, 4, 4)])
+def test_split_q8_0_rows_give_the_q8_0_dots_bits(m, config):
+    """Q8_0 rows repacked as codes then scales (``q8_0_split``: the same bytes, aligned
+    for word reads) multiply as the file's blocks do, bit for bit."""
+    n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
+    blocks, _ = random_blocks(gguf_gemv.Q8_0, n, k, seed=9)
+    b = torch.from_numpy(blocks).to(DEVICE)
+    split = K.gguf_dot.q8_0_split(b, n, k)
+    assert split.shape == b.shape
+    xq = K.gguf_dot.quantize_rows(torch.randn(m, k, generator=torch.Generator().manual_seed(4))
+                                  .to(DEVICE))
+    want = K.gguf_dot.q8_0_dot(xq, b, n, k, torch.empty(m, n, device=DEVICE), config=config)
+    got = K.gguf_dot.q8_0_split_dot(xq, split, n, k, torch.empty(m, n, device=DEVICE),
+                                    config=config)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        K.gguf_dot.q8_0_split(b[:, :34], n, 32)

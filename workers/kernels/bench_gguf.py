@@ -1,7 +1,8 @@
 """GGUF block products of one row at Llama-3-8B's projection shapes: the float block gemv
 (``gguf_gemv.block_gemv``), the integer dots (``gguf_dot``, with the rounding of x to
-8-bit blocks each launch makes) and the bf16 gemv, timed as ``bench_gemv`` times it
-(a chain of launches over distinct weights replayed in a CUDA graph), each checked
+8-bit blocks each launch makes; Q8_0 also repacked, ``q8_0_split``) and the bf16 gemv,
+timed as ``bench_gemv`` times it (a chain of launches over distinct weights replayed in a
+CUDA graph), each checked
 against dequantize-then-matmul; ``--tune`` sweeps the dots' (rows, blocks a step, warps).
 
     python -m pocketllm.workers.kernels.bench_gguf [--types q4_k q6_k ...] [--tune]
@@ -61,6 +62,16 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
     if ggml_type in gguf_gemv.BLOCKS:
         row["float_us"] = timed(lambda b: gguf_gemv.block_gemv(x, b, ggml_type, n, k))
     row["dot_us"] = timed(dots())
+    if ggml_type == gguf_dot.Q8_0:  # the same bytes repacked for word reads (q8_0_split)
+        split = {id(b): gguf_dot.q8_0_split(b, n, k) for b in chain}
+        def split_dots(config=None):
+            return lambda b: gguf_dot.q8_0_split_dot(gguf_dot.quantize_rows(x), split[id(b)],
+                                                     n, k, out, config=config)
+
+        row["split_us"] = timed(split_dots())
+        if tune:
+            times = {c: timed(split_dots(c)) for c in SWEEP}
+            row["split_top3"] = sorted(times.items(), key=lambda t: t[1])[:3]
     if tune:
         times = {}
         for config in SWEEP:

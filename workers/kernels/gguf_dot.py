@@ -193,6 +193,33 @@ def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
 
 
 @triton.jit
+def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
+                           BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+    """``_q8_0_dot_kernel`` on Q8_0 rows repacked by ``q8_0_split``: a row's K int8 codes,
+    then its K/32 fp16 scales. The codes are read as aligned int32 words (the file's
+    34-byte blocks allow only int16 reads); the sums are the same, in the same order."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    j = tl.arange(0, 8)[None, None, :]
+    row_w = rows.to(tl.int64)[:, None] * row_words  # [BN, 1], in int32
+    row_d = rows.to(tl.int64)[:, None] * (2 * row_words) + K // 2  # the scales, in int16
+    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for b0 in range(0, K // 32, NB):
+        b = b0 + tl.arange(0, NB)[None, :]
+        b_ok = b < K // 32
+        live = ok[:, None] & b_ok
+        d = _f16(tl.load(D16 + row_d + b, mask=live, other=0))
+        w = tl.load(W32 + row_w[:, :, None] + b[:, :, None] * 8 + j, mask=live[:, :, None],
+                    other=0)
+        x = tl.load(XQ + m * (K // 4) + b[:, :, None] * 8 + j, mask=b_ok[:, :, None], other=0)
+        dot = tl.sum(_dp4a(w, x, 0, EMULATE, True), 2).to(tl.float32)
+        dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
+        acc += d * dx * dot
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _q4_0_dot_kernel(XQ, XD, XS, W16, Y, N, K, row_halves, stride_y,
                      BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
     """A block is 9 int16: d (fp16), then 16 bytes whose low nibbles are weights 0-15 and
@@ -348,6 +375,27 @@ def q8_0_dot(xq, blocks, n, k, out, config=None):
     w = _blocks_as(blocks, Q8_0, n, k, torch.int16)
     return _launch(_q8_0_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
                    config or Q8_0_CONFIG, w)
+
+
+def q8_0_split(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q8_0 ``blocks`` [n, row_bytes] repacked in the same bytes: each row's codes, then
+    its fp16 scales (``q8_0_split_dot``'s layout; k a multiple of 64, so rows stay
+    4-byte aligned)."""
+    _blocks_as(blocks, Q8_0, n, k, torch.uint8)
+    if k % 64:
+        raise ValueError(f"the split Q8_0 layout needs rows of a multiple of 64 weights, got {k}")
+    b = blocks.view(n, k // 32, 34)
+    return torch.cat([b[:, :, 2:].reshape(n, k), b[:, :, :2].reshape(n, k // 16)], dim=1)
+
+
+def q8_0_split_dot(xq, split, n, k, out, config=None):
+    """As ``q8_0_dot``, for rows repacked by ``q8_0_split``."""
+    q, d, _ = xq
+    if k % 64 or tuple(split.shape) != (n, k // 32 * 34) or split.dtype != torch.uint8:
+        raise ValueError(f"{tuple(split.shape)} {split.dtype} is no split Q8_0 [{n}, {k}] matrix")
+    w = split.view(torch.int32)
+    return _launch(_q8_0_split_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
+                   config or Q8_0_CONFIG, w, split.view(torch.int16))
 
 
 def q4_0_dot(xq, blocks, n, k, out, config=None):
