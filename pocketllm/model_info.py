@@ -7,14 +7,13 @@ Every stage reads the same ``ModelInfo``; the worker builds its model from
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .config import EngineArgs
-from .errors import CheckpointError, InvalidRequestError, UnsupportedFeatureError
+from .errors import CheckpointError, InvalidRequestError
 from .families import BY_ARCHITECTURE, BY_GGUF, hf_config_from_gguf
 
 # The longest context PocketLLM budgets for when the caller names none; a
@@ -43,7 +42,8 @@ class ModelInfo:
     # commit its files came from
     hub_id: Optional[str] = None
     revision: Optional[str] = None
-    # speculative_method="draft": the draft model's own ModelInfo, as a dict (to_dict)
+    # speculative_method="draft": the draft model's own ModelInfo, as a dict (to_dict;
+    # draft_info.py fills it in before the stages start)
     draft: Optional[dict] = None
 
     def to_dict(self) -> dict:
@@ -136,38 +136,7 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
         info.max_model_len = args.max_model_len
     if resolved is not None:
         info.hub_id, info.revision = resolved.ref.name, resolved.commit
-    if args.speculative_model is not None:
-        info.draft = draft_model_info(args, info).to_dict()
     return info
-
-
-def draft_model_info(args: EngineArgs, info: ModelInfo) -> ModelInfo:
-    """The draft model of ``speculative_method="draft"``, resolved here (the control plane:
-    no worker downloads) with the target's load format and context length, and refused
-    unless its vocabulary is the target's token for token: its drafts are token ids."""
-    draft_args = dataclasses.replace(
-        args, model=args.speculative_model, speculative_method=None, speculative_model=None,
-        tokenizer=None, revision=None, chat_template=None, quantization=None,
-        max_model_len=info.max_model_len)
-    draft = load_model_info(draft_args)
-    why = _vocabulary_differs(info, draft)
-    if why:
-        raise UnsupportedFeatureError(f"the draft model {args.speculative_model!r} cannot draft "
-                                      f"for this model: {why}", "speculative_model")
-    return draft
-
-
-def _vocabulary_differs(target: ModelInfo, draft: ModelInfo) -> Optional[str]:
-    if draft.vocab_size != target.vocab_size:
-        return f"its vocabulary has {draft.vocab_size} ids, the model's {target.vocab_size}"
-    from .tokenizer.tokenizer import load_tokenizer
-
-    a, b = (load_tokenizer(i, decode_only=True).tokenizer.get_vocab(with_added_tokens=True)
-            for i in (target, draft))
-    if a != b:
-        moved = sorted(set(a.items()) ^ set(b.items()))[:3]
-        return f"its tokenizer maps tokens to other ids (e.g. {moved})"
-    return None
 
 
 def _read_chat_template(path: str) -> str:

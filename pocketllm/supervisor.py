@@ -22,6 +22,7 @@ import zmq
 
 from . import _source_layout
 from .config import EngineArgs
+from .draft_info import with_draft
 from .errors import CheckpointError, EngineStartupError, UnsupportedFeatureError
 from .model_info import ModelInfo
 from .process import write_settings
@@ -60,7 +61,7 @@ class Supervisor:
     def __init__(self, args: EngineArgs, info: ModelInfo,
                  on_death: Callable[[str], None] = lambda reason: None):
         self.args = args
-        self.info = info
+        self.info = with_draft(args, info)
         self.on_death = on_death
         if args.nnodes > 1:
             read_secret(args.tensor_parallel_secret_file)  # fail now, not inside a stage
@@ -77,7 +78,7 @@ class Supervisor:
         self._zmq = zmq.Context()
         self._inbox = self._zmq.socket(zmq.PULL)
         self._inbox.bind(endpoints.supervisor(self.run_dir))
-        write_settings(self.run_dir, args, info)
+        write_settings(self.run_dir, args, self.info)
 
     # ---------------------------------------------------------------- start
 

@@ -11,7 +11,7 @@ import pytest
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.scheduler.worker_drafts import WorkerDrafter
 from test_scheduler_harness import Driver, config, make_request
-from test_speculative import GPU, _decoded, _drafts, _same
+from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts
 
 
 def _tiny(family="llama", **overrides):
@@ -134,14 +134,8 @@ def test_greedy_text_is_the_same_with_a_draft_model(family, device):
     if family == "llama":
         drafts.insert(0, target)
     for i, draft in enumerate(drafts):
-        llm = _draft_engine(target, draft, device)
-        try:
-            before = llm.engine_stats()
-            for _ in range(2):
-                _same(want, llm.generate(PROMPTS, greedy))
-            drafted, accepted = _drafts(llm, before)
-        finally:
-            llm.shutdown()
+        drafted, accepted = _same_and_drafts(_draft_engine(target, draft, device), want,
+                                             PROMPTS, greedy, times=2)
         assert drafted > 0
         if family == "llama" and i == 0:
             assert accepted == drafted
@@ -219,13 +213,8 @@ def test_a_long_prompt_is_read_by_the_draft_model_in_chunks():
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = _decoded(prompt, greedy, model=target, dtype="float32", max_model_len=256,
                     device="cpu", max_num_batched_tokens=16)
-    llm = _draft_engine(target, target, max_num_batched_tokens=16)
-    try:
-        before = llm.engine_stats()
-        _same(want, llm.generate(prompt, greedy))
-        drafted, accepted = _drafts(llm, before)
-    finally:
-        llm.shutdown()
+    drafted, accepted = _same_and_drafts(_draft_engine(target, target, max_num_batched_tokens=16),
+                                         want, prompt, greedy)
     assert drafted > 0 and accepted == drafted
 
 

@@ -336,6 +336,18 @@ def _drafts(llm, before):
             after.spec_accepted_tokens - before.spec_accepted_tokens)
 
 
+def _same_and_drafts(llm, want, prompts, sampling, times: int = 1) -> tuple[int, int]:
+    """Generate ``times`` over, each time the outputs ``want``; then shut ``llm`` down:
+    (drafts verified, accepted) meanwhile."""
+    try:
+        before = llm.engine_stats()
+        for _ in range(times):
+            _same(want, llm.generate(prompts, sampling))
+        return _drafts(llm, before)
+    finally:
+        llm.shutdown()
+
+
 def _decoded(prompts, sampling, **engine):
     """The output of an engine without speculation."""
     from pocketllm import LLM
@@ -433,12 +445,7 @@ def test_bf16_drafts_of_the_greedy_output_are_all_accepted_on_the_gpu(family, k,
                                             "output": list(want[0].token_ids)}]}))
     llm = LLM(**common, speculative_method="replay", speculative_replay=str(replay),
               num_speculative_tokens=k)
-    try:
-        before = llm.engine_stats()
-        _same(want, llm.generate(prompt, greedy))
-        drafted, accepted = _drafts(llm, before)
-    finally:
-        llm.shutdown()
+    drafted, accepted = _same_and_drafts(llm, want, prompt, greedy)
     assert drafted > 0 and accepted == drafted
 
 def test_server_n_choices_and_metrics_with_speculation(default_model_path):

@@ -246,12 +246,12 @@ class _Run:
 
 def draft_model(runner, info: ModelInfo, args: EngineArgs) -> Optional[DraftModel]:
     """The runner's draft model (None: speculation is not "draft"), loaded as the target
-    is (its load format, dtype and device; ``model_info.draft_model_info`` resolved it)."""
+    is (its load format, dtype and device; ``pocketllm/draft_info.py`` resolved it)."""
     if args.speculative_method != "draft":
         return None
     if info.draft is None:
         raise UnsupportedFeatureError("speculative_method='draft' without the draft model's "
-                                      "info (load_model_info resolves it)", "speculative_model")
+                                      "info (the supervisor resolves it: draft_info.py)", "speculative_model")
     draft_args = dataclasses.replace(args, model=args.speculative_model, quantization=None,
                                      speculative_method=None, speculative_model=None)
     draft = DraftModel(runner, ModelInfo(**info.draft), draft_args)
