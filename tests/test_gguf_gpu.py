@@ -32,7 +32,15 @@ def q8_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk):
+@pytest.mark.parametrize("dots", [False, True], ids=["block_gemv", "dots"])
+def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk, dots,
+                                                                 monkeypatch):
+    """The block gemv (float x) gives the dequantized file's log probabilities to 1e-3;
+    the integer dots round x to int8 blocks first (as llama.cpp's MMVQ rounds it to
+    q8_1), which moves this random model's log probabilities by a few hundredths (0.03
+    on an H100): the same greedy tokens, within 0.05. The dots' own bits: test_kernels_gguf.py."""
+    if not dots:
+        monkeypatch.setattr(linear_method.GGUF_BLOCKS, "dot_devices", ())
     blocks = make_runner(q8_file, device="cuda")
     dense = make_runner(q8_file, device="cuda", dequantize_weights=True)
     layer = blocks.model.layers[0]
@@ -43,7 +51,7 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk)
     want, want_driver = run(dense, {"r": PROMPT}, new_tokens=16, chunk=chunk)
     assert got["r"] == want["r"]
     lps = [np.array([lp.logprob for lp in d.reqs["r"].logprobs]) for d in (got_driver, want_driver)]
-    np.testing.assert_allclose(lps[0], lps[1], atol=1e-3)
+    np.testing.assert_allclose(lps[0], lps[1], atol=0.05 if dots else 1e-3)
 
 
 def test_the_embedded_gguf_on_its_blocks_agrees_with_float32_over_a_long_text(default_model_path):

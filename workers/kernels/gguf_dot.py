@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .gguf_gemv import Q4_K, Q6_K, Q8_0, _check
+from .fixed_sum import lane_sum
 from .int8_blocks import store_int8_blocks
 
 Q4_0, Q5_K = 2, 13
@@ -189,7 +190,8 @@ def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
         dot = tl.sum(_dp4a(w, x, 0, EMULATE, True), 2).to(tl.float32)
         dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
         acc += d * dx * dot
-    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + m * stride_y + rows, lane_sum(acc, BLOCK_N, NB).to(Y.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
@@ -197,7 +199,8 @@ def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
                            BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
     """``_q8_0_dot_kernel`` on Q8_0 rows repacked by ``q8_0_split``: a row's K int8 codes,
     then its K/32 fp16 scales. The codes are read as aligned int32 words (the file's
-    34-byte blocks allow only int16 reads); the sums are the same, in the same order."""
+    34-byte blocks allow only int16 reads); the sums are the same, in the same order (the
+    blocks' lanes added by ``lane_sum`` in both, whatever each compiled layout)."""
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -216,7 +219,8 @@ def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
         dot = tl.sum(_dp4a(w, x, 0, EMULATE, True), 2).to(tl.float32)
         dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
         acc += d * dx * dot
-    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + m * stride_y + rows, lane_sum(acc, BLOCK_N, NB).to(Y.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit

@@ -58,6 +58,8 @@ class PrefillRound:
                            if rows == list(range(first, first + len(rows)))
                            else to_device(rows, device, torch.long))
         self.slots = to_device([slot for *_, slot in chunks], device, torch.long)
+        # pieces of one row (a verification's rows, each snapshotted): the decode form
+        self.single = all(n == 1 for _row, n, _slot in chunks)
 
 
 @dataclass
@@ -209,7 +211,20 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, proj: torch.Tensor, round_: PrefillRound, conv_states: torch.Tensor,
                  states: torch.Tensor, normed: torch.Tensor) -> None:
         """Every chunk of more than one token at once, laid end to end: one convolution,
-        the chunk form over them (``chunked_varlen``), one norm."""
+        the chunk form over them (``chunked_varlen``), one norm. A round of one-row
+        pieces takes the decode form, so that a verified row has its decode step's bits
+        (the chunk kernels add in another order)."""
+        if round_.single:
+            out = self._decode(_take(proj, round_.rows), conv_states, states, round_.slots)
+        else:
+            out = self._chunks(proj, round_, conv_states, states)
+        if isinstance(round_.rows, slice):
+            normed[round_.rows] = out
+        else:
+            normed.index_copy_(0, round_.rows, out)
+
+    def _chunks(self, proj: torch.Tensor, round_: PrefillRound, conv_states: torch.Tensor,
+                states: torch.Tensor) -> torch.Tensor:
         seg, slots = round_.segments, round_.slots
         mixed, z, b, a = _take(proj, round_.rows).split(self.widths, dim=-1)
         y, conv_new = causal_conv_varlen(mixed, self.conv_weight,
@@ -219,11 +234,7 @@ class GatedDeltaNet(nn.Module):
         core, final = self.chunked_varlen(*self._heads(y), g, beta,
                                           states.index_select(0, slots), seg)
         states.index_copy_(0, slots, final)
-        out = self._norm(core, z)
-        if isinstance(round_.rows, slice):
-            normed[round_.rows] = out
-        else:
-            normed.index_copy_(0, round_.rows, out)
+        return self._norm(core, z)
 
     def _decode(self, proj: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
