@@ -68,7 +68,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-method", default=None,
                    help="ngram: draft tokens by looking the last tokens up earlier in the "
                         "prompt and output; draft: a smaller model of the same vocabulary "
-                        "(--speculative-model) drafts them; verified in one step")
+                        "(--speculative-model) drafts them; mtp: the checkpoint's "
+                        "multi-token-prediction layer (Qwen3.5); verified in one step")
     g.add_argument("--speculative-model", default=None,
                    help="the draft model of --speculative-method draft (a path, a shipped "
                         "shape with --load-format dummy, or a Hugging Face id)")

@@ -26,11 +26,11 @@ FP8_QUANTIZATION = "fp8"
 # head on the GPU path (workers/kernels/kv_fp8.py)
 KV_CACHE_DTYPES = ("auto", "fp8")
 # Speculative decoding (docs/speculative.md): drafts proposed by n-gram lookup in the
-# scheduler or by a smaller model of the same vocabulary that the worker runs
-# (``speculative_model``), verified by the worker in one multi-token step. "mtp" (a
-# checkpoint's multi-token-prediction layers) is named, not built yet. "replay"
-# (benchmarks only) proposes a recorded output read from ``speculative_replay``.
-SPECULATIVE_METHODS = ("ngram", "draft", "replay")
+# scheduler, by a smaller model of the same vocabulary that the worker runs
+# (``speculative_model``) or by the checkpoint's multi-token-prediction layer ("mtp"),
+# verified by the worker in one multi-token step. "replay" (benchmarks only) proposes a
+# recorded output read from ``speculative_replay``.
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "replay")
 MAX_SPECULATIVE_TOKENS = 16
 # The largest batch of decodes that drafts at all: past it a step is better spent on more
 # requests than on more tokens of a few (the scheduler's default; the GPU worker's verify
@@ -146,10 +146,6 @@ class EngineArgs:
                                       "digits, '.', '_', '-', '/')", "revision")
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.speculative_method == "mtp":
-            raise UnsupportedFeatureError(
-                "speculative_method='mtp' is not built yet; 'ngram' and 'draft' are",
-                "speculative_method")
         if self.speculative_method is not None:
             _choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
         if (self.speculative_method == "replay") != (self.speculative_replay is not None):

@@ -149,38 +149,13 @@ def test_a_synthetic_qwen35_file_reads_as_llama_cpp_reads_it(tmp_path):
     assert len(set(ours) & set(theirs)) >= 7
 
 
-def _with_mtp_layer(src: str, dst) -> str:
-    """A copy of the tiny Qwen3.5 checkpoint with a multi-token-prediction layer, as the
-    released checkpoints ship one (``mtp.*``: fc, its norms, one full-attention layer)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = load_file(f"{dst}/model.safetensors")
-    gen = torch.Generator().manual_seed(5)
-    hidden = weights["model.norm.weight"].shape[0]
-    weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        weights[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.1
-    for name, value in list(weights.items()):
-        if name.startswith("model.layers.3."):  # a full-attention layer's tensors
-            weights["mtp.layers.0." + name[len("model.layers.3."):]] = value + 0.01
-    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    with open(f"{dst}/config.json") as f:
-        config = json.load(f)
-    config["mtp_num_hidden_layers"] = 1
-    with open(f"{dst}/config.json", "w") as f:
-        json.dump(config, f)
-    return str(dst)
-
-
 def test_the_multi_token_prediction_layer_is_skipped_not_a_failure(tmp_path):
     """A checkpoint with an MTP layer, and llama.cpp's file of it (which appends the layer
     as a block of its own, ``nextn_predict_layers``): both load, without the layer, and
     compute what transformers does."""
-    hf = _with_mtp_layer(make_tiny_checkpoint("qwen3_5"), tmp_path / "hf")
+    from tiny_checkpoints import add_mtp_layer
+
+    hf = add_mtp_layer(make_tiny_checkpoint("qwen3_5"))
     path = convert(hf, str(tmp_path / "mtp.gguf"), "f32")
     info = load_model_info(EngineArgs(model=path))
     assert info.hf_config["num_hidden_layers"] == 4

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from pocketllm.config import EngineArgs
-from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
+from pocketllm.errors import InvalidRequestError
 from pocketllm.scheduler.drafter import COOLDOWN, Drafter
 from pocketllm.scheduler.ngram import NgramDrafter
 from test_scheduler_harness import Driver, config, make_request, next_token
@@ -314,8 +314,6 @@ def test_engine_counts_drafts_and_accepts_most_on_a_copy(engines):
 # --- refusals ------------------------------------------------------------------------------
 
 def test_engine_args_refusals():
-    with pytest.raises(UnsupportedFeatureError, match="not built yet"):
-        EngineArgs(speculative_method="mtp")
     with pytest.raises(InvalidRequestError, match="speculative_method"):
         EngineArgs(speculative_method="eagle")
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):

@@ -5,6 +5,8 @@
 "deepseek_v2", "qwen3_5", "qwen3_5_moe", "qwen3_next") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
+``add_mtp_layer(path)`` copies a Qwen3.5 one and adds the multi-token-prediction tensors
+(``mtp.*``) that the released checkpoints ship.
 
 ``PlanDriver`` plays the scheduler for a ``ModelRunner``: it hands out blocks and
 builds StepPlans (new requests, per-step diffs, chunked prefill, preemption).
@@ -208,6 +210,93 @@ def _write_tokenizer(path: str) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
                    "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
                    "chat_template": CHAT_TEMPLATE, "model_max_length": 512}, f)
+
+
+_mtp_built: dict[tuple[str, int], str] = {}
+MTP_FILE = "model-mtp.safetensors"
+
+
+def add_mtp_layer(path: str, seed: int = 0) -> str:
+    """A copy of the Qwen3.5 checkpoint at ``path`` (``qwen3_5`` or ``qwen3_5_moe``) with the
+    multi-token-prediction tensors the released checkpoints ship, random; ``path`` itself is
+    left alone. Built once per (path, seed); the copy returned is shared, so don't write to it.
+
+    ``mtp.fc.weight`` [H, 2H] (over cat(embedding, hidden), the embedding first), the norms
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, and
+    ``mtp.layers.0.*``: the names and shapes of the checkpoint's own first full-attention
+    layer, drawn afresh. They go into a file of their own (and the index, if there is one);
+    config.json gets ``mtp_num_hidden_layers: 1``.
+    """
+    global _cache_root
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    key = (os.path.abspath(path), seed)
+    if key in _mtp_built:
+        return _mtp_built[key]
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    if not str(text.get("model_type", "")).startswith("qwen3_5"):
+        raise ValueError(f"{path!r} is a {text.get('model_type')!r} checkpoint, not Qwen3.5")
+    full = text["layer_types"].index("full_attention")
+    prefix = f"model.layers.{full}."  # the text-only models' names (no "language_model")
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    shapes: dict[str, list[int]] = {}
+    dtype = None
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as handle:
+            for tensor in handle.keys():
+                if tensor.startswith(prefix):
+                    shapes[tensor[len(prefix):]] = handle.get_slice(tensor).get_shape()
+                if tensor == "model.norm.weight":
+                    dtype = handle.get_tensor(tensor).dtype
+    if not shapes or dtype is None:
+        raise ValueError(f"{path!r} holds no {prefix}* or model.norm.weight tensors")
+
+    hidden = text["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"mtp.fc.weight": [hidden, 2 * hidden],
+              **{f"mtp.{n}.weight": [hidden]
+                 for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+              **{"mtp.layers.0." + n: shape for n, shape in shapes.items()}}
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        # Matrices at _build's scale; norms around 0, where Qwen3.5's (1 + w) norms start
+        # (_build's sit around 1), so a norm read as plain w, not 1 + w, shows at once.
+        std = 0.1 if name.endswith("norm.weight") else 0.15
+        tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype).contiguous()
+
+    if _cache_root is None:
+        _cache_root = tempfile.mkdtemp(prefix="pocketllm-tiny-")
+    out = os.path.join(_cache_root, f"mtp-{len(_mtp_built)}")
+    shutil.copytree(path, out)
+    save_file(tensors, os.path.join(out, MTP_FILE), metadata={"format": "pt"})
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"].update({name: MTP_FILE for name in tensors})
+        meta = index.get("metadata", {})
+        if "total_size" in meta:
+            meta["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        if "total_parameters" in meta:
+            meta["total_parameters"] += sum(t.numel() for t in tensors.values())
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    config["mtp_num_hidden_layers"] = 1
+    if "text_config" in config:
+        config["text_config"]["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _mtp_built[key] = out
+    return out
 
 
 # ---------------------------------------------------------------------- a hand scheduler

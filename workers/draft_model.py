@@ -1,23 +1,13 @@
 """The draft model of ``speculative_method="draft"``: a smaller model of the target's
-vocabulary that the worker runs beside it to propose each request's next drafts.
+vocabulary that the worker runs beside it to propose each request's next drafts (its
+pool and its sampling: ``proposer.py``).
 
-Its KV cache is a pool of its own with the target's first group's block count, read
-through the target's block tables (the scheduler gives a request blocks for the
-positions the proposing writes: ``Scheduler._ask_proposals``), so it needs no tables of
-its own. When a step's result is known, ``propose`` brings the draft model's KV up to the
+When a step's result is known, ``propose`` brings the draft model's KV up to the
 request's tokens (the positions it has not computed, or computed for other tokens: a
 rejected proposal, a prompt it never saw), then proposes one token at a time, each fed
 back: one row a request a forward (on a GPU a decode CUDA graph of its own), a prompt
 first in multi-row forwards. What it computed for its own proposals is kept and reused
 where the target accepted them.
-
-A draft is sampled as the target samples its position: greedy for greedy requests, else
-with the request's temperature and cuts and the same per-(seed, position) uniform (an
-unseeded request gets a seed of its own at arrival: ``coupled``), so a draft model that
-agrees with the target proposes the very token the target will draw. Acceptance is by
-token match (``step_rows.accept_drafts``): the text never depends on the drafts, and a
-seeded request's is the text without speculation. Penalties, bias and grammars are the
-target's to apply; drafts ignore them.
 """
 
 from __future__ import annotations
@@ -27,95 +17,47 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgspec
-import numpy as np
 import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
-from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult
+from pocketllm.proto.messages import SamplingSpec, StepResult
 
-from .device import kv_bytes_per_block, to_device
-from .kv_cache import PagedKVCache, cache_layout
-from .layers.attention import build_metadata
+from .device import to_device
 from .loader import load_model_weights
-from .sampler import torch_ops
-from .sampler.rules import Sampler, is_greedy
+from .proposer import Proposer, verified_tokens
 from .step_rows import ScheduledSeq
 
 logger = logging.getLogger("pocketllm.worker")
 
 
-class DraftModel:
+class DraftModel(Proposer):
     def __init__(self, runner, info: ModelInfo, args: EngineArgs):
         """``runner``: the target's (its device, dtype, kernel policy and model builder)."""
         if runner.tp.world != 1:
             raise UnsupportedFeatureError("a draft model runs at tensor-parallel size 1",
                                           "speculative_model")
-        self.device, self.dtype = runner.device, runner.dtype
-        self.block_size = args.block_size
-        self.max_tokens = args.max_num_batched_tokens  # a forward's rows, as the target's
-        self.backend = runner.policy.attention_backend()
+        backend = runner.policy.attention_backend()
         with torch.inference_mode():
-            self.model = runner.build(info, args, self.backend)
-            load_model_weights(self.model, info, args)
-        self.model.eval()
-        cfg = self.model.cfg
+            model = runner.build(info, args, backend)
+            load_model_weights(model, info, args)
+        model.eval()
+        cfg = model.cfg
         why = ("sliding-window layers" if any(w is not None for w in cfg.layer_windows)
                else "linear-attention layers" if any(cfg.linear_layers)
-               else "latent attention (MLA)" if self.model.latent_cache_width is not None
+               else "latent attention (MLA)" if model.latent_cache_width is not None
                else None)
         if why:
             raise UnsupportedFeatureError(f"the draft model {info.path!r} has {why}; a draft "
                                           "model must be of full attention only", "speculative_model")
-        self.num_layers = cfg.num_layers
-        self.kv_heads, self.head_dim = self.model.num_local_kv_heads, cfg.head_dim
-        self.block_bytes = kv_bytes_per_block(self.num_layers, self.block_size, self.kv_heads,
-                                              self.head_dim, self.dtype)
-        # its own stream for unseeded rows: the target's draws stay the target's
-        self.sampler = Sampler(torch_ops, args.seed + 1)
-        self._seeds = np.random.default_rng(args.seed)  # unseeded requests' (``coupled``)
-        self.kv: Optional[PagedKVCache] = None
+        super().__init__(runner, args, backend, cfg.num_layers, model.num_local_kv_heads,
+                         cfg.head_dim)
+        self.model = model
         self.graphs = None  # decode CUDA graphs (``capture``)
         # request -> (positions below it computed for its tokens, the proposals computed
         # after them: valid where the target accepted them)
         self._done: dict[str, tuple[int, list[int]]] = {}
-        # request -> (position, token) a step returned before the book knew the position
-        self.sampled: dict[str, tuple[int, int]] = {}
-
-    def allocate(self, num_blocks: int, max_model_len: int) -> None:
-        """The pool, once the target's first group has its block count."""
-        layout = cache_layout([None] * self.num_layers, max_model_len)
-        self.kv = PagedKVCache(layout, [num_blocks], self.block_size, self.kv_heads,
-                               self.head_dim, self.dtype, self.device)
-        self.pad_slot = self.kv.pad_slot(0)
-
-    def read_plan(self, plan: StepPlan, requests: dict) -> None:
-        """Before a step: this model reads a request's tokens from the runner's book
-        (``requests``), so put in those a plan named PENDING that a finished step already
-        returned (``sampled``: on the CPU a step's tokens go before the next plan comes); a
-        request back after preemption starts over; a new one's draws are coupled to its
-        drafts' (``coupled``)."""
-        for rid, (position, token) in self.sampled.items():
-            state = requests.get(rid)
-            if state is not None and len(state.token_ids) > position:
-                state.token_ids[position] = token
-        self.sampled.clear()
-        for rid in plan.finished_request_ids:
-            self.forget(rid)
-        for new in plan.new_requests:
-            self.forget(new.request_id)
-            state = requests[new.request_id]
-            state.sampling = self.coupled(state.sampling)
-
-    def coupled(self, spec: SamplingSpec) -> SamplingSpec:
-        """A request's sampling with a seed, drawn here for one that has none: the target
-        then draws each position's uniform from (seed, position) as for a seeded request
-        (the same distribution as the shared stream's), and the drafts use the same."""
-        if spec.seed is not None or is_greedy(spec):
-            return spec
-        return msgspec.structs.replace(spec, seed=int(self._seeds.integers(1 << 62)))
 
     def forget(self, request_id: str) -> None:
         self._done.pop(request_id, None)
@@ -131,21 +73,14 @@ class DraftModel:
             n += 1
         return n
 
-    def after_step(self, result: StepResult, slots: list[tuple[str, int]],
-                   counts: dict[str, int], requests: dict) -> list[list[int]]:
-        """The proposals after a step's tokens (``result``; ``slots``: each sample row's
-        request and position; ``counts``: the plan's asks; ``requests``: the runner's
-        ``RequestBook.requests``), one list per result request."""
-        first_at: dict[str, int] = {}
-        for rid, position in slots:
-            first_at.setdefault(rid, position)
-        extras = result.extra_token_ids or [[]] * len(result.request_ids)
-        wanted = []
-        for rid, token, extra in zip(result.request_ids, result.token_ids, extras):
-            state = requests.get(rid)
-            if state is not None and counts.get(rid):
-                tokens = state.token_ids[:first_at[rid]] + [token, *extra]
-                wanted.append((rid, tokens, state.block_ids[0], state.sampling, counts[rid]))
+    def after_step(self, result: Optional[StepResult], step, requests: dict
+                   ) -> Optional[list[list[int]]]:
+        if result is None or not step.proposals:
+            return None
+        tokens_of = verified_tokens(result, step.slots, requests)
+        wanted = [(rid, tokens_of[rid], requests[rid].block_ids[0], requests[rid].sampling,
+                   step.proposals[rid])
+                  for rid in result.request_ids if step.proposals.get(rid) and rid in tokens_of]
         proposed = self.propose(wanted)
         return [proposed.get(rid, []) for rid in result.request_ids]
 
@@ -160,17 +95,15 @@ class DraftModel:
             count = min(count, len(table) * self.block_size - len(tokens) + 1)  # its blocks
             if count > 0:
                 start = self._catch_up(table, tokens, self._computed(rid, tokens))
-                runs.append(_Run(rid, table, msgspec.structs.replace(spec, logprobs=None),
-                                 count, tokens[start:], start))
+                runs.append(_Run(rid, table, spec, count, tokens[start:], start))
         active = runs
         while active:
             sampling = [r for r in active if len(r.queue) == 1]
             logits = self._step(active, [i for i, r in enumerate(active) if len(r.queue) == 1])
             tokens = []
             if sampling:
-                tokens, _ = self.sampler.draw(logits, [r.spec for r in sampling],
-                                              [r.position + 1 for r in sampling])
-                tokens = tokens.tolist()
+                tokens = self.draw(logits, [r.spec for r in sampling],
+                                   [r.position + 1 for r in sampling])
             for r in active:
                 r.queue.pop(0)
                 r.position += 1
@@ -207,11 +140,8 @@ class DraftModel:
         """An eager forward of ``seqs`` (their tokens ``ids``, in order) -> the logits of
         ``sample_rows`` (None when none)."""
         positions = [p for s in seqs for p in range(s.start, s.start + s.num_tokens)]
-        meta = build_metadata(seqs, self.block_size, [None], self.device, self.pad_slot,
-                              kernel_tables=getattr(self.backend, "kernel_tables", False))
-        hidden = self.model(to_device(ids, self.device, torch.long),
-                            to_device(positions, self.device, torch.long), max(positions),
-                            [meta], self.kv.layer_caches)
+        hidden = self.model(self.ids(ids), self.ids(positions), max(positions),
+                            [self.metadata(seqs)], self.kv.layer_caches)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, to_device(sample_rows,

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from pocketllm.config import EngineArgs
+from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.model_info import ModelInfo
 from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.proto.messages import SamplingSpec, StepPlan, StepResult, WorkerCapabilities
@@ -34,6 +35,7 @@ from .sampler.rules import Sampler, TokenHistory, structured_token_mask
 from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
+from .mtp_proposer import MTPProposer
 from .step_rows import (RequestBook, RequestState, ScheduledSeq, StepError, StepRows,
                         accept_drafts, check_state_plan, row_histories, snapshot_rows)
 
@@ -49,7 +51,12 @@ class LaunchedStep:
     specs: list = None
     slots: list[tuple[str, int]] = None  # (request id, position of its new token)
     drafts: Optional[dict[str, list[int]]] = None  # a speculative step's, by request
-    proposals: Optional[dict[str, int]] = None  # drafts the draft model proposes after it
+    proposals: Optional[dict[str, int]] = None  # drafts the drafter proposes after it
+    # for a drafter that reads the target's hidden states (``Proposer.reads_hidden``): the
+    # step's [rows, hidden] before the final norm, and its sequences (group 0's) by request
+    hidden: Optional[torch.Tensor] = None
+    seqs: Optional[list] = None
+    seq_ids: Optional[list[str]] = None
     error: Optional[str] = None
     path: str = ""  # StepResult.path
     launch_s: float = 0.0  # host time to queue the step
@@ -80,7 +87,7 @@ class ModelRunner:
             self.model = self.build(info, args, self.backend)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
-        self.draft = draft_model(self, info, args)
+        self.draft = proposer_for(self, info, args)  # the worker's drafter, if any
         # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides
         # the metadata the runner builds and whether CUDA graphs can capture it.
         self.backend = self.model.attention_backend
@@ -145,8 +152,15 @@ class ModelRunner:
         from .loader.stored_types import stored_types
 
         stored = stored_types(info, args, self.policy, self.device)
+        if stored and args.speculative_method == "mtp":
+            raise UnsupportedFeatureError("speculative_method='mtp' with quantized weights (GGUF "
+                                          "blocks, --quantization) is not built yet",
+                                          "speculative_method")
         if not stored:
-            return build_model(info, backend, self.device, self.dtype, self.tp)
+            model = build_model(info, backend, self.device, self.dtype, self.tp)
+            if args.speculative_method == "mtp":  # its weights load with the model's
+                model.build_mtp(backend)
+            return model
         from .layers import linear_method
 
         with linear_method.deferred_weights():
@@ -295,6 +309,7 @@ class ModelRunner:
             logger.exception("step %s failed", step.step_id)
             return StepResult(step_id=step.step_id, error=f"{type(e).__name__}: {e}")
         if out is None:
+            self._after_step(None, step)  # a drafter reading every row reads this step's
             return StepResult(step_id=step.step_id, **timing)
         for (rid, position), token in zip(step.slots, out.token_ids):
             state = self.book.requests.get(rid)
@@ -308,15 +323,22 @@ class ModelRunner:
         else:
             result = StepResult(step_id=step.step_id, request_ids=[rid for rid, _ in step.slots],
                                 token_ids=out.token_ids, logprobs=out.logprobs, **timing)
-        if step.proposals:
-            try:
-                with torch.inference_mode():
-                    result.proposed_token_ids = self.draft.after_step(
-                        result, step.slots, step.proposals, self.book.requests)
-            except Exception:  # the tokens stand; the next step just has no drafts
-                logger.exception("the draft model failed after step %s", step.step_id)
+        proposed = self._after_step(result, step)
+        if proposed is not None:
+            result.proposed_token_ids = proposed
         return result
 
+    def _after_step(self, result: Optional[StepResult], step: "LaunchedStep"
+                    ) -> Optional[list[list[int]]]:
+        """The drafter's turn after a step: its proposals (None: none asked)."""
+        if self.draft is None or not (step.proposals or step.hidden is not None):
+            return None
+        try:
+            with torch.inference_mode():
+                return self.draft.after_step(result, step, self.book.requests)
+        except Exception:  # the tokens stand; the next step just has no drafts
+            logger.exception("the drafter failed after step %s", step.step_id)
+            return None
 
     def _timing(self, step: "LaunchedStep") -> dict:
         """StepResult's path and times. A device span runs from the first to the last of a
@@ -370,8 +392,13 @@ class ModelRunner:
                                     to_device(positions, self.device, torch.long),
                                     max(positions), meta, self.kv_caches)
             path = "piecewise" if mixed_rung else "eager"
+            kept = {}
+            if self.draft is not None and self.draft.reads_hidden:
+                # (a piecewise graph's buffer is the next step's too: a copy)
+                kept = dict(hidden=hidden.clone() if mixed_rung else hidden, seqs=seqs[0],
+                            seq_ids=rows.request_ids)
             if not sample_rows:
-                return LaunchedStep(plan.step_id, path=path)
+                return LaunchedStep(plan.step_id, path=path, **kept)
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
@@ -382,7 +409,7 @@ class ModelRunner:
                 raise RankFailure(f"rank {self.rank} failed mid-forward: "
                                   f"{type(e).__name__}: {e}") from e
             raise
-        return self._sample(plan, rows, logits, path)
+        return self._sample(plan, rows, logits, path, kept)
 
     def _start_states(self, seqs: list[list[ScheduledSeq]]) -> None:
         """Zero the state slots of requests whose computation starts at position 0."""
@@ -449,7 +476,7 @@ class ModelRunner:
         return rows, self._last_tokens.index_select(0, src)
 
     def _sample(self, plan: StepPlan, rows: StepRows, logits: Optional[torch.Tensor],
-                path: str) -> "LaunchedStep":
+                path: str, kept: Optional[dict] = None) -> "LaunchedStep":
         """Sample every sample row: a draft's row at its own position (its token's)."""
         samplers = rows.samplers
         if rows.drafts and plan.next_follows:
@@ -470,15 +497,24 @@ class ModelRunner:
             self._keep_last(samplers, self.tp.broadcast_from_first(tokens))
         return LaunchedStep(plan.step_id, self.sampler.to_host(tokens, tables), specs,
                             [(rid, p) for (rid, _state), p in zip(samplers, positions)],
-                            drafts=rows.drafts, proposals=self._proposals(plan), path=path)
+                            drafts=rows.drafts, proposals=self._proposals(plan), path=path,
+                            **(kept or {}))
 
     def _proposals(self, plan: StepPlan) -> Optional[dict[str, int]]:
-        """Request -> the drafts the plan asks the draft model to propose after the step."""
+        """Request -> the drafts the plan asks the drafter to propose after the step."""
         if not plan.propose_token_counts:
             return None
         ids = [r.request_id for r in plan.new_requests] + [r.request_id
                                                           for r in plan.cached_requests]
         if self.draft is None or len(ids) != len(plan.propose_token_counts):
-            raise StepError("propose_token_counts for a worker without a draft model, or "
+            raise StepError("propose_token_counts for a worker without a drafter, or "
                             "not one per request")
         return {rid: n for rid, n in zip(ids, plan.propose_token_counts) if n > 0}
+
+
+def proposer_for(runner: ModelRunner, info: ModelInfo, args: EngineArgs):
+    """The worker's drafter: a draft model, the checkpoint's MTP layer, or None (the
+    scheduler's drafters, or no speculation)."""
+    if args.speculative_method == "mtp":
+        return MTPProposer(runner, args)
+    return draft_model(runner, info, args)

@@ -54,6 +54,7 @@ class StepRows:
     sample_offsets: list[int] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request -> its drafts
     pending_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request)
+    request_ids: list[str] = field(default_factory=list)  # per sequence
 
 
 class RequestBook:
@@ -181,6 +182,7 @@ class RequestBook:
             self.behind_window(state, start)
             for group, table in zip(out.seqs, state.block_ids):
                 group.append(ScheduledSeq(table, start, n, len(out.input_ids)))
+            out.request_ids.append(rid)
             out.input_ids.extend(state.token_ids[start:end])
             if state.token_ids[end - 1] == PENDING:  # only a step's last input can be pending
                 out.pending_rows.append((len(out.input_ids) - 1, rid))

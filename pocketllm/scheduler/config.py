@@ -37,8 +37,8 @@ class SchedulerConfig:
     speculative_max_batch: int = SPECULATIVE_MAX_BATCH
     # the most tokens a step with drafts may hold (the worker's exact rows; 0: no limit)
     speculative_max_rows: int = 0
-    # the drafter: "ngram" (ngram.py), "draft" (the worker's model: worker_drafts.py) or
-    # "replay" (replay.py)
+    # the drafter: "ngram" (ngram.py), "draft" or "mtp" (the worker's draft model or MTP
+    # layer: worker_drafts.py) or "replay" (replay.py)
     speculative_method: str = ""
     speculative_replay: Optional[str] = None  # the replay drafter's file
 

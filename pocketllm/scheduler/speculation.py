@@ -144,6 +144,6 @@ def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
         return None
     if config.speculative_method == "replay":
         return ReplayDrafter(k, load_runs(config.speculative_replay or ""))
-    if config.speculative_method == "draft":
+    if config.speculative_method in ("draft", "mtp"):
         return WorkerDrafter(k)
     return NgramDrafter(k)

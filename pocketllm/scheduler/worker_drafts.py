@@ -1,5 +1,5 @@
-"""Drafts the worker proposes: a draft model it runs beside the target (and later an MTP
-head or a block drafter: anything that needs the model's own forward).
+"""Drafts the worker proposes: a draft model it runs beside the target, the checkpoint's
+MTP layer (and later a block drafter: anything that needs a model's own forward).
 
 The scheduler asks a request's step for up to ``k`` proposals
 (``StepPlan.propose_token_counts``) when the next step may draft, having given it blocks

@@ -129,8 +129,8 @@ def worker_refusal(info: ModelInfo, args, world: int) -> Optional[str]:
         return "dummy float weights (no quantization)"
     if args.kv_cache_dtype != "auto":
         return f"kv_cache_dtype {args.kv_cache_dtype}"  # the torch worker says why not here
-    if args.speculative_method == "draft":
-        return "a draft model (the torch worker runs the two models)"
+    if args.speculative_method in ("draft", "mtp"):
+        return "a drafting model (the torch worker runs a draft model or MTP layer)"
     if args.dequantize_weights or args.batch_invariant:
         return "dequantize_weights or batch_invariant"
     return refusal(info, dummy=args.load_format == "dummy")

@@ -286,6 +286,7 @@ class CausalLM(nn.Module):
         # Per layer: its KV cache group, whose metadata (block tables) its attention reads.
         # One group until the runner sets its layout (workers/kv_cache.py).
         self.layer_group: tuple[int, ...] = (0,) * cfg.num_layers
+        self.mtp: Optional[nn.Module] = None  # ``build_mtp``'s
 
     # The width of one position's cache row per layer when the family caches a latent
     # (MLA) instead of K and V heads; None: K/V heads (kv_cache.py).
@@ -305,6 +306,13 @@ class CausalLM(nn.Module):
     def make_layer(self, cfg: ArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         raise NotImplementedError
+
+    def build_mtp(self, backend: AttentionBackend) -> nn.Module:
+        """The checkpoint's multi-token-prediction layer as a module of this model (its
+        weights load with the model's), for ``speculative_method="mtp"``."""
+        raise UnsupportedFeatureError(
+            f"speculative_method='mtp': no MTP layer of {self.cfg.architecture} is built (those "
+            "of Qwen3.5, Qwen3.5-MoE and Qwen3-Next are)", "speculative_method")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 metas: Union[AttentionMetadata, Sequence[AttentionMetadata]],

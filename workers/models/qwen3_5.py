@@ -7,8 +7,8 @@ shared expert. Norms are (1 + w), folded at load as Gemma's. The config:
 
 A multimodal checkpoint (``Qwen3_5ForConditionalGeneration``) is served by its text
 tower: the language model's tensors are renamed, the vision tower's skipped. The
-multi-token-prediction (MTP) layer checkpoints ship is skipped with a log line (the
-speculative decoding issue will load it).
+multi-token-prediction (MTP) layer checkpoints ship is loaded where it drafts
+(``speculative_method="mtp"``: ``qwen3_5_mtp.py``), else skipped with a log line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pocketllm.errors import UnsupportedFeatureError
+
 from ..distributed import SINGLE, TPGroup
 from ..kernels import fused_kernel
 from ..layers.attention import AttentionBackend, AttentionMetadata
@@ -30,6 +32,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import apply_rotary
 from .base import Attention, CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, RopeCosSin
 from .qwen3_5_config import HybridArchConfig
+from .qwen3_5_mtp import Qwen3_5MTP
 from .weight_targets import WeightTarget
 
 logger = logging.getLogger("pocketllm.worker")
@@ -106,6 +109,15 @@ class SharedExpertMoE(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
+    def build_mtp(self, backend: AttentionBackend) -> Qwen3_5MTP:
+        if self.cfg.mtp_layers < 1:
+            raise UnsupportedFeatureError(
+                f"speculative_method='mtp': this {self.cfg.architecture} checkpoint has no "
+                "MTP layer (its config's mtp_num_hidden_layers is 0 or absent)",
+                "speculative_method")
+        self.mtp = Qwen3_5MTP(self, backend)
+        return self.mtp
+
     def make_layer(self, cfg: HybridArchConfig, index: int, backend: AttentionBackend,
                    device: torch.device, dtype: torch.dtype, tp: TPGroup) -> DecoderLayer:
         if cfg.linear_layers[index]:
@@ -127,20 +139,25 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = super().weight_targets()
+        if self.mtp is not None:
+            targets.update(self.mtp.weight_targets())
         offset = self.cfg.norm_weight_offset  # checkpoints store w of (1 + w)
         for name, target in targets.items():
             # every RMSNorm but the linear-attention output norm, which scales by w itself
-            if name.endswith("norm.weight") and ".linear_attn." not in name:
+            if ((name.endswith("norm.weight") or ".pre_fc_norm_" in name)
+                    and ".linear_attn." not in name):
                 target.transform = lambda weight: weight + offset
         return targets
 
     def canonical_name(self, name: str) -> Optional[str]:
         if name.startswith(_SKIPPED):
             return None
+        if name.startswith(_MTP) and self.mtp is not None:
+            return Qwen3_5MTP.PREFIX + name.split("mtp.", 1)[1]
         if name.startswith(_MTP):
             if not getattr(self, "_mtp_logged", False):
-                logger.info("the checkpoint's multi-token-prediction (MTP) layer is not loaded: "
-                            "speculative decoding does not use it yet")
+                logger.info("the checkpoint's multi-token-prediction (MTP) layer is not loaded "
+                            "(it drafts with speculative_method='mtp')")
                 self._mtp_logged = True
             return None
         for old, new in _PREFIXES:

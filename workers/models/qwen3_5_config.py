@@ -54,6 +54,7 @@ class GdnSpec:
 class HybridArchConfig(MoeArchConfig):
     gdn: Optional[GdnSpec] = None
     shared_expert_size: int = 0  # the MoE layers' shared expert width (0: none)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (qwen3_5_mtp.py)
 
     def tp_splits(self) -> dict[str, int]:
         splits = super().tp_splits()
@@ -149,4 +150,5 @@ def qwen3_5_arch_config(hf: dict, architecture: str) -> HybridArchConfig:
                     conv_kernel=as_int(hf, "linear_conv_kernel_dim", 4),
                     in_proj_layout=_in_proj_layout(hf, next_)),
         shared_expert_size=as_int(hf, "shared_expert_intermediate_size", 512) if moe else 0,
+        mtp_layers=as_int(hf, "mtp_num_hidden_layers", 0),
     )

@@ -1,0 +1,131 @@
+"""Speculative decoding with the checkpoint's multi-token-prediction layer
+(``speculative_method="mtp"``: workers/models/qwen3_5_mtp.py, workers/mtp_proposer.py):
+the layer against one composed from transformers' own Qwen3.5 modules, then the engine's
+text with MTP drafts against the text without speculation, on tiny random Qwen3.5 and
+Qwen3.5-MoE checkpoints given an MTP layer (``tiny_checkpoints.add_mtp_layer``). The torch
+worker on the CPU, and on a GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm.errors import UnsupportedFeatureError
+from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts
+
+PROMPTS = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
+
+
+def _with_mtp(family="qwen3_5"):
+    from tiny_checkpoints import add_mtp_layer, make_tiny_checkpoint
+
+    return add_mtp_layer(make_tiny_checkpoint(family))
+
+
+def _mtp_engine(path, device="cpu", **kw):
+    from pocketllm import LLM
+
+    return LLM(model=path, dtype="float32", max_model_len=256, device=device,
+               speculative_method="mtp", **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_the_mtp_layer_guesses_as_transformers_modules_do(family):
+    """Each prompt position's guess (the layer's logits over the target's hidden state at
+    t and token t + 1) against the layer composed from transformers' decoder layer, norms
+    and head (test_mtp_reference.py), in one forward over the prompt."""
+    import torch
+
+    from pocketllm.config import EngineArgs
+    from pocketllm.model_info import load_model_info
+    from pocketllm.workers.runner import ModelRunner
+    from pocketllm.workers.step_rows import ScheduledSeq
+    from test_mtp_reference import hf_mtp_logits
+
+    path = _with_mtp(family)
+    tokens = [7 * i % 400 + 20 for i in range(19)]
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4,
+                      num_kv_blocks=64, max_num_seqs=4, speculative_method="mtp")
+    runner = ModelRunner(load_model_info(args), args)
+    model, proposer = runner.model, runner.draft
+    t = len(tokens)
+    table = list(range((t + 3) // 4))
+    # the prompt's rows in each cache group: blocks for the attention layers, state slot 0
+    seqs = [[ScheduledSeq([0] if state else table, 0, t, 0)] for state in runner.state_groups]
+    with torch.inference_mode():
+        runner.kv.start_states(runner.state_groups.index(True), [0])
+        hidden = model(proposer.ids(tokens), proposer.ids(list(range(t))), t - 1,
+                       runner.metadata(seqs), runner.kv_caches)
+        out = model.mtp(proposer.ids(tokens[1:]), proposer.ids(list(range(t - 1))), t - 2,
+                        model.norm(hidden[:t - 1]),
+                        proposer.metadata([ScheduledSeq(table, 0, t - 1, 0)]),
+                        proposer.kv.layer_caches[0])
+        got = model.mtp.logits(out).float()
+    want = hf_mtp_logits(path, tokens)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,device", [
+    ("qwen3_5", "cpu"), ("qwen3_5_moe", "cpu"), pytest.param("qwen3_5", "cuda", marks=GPU)])
+def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
+    """The text without speculation, twice (the second time from the prefix cache), with
+    the MTP layer's drafts verified (few accepted: its weights are random)."""
+    from pocketllm import SamplingParams
+
+    path = _with_mtp(family)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = _decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256,
+                    device=device)
+    drafted, _ = _same_and_drafts(_mtp_engine(path, device), want, PROMPTS, greedy, times=2)
+    assert drafted > 0
+
+
+def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp():
+    """Seeded sampling (one prompt three times at once, the server's n = 3), a stop
+    string, penalties and logit_bias per position, a JSON grammar, and a KV cache small
+    enough to preempt: each the text without speculation."""
+    from pocketllm import SamplingParams
+
+    path = _with_mtp()
+    common = dict(model=path, dtype="float32", max_model_len=256, device="cpu")
+    plain = _decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
+    cases = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
+             for s in range(3)]
+    cases += [SamplingParams(max_tokens=24, temperature=0, stop=[plain[0].text[8:11]]),
+              SamplingParams(max_tokens=30, temperature=0, frequency_penalty=0.5,
+                             presence_penalty=0.3, logit_bias={45: 2.0}),
+              SamplingParams(max_tokens=30, temperature=0,
+                             response_format={"type": "json_object"})]
+    llm = _mtp_engine(path)
+    try:
+        for sp in cases:
+            prompts = [PROMPTS[0]] * 3 if sp.seed is not None else PROMPTS
+            before = llm.engine_stats()
+            _same(_decoded(prompts, sp, **common), llm.generate(prompts, sp))
+            assert _drafts(llm, before)[0] > 0, sp
+    finally:
+        llm.shutdown()
+    many = [[60 + i, 61 + i, 62, 60 + i, 61 + i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = _decoded(many, greedy, **common, num_kv_blocks=12)
+    llm = _mtp_engine(path, num_kv_blocks=12)
+    try:
+        _same(want, llm.generate(many, greedy))
+        assert llm.engine_stats().preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_mtp_refusals():
+    """A family with no MTP layer built, a Qwen3.5 checkpoint without one, a draft model
+    beside it: startup errors saying why."""
+    from pocketllm.config import EngineArgs
+    from pocketllm.errors import InvalidRequestError
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    with pytest.raises(UnsupportedFeatureError, match="no MTP layer of"):
+        _mtp_engine(make_tiny_checkpoint("llama")).shutdown()
+    with pytest.raises(UnsupportedFeatureError, match="mtp_num_hidden_layers"):
+        _mtp_engine(make_tiny_checkpoint("qwen3_5")).shutdown()
+    with pytest.raises(InvalidRequestError, match="speculative_model"):
+        EngineArgs(speculative_method="mtp", speculative_model="x")
