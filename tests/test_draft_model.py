@@ -11,7 +11,7 @@ import pytest
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.scheduler.worker_drafts import WorkerDrafter
 from test_scheduler_harness import Driver, config, make_request
-from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts
+from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts, _same_case_by_case
 
 
 def _tiny(family="llama", **overrides):
@@ -182,24 +182,7 @@ def test_stops_penalties_grammars_n_and_preemption_with_a_draft_model():
     plain = _decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
     stop = plain[0].text[len(plain[0].text) // 2:][:3]
     cases.append(SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
-    llm = _draft_engine(target, draft)
-    try:
-        for sp in cases:
-            prompts = [PROMPTS[0]] * 3 if sp.seed is not None else PROMPTS
-            before = llm.engine_stats()
-            _same(_decoded(prompts, sp, **common), llm.generate(prompts, sp))
-            assert _drafts(llm, before)[0] > 0, sp
-    finally:
-        llm.shutdown()
-    many = [[60 + i, 61 + i, 62, 60 + i, 61 + i] for i in range(6)]
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    want = _decoded(many, greedy, **common, num_kv_blocks=12)
-    llm = _draft_engine(target, draft, num_kv_blocks=12)
-    try:
-        _same(want, llm.generate(many, greedy))
-        assert llm.engine_stats().preemptions > 0
-    finally:
-        llm.shutdown()
+    _same_case_by_case(lambda **kw: _draft_engine(target, draft, **kw), cases, PROMPTS, **common)
 
 
 def test_a_long_prompt_is_read_by_the_draft_model_in_chunks():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pocketllm.errors import UnsupportedFeatureError
-from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts
+from test_speculative import GPU, _decoded, _same_and_drafts, _same_case_by_case
 
 PROMPTS = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
 
@@ -96,24 +96,7 @@ def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp():
                              presence_penalty=0.3, logit_bias={45: 2.0}),
               SamplingParams(max_tokens=30, temperature=0,
                              response_format={"type": "json_object"})]
-    llm = _mtp_engine(path)
-    try:
-        for sp in cases:
-            prompts = [PROMPTS[0]] * 3 if sp.seed is not None else PROMPTS
-            before = llm.engine_stats()
-            _same(_decoded(prompts, sp, **common), llm.generate(prompts, sp))
-            assert _drafts(llm, before)[0] > 0, sp
-    finally:
-        llm.shutdown()
-    many = [[60 + i, 61 + i, 62, 60 + i, 61 + i] for i in range(6)]
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    want = _decoded(many, greedy, **common, num_kv_blocks=12)
-    llm = _mtp_engine(path, num_kv_blocks=12)
-    try:
-        _same(want, llm.generate(many, greedy))
-        assert llm.engine_stats().preemptions > 0
-    finally:
-        llm.shutdown()
+    _same_case_by_case(lambda **kw: _mtp_engine(path, **kw), cases, PROMPTS, **common)
 
 
 def test_mtp_refusals():

@@ -346,6 +346,33 @@ def _same_and_drafts(llm, want, prompts, sampling, times: int = 1) -> tuple[int,
         llm.shutdown()
 
 
+def _same_case_by_case(make_engine, cases, prompts, **common) -> None:
+    """Each of ``cases`` (SamplingParams) gives the text without speculation on an engine
+    of ``make_engine(**kw)``, with drafts verified (a seeded case runs ``prompts[0]``
+    three times at once, the server's n = 3); then so does greedy decoding in a KV cache
+    small enough to preempt. ``common``: the engine without speculation."""
+    from pocketllm import SamplingParams
+
+    llm = make_engine()
+    try:
+        for sp in cases:
+            run = [prompts[0]] * 3 if sp.seed is not None else prompts
+            before = llm.engine_stats()
+            _same(_decoded(run, sp, **common), llm.generate(run, sp))
+            assert _drafts(llm, before)[0] > 0, sp
+    finally:
+        llm.shutdown()
+    many = [[60 + i, 61 + i, 62, 60 + i, 61 + i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = _decoded(many, greedy, **common, num_kv_blocks=12)
+    llm = make_engine(num_kv_blocks=12)
+    try:
+        _same(want, llm.generate(many, greedy))
+        assert llm.engine_stats().preemptions > 0
+    finally:
+        llm.shutdown()
+
+
 def _decoded(prompts, sampling, **engine):
     """The output of an engine without speculation."""
     from pocketllm import LLM
