@@ -116,14 +116,16 @@ class DecodeGraphs:
                       for state in self.state_groups]
         self.tables = [torch.full((t, self.width), pad, dtype=torch.int32, device=device)
                        for pad in self.pad_blocks]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # rung -> (graph, its hidden-state and logits buffers, overwritten by each replay)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._capture(rungs)
 
     @property
     def batch_sizes(self) -> list[int]:
         return sorted(self.graphs)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states before the final norm, logits) of a step of ``b`` sequences."""
         metas = [StateMetadata(slice(0, b), slots[:b], ()) if state else
                  AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
                      tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
@@ -131,7 +133,7 @@ class DecodeGraphs:
                  for slots, tables, state in zip(self.slots, self.tables, self.state_groups)]
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1,
                             metas, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     def _capture(self, rungs: Sequence[int]) -> None:
         self._reset_padding(0, rungs[-1])  # every row is padding while capturing
@@ -146,7 +148,7 @@ class DecodeGraphs:
         def capture(b: int, pool):
             out = []
             graph = capture_cuda_graph(lambda: out.append(self._forward(b)), pool)
-            return (graph, out[0]), graph.pool()
+            return (graph, *out[0]), graph.pool()
 
         self.graphs.update(capture_ladder(
             rungs, capture, started, CAPTURE_BUDGET_S,
@@ -185,9 +187,12 @@ class DecodeGraphs:
 
     def run(self, seqs: Sequence[Sequence[ScheduledSeq]], input_ids: list[int],
             positions: list[int], rung: int,
-            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """Logits [B, vocab] of one all-decode step of B sequences (None on TP ranks but 0).
-        ``seqs``: per cache group, the B sequences with that group's block tables.
+            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(hidden states [B, hidden] before the final norm, logits [B, vocab]: None on TP
+        ranks but 0) of one all-decode step of B sequences, in the graph's buffers (the next
+        replay overwrites them). ``seqs``: per cache group, the B sequences with that
+        group's block tables.
         ``pending``: (rows, tokens) already on the device, written over those input rows."""
         n = len(positions)
         bs = self.block_size
@@ -214,6 +219,9 @@ class DecodeGraphs:
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         if n < rung:
             self._reset_padding(n, rung)
-        graph, logits = self.graphs[rung]
+        return self._replay(rung, n)
+
+    def _replay(self, rung: int, rows: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        graph, hidden, logits = self.graphs[rung]
         graph.replay()
-        return None if logits is None else logits[:n]
+        return hidden[:rows], None if logits is None else logits[:rows]

@@ -131,7 +131,7 @@ class DraftModel(Proposer):
         ids, positions = [r.queue[0] for r in runs], [r.position for r in runs]
         rung = self.graphs.rung(len(runs)) if self.graphs is not None else 0
         if rung:
-            logits = self.graphs.run([seqs], ids, positions, rung)
+            _, logits = self.graphs.run([seqs], ids, positions, rung)
             return logits.index_select(0, to_device(sample_rows, self.device)) if sample_rows else None
         return self._forward(seqs, ids, sample_rows)
 

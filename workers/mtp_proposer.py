@@ -7,8 +7,7 @@ KV cache can only be written once both are known: after every step, for every re
 in it, the rows whose next token is known (a prompt chunk's, the verified ones of a
 decode or a verification; a rejected draft's row is written again once the target has
 computed it for the right token). The step's hidden states come from the forward
-(``LaunchedStep.hidden``); decode and verification steps run eagerly for that, as the
-CUDA graphs do not hand them out yet.
+(``LaunchedStep.hidden``), a CUDA graph's included.
 
 A request asked to propose then takes its last row's guess as the first draft, and the
 layer guesses on from its own output and that draft, one position further each time

@@ -35,8 +35,7 @@ from .step_rows import ScheduledSeq
 class Proposer:
     """``num_layers`` layers of ``kv_heads`` x ``head_dim`` keys and values cached."""
 
-    # whether it reads every step's hidden states (``LaunchedStep.hidden``), which the
-    # decode and verification graphs do not hand out: those steps then run eagerly
+    # whether it reads every step's hidden states (``LaunchedStep.hidden``)
     reads_hidden = False
 
     def __init__(self, runner, args: EngineArgs, backend, num_layers: int, kv_heads: int,

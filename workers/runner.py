@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -375,13 +375,13 @@ class ModelRunner:
         snapshots = self._snapshot_rows(seqs, plan.state_snapshots)
         # a snapshot is taken inside the layers' eager forward (a decode graph has no slot for one)
         rung = 0 if plan.state_snapshots else self._graph_rung(seqs[0], len(samplers))
+        graphs = self.graphs
+        if not rung:
+            graphs, rung = self.verify_graphs, self._verify_rung(plan, rows)
         if rung:
-            logits = self.graphs.run(seqs, input_ids, positions, rung, pending)
-            return self._sample(plan, rows, logits, "graph")
-        rung = self._verify_rung(plan, rows)
-        if rung:
-            logits = self.verify_graphs.run(seqs, input_ids, positions, rung, pending)
-            return self._sample(plan, rows, logits, "graph")
+            hidden, logits = graphs.run(seqs, input_ids, positions, rung, pending)
+            # (the graph's buffer is the next step's too: a copy)
+            return self._sample(plan, rows, logits, "graph", self._kept(rows, hidden.clone))
         meta = self.metadata(seqs, snapshots)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
         try:  # the ranks' collectives are in here
@@ -392,11 +392,7 @@ class ModelRunner:
                                     to_device(positions, self.device, torch.long),
                                     max(positions), meta, self.kv_caches)
             path = "piecewise" if mixed_rung else "eager"
-            kept = {}
-            if self.draft is not None and self.draft.reads_hidden:
-                # (a piecewise graph's buffer is the next step's too: a copy)
-                kept = dict(hidden=hidden.clone() if mixed_rung else hidden, seqs=seqs[0],
-                            seq_ids=rows.request_ids)
+            kept = self._kept(rows, hidden.clone if mixed_rung else lambda: hidden)
             if not sample_rows:
                 return LaunchedStep(plan.step_id, path=path, **kept)
             if sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows))):
@@ -410,6 +406,13 @@ class ModelRunner:
                                   f"{type(e).__name__}: {e}") from e
             raise
         return self._sample(plan, rows, logits, path, kept)
+
+    def _kept(self, rows: StepRows, hidden: Callable[[], torch.Tensor]) -> dict:
+        """What a step keeps for a drafter reading its hidden states (``hidden()``: the
+        states, copied out of a graph's buffer): LaunchedStep fields."""
+        if self.draft is None or not self.draft.reads_hidden:
+            return {}
+        return dict(hidden=hidden(), seqs=rows.seqs[0], seq_ids=rows.request_ids)
 
     def _start_states(self, seqs: list[list[ScheduledSeq]]) -> None:
         """Zero the state slots of requests whose computation starts at position 0."""

@@ -43,13 +43,7 @@ def _capture(r, args):
     from .piecewise_graphs import MixedGraphs
     from .verify_graphs import VerifyGraphs
 
-    # a drafter reading the target's hidden states (MTP) reads them from every step: the
-    # decode and verification graphs do not hand them out yet, so those steps run eagerly
-    hidden_out = r.draft is not None and r.draft.reads_hidden
-    if hidden_out:
-        logger.info("decode and verification steps run eagerly: the MTP drafter reads their "
-                    "hidden states, which the CUDA graphs do not hand out yet")
-    decode = None if hidden_out else DecodeGraphs(
+    decode = DecodeGraphs(
         r.model, r.kv_caches, r.block_size, r.max_model_len, r.kv.pad_blocks, r.device,
         min(args.cuda_graph_max_batch, args.max_num_seqs), r.state_groups)
     budget = args.max_num_batched_tokens
@@ -66,7 +60,7 @@ def _capture(r, args):
     verify = None
     # a linear-attention model's verification keeps each row's state: eager
     max_batch = min(SPECULATIVE_MAX_BATCH, args.max_num_seqs)
-    if (args.speculative_method is not None and not any(r.state_groups) and not hidden_out
+    if (args.speculative_method is not None and not any(r.state_groups)
             and isinstance(r.backend, TritonAttention)):
         verify = VerifyGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len,
                               r.kv.pad_blocks, r.device, max_batch,

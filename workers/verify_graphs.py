@@ -43,7 +43,7 @@ class VerifyGraphs(DecodeGraphs):
         super().__init__(model, kv_caches, block_size, max_model_len, pad_blocks, device,
                          max_batch)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = b * self.query_rows
         metas = [AttentionMetadata(slots[:t], [], t, False, self.block_size, decode=PagedSeqs(
                      tables[:t], self.seq_lens[:t], self.q_start[:t], self.q_lens[:t],
@@ -52,7 +52,7 @@ class VerifyGraphs(DecodeGraphs):
         with rows_as_alone():  # each row's products as its decode step's
             hidden = self.model(self.input_ids[:t], self.positions[:t], self.max_model_len - 1,
                                 metas, self.kv_caches)
-            return self.model.compute_logits(hidden)
+            return hidden, self.model.compute_logits(hidden)
 
     def fits(self, seqs: Sequence[ScheduledSeq]) -> int:
         """The rung a step of these sequences replays (0: none fits)."""
@@ -62,8 +62,10 @@ class VerifyGraphs(DecodeGraphs):
 
     def run(self, seqs: Sequence[Sequence[ScheduledSeq]], input_ids: list[int],
             positions: list[int], rung: int,
-            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """Logits [T, vocab] of a step whose every row samples (None on TP ranks but 0)."""
+            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(hidden states [T, hidden], logits [T, vocab]: None on TP ranks but 0) of a step
+        whose every row samples (``DecodeGraphs.run``)."""
         t, bs = len(positions), self.block_size
         width = max(-(-(s.start + s.num_tokens) // bs) for s in seqs[0])
         flat = array.array("i")
@@ -83,6 +85,4 @@ class VerifyGraphs(DecodeGraphs):
         self._copy_groups(host, t, t, t, width)
         write_inputs(self.input_ids, self.positions, input_ids, positions, pending)
         self._pad_rows(t, rung * self.query_rows)
-        graph, logits = self.graphs[rung]
-        graph.replay()
-        return None if logits is None else logits[:t]
+        return self._replay(rung, t)
