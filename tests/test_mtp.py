@@ -1,5 +1,5 @@
 """Speculative decoding with the checkpoint's multi-token-prediction layer
-(``speculative_method="mtp"``: workers/models/qwen3_5_mtp.py, workers/mtp_proposer.py):
+(``speculative_method="mtp"``: workers/models/mtp_layer.py, workers/mtp_proposer.py):
 the layer against one composed from transformers' own Qwen3.5 modules, then the engine's
 text with MTP drafts against the text without speculation, on tiny random Qwen3.5 and
 Qwen3.5-MoE checkpoints given an MTP layer (``tiny_checkpoints.add_mtp_layer``). The torch

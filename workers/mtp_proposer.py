@@ -1,5 +1,5 @@
 """The drafter of ``speculative_method="mtp"``: the checkpoint's multi-token-prediction
-layer (``models/qwen3_5_mtp.py``), fed the target's own hidden states (its pool and its
+layer (``models/mtp_layer.py``), fed the target's own hidden states (its pool and its
 sampling: ``proposer.py``).
 
 The layer at position t reads the target's hidden state at t and token t + 1, so its
@@ -38,7 +38,7 @@ class MTPProposer(Proposer):
         target = runner.model
         self.mtp = target.mtp  # built with the target (``ModelRunner.build``)
         super().__init__(runner, args, runner.backend, 1, target.num_local_kv_heads,
-                         target.cfg.head_dim)
+                         target.cfg.head_dim, target.latent_cache_width)
         self.final_norm = target.norm  # the layer reads the target's normed hidden states
 
     def after_step(self, result: Optional[StepResult], step, requests: dict

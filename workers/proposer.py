@@ -39,16 +39,19 @@ class Proposer:
     reads_hidden = False
 
     def __init__(self, runner, args: EngineArgs, backend, num_layers: int, kv_heads: int,
-                 head_dim: int):
+                 head_dim: int, latent_width: Optional[int] = None):
         """``runner``: the target's (its device and dtype); ``backend``: the attention
-        backend the drafter's layers were built with."""
+        backend the drafter's layers were built with; ``latent_width``: an MLA layer's
+        cache row (then it caches one latent row a position, not keys and values)."""
         self.device, self.dtype = runner.device, runner.dtype
         self.block_size = args.block_size
         self.max_tokens = args.max_num_batched_tokens  # a forward's rows, as the target's
         self.backend = backend
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.block_bytes = kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim,
-                                              self.dtype)
+        self.latent_width = latent_width
+        self.block_bytes = (kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim,
+                                               self.dtype) if latent_width is None else
+                            num_layers * self.block_size * latent_width * self.dtype.itemsize)
         # its own stream for unseeded rows: the target's draws stay the target's
         self.sampler = Sampler(torch_ops, args.seed + 1)
         self._seeds = np.random.default_rng(args.seed)  # unseeded requests' (``coupled``)
@@ -58,9 +61,10 @@ class Proposer:
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
         """The pool, once the target's first group has its block count."""
-        layout = cache_layout([None] * self.num_layers, max_model_len)
+        latent = self.latent_width is not None
+        layout = cache_layout([None] * self.num_layers, max_model_len, latent)
         self.kv = PagedKVCache(layout, [num_blocks], self.block_size, self.kv_heads,
-                               self.head_dim, self.dtype, self.device)
+                               self.head_dim, self.dtype, self.device, self.latent_width)
         self.pad_slot = self.kv.pad_slot(0)
 
     def capture(self, max_batch: int, max_model_len: int) -> None:

@@ -8,6 +8,7 @@ themselves: ``weight_targets.py``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, Union
 
@@ -27,6 +28,8 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryTable, apply_rotary, rotary_dim
 from .config import ArchConfig
 from .weight_targets import WeightTarget, row_parallel_targets, stacked_targets, vocab_target
+
+logger = logging.getLogger("pocketllm.worker")
 
 RopeCosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -312,7 +315,19 @@ class CausalLM(nn.Module):
         weights load with the model's), for ``speculative_method="mtp"``."""
         raise UnsupportedFeatureError(
             f"speculative_method='mtp': no MTP layer of {self.cfg.architecture} is built (those "
-            "of Qwen3.5, Qwen3.5-MoE and Qwen3-Next are)", "speculative_method")
+            "of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and DeepSeek-V3 are)", "speculative_method")
+
+    def mtp_tensor(self, name: str) -> Optional[str]:
+        """A tensor of the checkpoint's MTP layer (``name``: as ``mtp_layer.MTPNames``
+        spells it): its name where the layer was built and loads it, else None (skipped,
+        with one log line)."""
+        if self.mtp is not None:
+            return None if self.mtp.names.is_shared(name) else name
+        if not getattr(self, "_mtp_logged", False):
+            logger.info("the checkpoint's multi-token-prediction (MTP) layer is not loaded "
+                        "(it drafts with speculative_method='mtp')")
+            self._mtp_logged = True
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 metas: Union[AttentionMetadata, Sequence[AttentionMetadata]],
@@ -364,6 +379,8 @@ class CausalLM(nn.Module):
             t["lm_head.weight"] = self.lm_head.part_target()
         for i, layer in enumerate(self.layers):
             t.update(self.layer_weight_targets(f"model.layers.{i}.", layer))
+        if self.mtp is not None:
+            t.update(self.mtp.weight_targets())
         return t
 
     def layer_weight_targets(self, p: str, layer: DecoderLayer) -> dict[str, WeightTarget]:

@@ -17,6 +17,9 @@ checkpoint has ``moe_layer_freq`` 1); the others keep a dense MLP of
 ``intermediate_size``. A sparse layer adds ``n_shared_experts`` x
 ``moe_intermediate_size`` of shared gated MLP to the routed output before the one
 tensor-parallel all-reduce.
+
+V3's multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``) drafts with
+``speculative_method="mtp"`` (``mtp_layer.py``), else is skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..layers.mla import MlaBackend, MLAttention, deinterleave_rope
 from ..layers.moe import FusedMoE, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK
 from ..layers.norm import RMSNorm
 from .base import CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer
+from .mtp_layer import MTPLayer, MTPNames
 from .weight_targets import WeightTarget, row_parallel_targets
 from .config import MlaSpec, MoeArchConfig, MoeSpec, as_int, get, rope_params
 
@@ -79,7 +83,7 @@ class DeepseekArchConfig(MoeArchConfig):
     mla: Optional[MlaSpec] = None
     routing: Optional[DeepseekRouting] = None
     n_shared_experts: int = 0
-    num_mtp_layers: int = 0  # multi-token-prediction layers past the last (not run)
+    num_mtp_layers: int = 0  # multi-token-prediction layers past the last (mtp_layer.py)
 
     def validate(self) -> None:
         if any(self.sparse_layers) and self.moe.top_k is None:
@@ -315,11 +319,29 @@ class DeepseekForCausalLM(CausalLM):
             t[f"{p}{norm}.weight"] = WeightTarget(getattr(layer, norm).weight)
         return t
 
+    def build_mtp(self, backend: AttentionBackend) -> MTPLayer:
+        """The first of the checkpoint's MTP layers (V3 ships one), attending through this
+        model's MLA backend."""
+        if self.cfg.num_mtp_layers < 1:
+            raise UnsupportedFeatureError(
+                f"speculative_method='mtp': this {self.cfg.architecture} checkpoint has no "
+                "MTP layer (its config's num_nextn_predict_layers is 0 or absent)",
+                "speculative_method")
+        cfg = dataclasses.replace(self.cfg, num_layers=1, layer_windows=[None],
+                                  layer_rope=["default"],
+                                  sparse_layers=[any(self.cfg.sparse_layers)])
+        names = MTPNames(f"model.layers.{self.cfg.num_layers}.", "enorm", "hnorm", "eh_proj",
+                         "", "shared_head.norm", shared=("embed_tokens.", "shared_head.head."))
+        self.mtp = MTPLayer(self, self.attention_backend, cfg, names)
+        return self.mtp
+
     def canonical_name(self, name: str) -> Optional[str]:
         # DeepSeek-V3's multi-token-prediction layers follow the last layer
         # (model.layers.61.* of V3); they predict further tokens for speculation only.
         if name.startswith("model.layers.") and self.cfg.num_mtp_layers:
             index = int(name.split(".")[2])
-            if self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_mtp_layers:
-                return None
+            if index == self.cfg.num_layers:
+                return self.mtp_tensor(name)
+            if self.cfg.num_layers < index < self.cfg.num_layers + self.cfg.num_mtp_layers:
+                return None  # more than one: only the first drafts
         return super().canonical_name(name)

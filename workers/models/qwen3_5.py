@@ -8,7 +8,7 @@ shared expert. Norms are (1 + w), folded at load as Gemma's. The config:
 A multimodal checkpoint (``Qwen3_5ForConditionalGeneration``) is served by its text
 tower: the language model's tensors are renamed, the vision tower's skipped. The
 multi-token-prediction (MTP) layer checkpoints ship is loaded where it drafts
-(``speculative_method="mtp"``: ``qwen3_5_mtp.py``), else skipped with a log line.
+(``speculative_method="mtp"``: ``mtp_layer.py``), else skipped with a log line.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import apply_rotary
 from .base import Attention, CausalLM, DecoderLayer, GatedMLP, PreNormDecoderLayer, RopeCosSin
 from .qwen3_5_config import HybridArchConfig
-from .qwen3_5_mtp import Qwen3_5MTP
+from .mtp_layer import MTPLayer, MTPNames
 from .weight_targets import WeightTarget
 
 logger = logging.getLogger("pocketllm.worker")
@@ -41,6 +41,8 @@ _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "mod
              ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "model.vision_tower.")
 _MTP = ("mtp.", "model.mtp.")
+MTP_NAMES = MTPNames("mtp.", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "layers.0.",
+                     "norm")
 
 
 class GatedAttention(Attention):
@@ -109,13 +111,16 @@ class SharedExpertMoE(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    def build_mtp(self, backend: AttentionBackend) -> Qwen3_5MTP:
+    def build_mtp(self, backend: AttentionBackend) -> MTPLayer:
         if self.cfg.mtp_layers < 1:
             raise UnsupportedFeatureError(
                 f"speculative_method='mtp': this {self.cfg.architecture} checkpoint has no "
                 "MTP layer (its config's mtp_num_hidden_layers is 0 or absent)",
                 "speculative_method")
-        self.mtp = Qwen3_5MTP(self, backend)
+        # one layer of full attention, routed where the target routes its layers
+        cfg = replace(self.cfg, num_layers=1, layer_windows=[None], layer_rope=["default"],
+                      linear_layers=[False], sparse_layers=[any(self.cfg.sparse_layers)])
+        self.mtp = MTPLayer(self, backend, cfg, MTP_NAMES)
         return self.mtp
 
     def make_layer(self, cfg: HybridArchConfig, index: int, backend: AttentionBackend,
@@ -139,8 +144,6 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = super().weight_targets()
-        if self.mtp is not None:
-            targets.update(self.mtp.weight_targets())
         offset = self.cfg.norm_weight_offset  # checkpoints store w of (1 + w)
         for name, target in targets.items():
             # every RMSNorm but the linear-attention output norm, which scales by w itself
@@ -152,14 +155,8 @@ class Qwen3_5ForCausalLM(CausalLM):
     def canonical_name(self, name: str) -> Optional[str]:
         if name.startswith(_SKIPPED):
             return None
-        if name.startswith(_MTP) and self.mtp is not None:
-            return Qwen3_5MTP.PREFIX + name.split("mtp.", 1)[1]
         if name.startswith(_MTP):
-            if not getattr(self, "_mtp_logged", False):
-                logger.info("the checkpoint's multi-token-prediction (MTP) layer is not loaded "
-                            "(it drafts with speculative_method='mtp')")
-                self._mtp_logged = True
-            return None
+            return self.mtp_tensor("mtp." + name.split("mtp.", 1)[1])
         for old, new in _PREFIXES:
             if name.startswith(old):
                 name = new + name[len(old):]

@@ -54,7 +54,7 @@ class GdnSpec:
 class HybridArchConfig(MoeArchConfig):
     gdn: Optional[GdnSpec] = None
     shared_expert_size: int = 0  # the MoE layers' shared expert width (0: none)
-    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (qwen3_5_mtp.py)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (mtp_layer.py)
 
     def tp_splits(self) -> dict[str, int]:
         splits = super().tp_splits()
