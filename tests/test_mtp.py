@@ -1,9 +1,10 @@
 """Speculative decoding with the checkpoint's multi-token-prediction layer
 (``speculative_method="mtp"``: workers/models/mtp_layer.py, workers/mtp_proposer.py):
 the layer against one composed from transformers' own Qwen3.5 modules, then the engine's
-text with MTP drafts against the text without speculation, on tiny random Qwen3.5 and
-Qwen3.5-MoE checkpoints given an MTP layer (``tiny_checkpoints.add_mtp_layer``). The torch
-worker on the CPU, and on a GPU where there is one."""
+text with MTP drafts against the text without speculation, on tiny random Qwen3.5,
+Qwen3.5-MoE and DeepSeek-V3 (MLA) checkpoints given an MTP layer
+(``tiny_checkpoints.add_mtp_layer``). The torch worker on the CPU, and on a GPU where
+there is one."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _mtp_engine(path, device="cpu", **kw):
                speculative_method="mtp", **kw)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "deepseek_v3"])
 def test_the_mtp_layer_guesses_as_transformers_modules_do(family):
     """Each prompt position's guess (the layer's logits over the target's hidden state at
     t and token t + 1) against the layer composed from transformers' decoder layer, norms
@@ -52,7 +53,8 @@ def test_the_mtp_layer_guesses_as_transformers_modules_do(family):
     # the prompt's rows in each cache group: blocks for the attention layers, state slot 0
     seqs = [[ScheduledSeq([0] if state else table, 0, t, 0)] for state in runner.state_groups]
     with torch.inference_mode():
-        runner.kv.start_states(runner.state_groups.index(True), [0])
+        if any(runner.state_groups):
+            runner.kv.start_states(runner.state_groups.index(True), [0])
         hidden = model(proposer.ids(tokens), proposer.ids(list(range(t))), t - 1,
                        runner.metadata(seqs), runner.kv_caches)
         out = model.mtp(proposer.ids(tokens[1:]), proposer.ids(list(range(t - 1))), t - 2,
@@ -66,7 +68,8 @@ def test_the_mtp_layer_guesses_as_transformers_modules_do(family):
 
 
 @pytest.mark.parametrize("family,device", [
-    ("qwen3_5", "cpu"), ("qwen3_5_moe", "cpu"), pytest.param("qwen3_5", "cuda", marks=GPU)])
+    ("qwen3_5", "cpu"), ("qwen3_5_moe", "cpu"), ("deepseek_v3", "cpu"),
+    pytest.param("qwen3_5", "cuda", marks=GPU), pytest.param("deepseek_v3", "cuda", marks=GPU)])
 def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
     """The text without speculation, twice (the second time from the prefix cache), with
     the MTP layer's drafts verified (few accepted: its weights are random)."""
@@ -100,8 +103,8 @@ def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp():
 
 
 def test_mtp_refusals():
-    """A family with no MTP layer built, a Qwen3.5 checkpoint without one, a draft model
-    beside it: startup errors saying why."""
+    """A family with no MTP layer built, Qwen3.5 and DeepSeek checkpoints without one, a
+    draft model beside it: startup errors saying why."""
     from pocketllm.config import EngineArgs
     from pocketllm.errors import InvalidRequestError
     from tiny_checkpoints import make_tiny_checkpoint
@@ -110,5 +113,7 @@ def test_mtp_refusals():
         _mtp_engine(make_tiny_checkpoint("llama")).shutdown()
     with pytest.raises(UnsupportedFeatureError, match="mtp_num_hidden_layers"):
         _mtp_engine(make_tiny_checkpoint("qwen3_5")).shutdown()
+    with pytest.raises(UnsupportedFeatureError, match="num_nextn_predict_layers"):
+        _mtp_engine(make_tiny_checkpoint("deepseek_v2")).shutdown()
     with pytest.raises(InvalidRequestError, match="speculative_model"):
         EngineArgs(speculative_method="mtp", speculative_model="x")

@@ -5,8 +5,8 @@
 "deepseek_v2", "qwen3_5", "qwen3_5_moe", "qwen3_next") with random weights, a byte-level BPE
 tokenizer trained on a fixed corpus, a chat template and a generation config.
 Each (family, overrides) is built once per process and copied afterwards.
-``add_mtp_layer(path)`` copies a Qwen3.5 one and adds the multi-token-prediction tensors
-(``mtp.*``) that the released checkpoints ship.
+``add_mtp_layer(path)`` copies a Qwen3.5 or DeepSeek-V3 one and adds the multi-token-prediction
+tensors that the released checkpoints ship (``mtp.*``; DeepSeek-V3's ``model.layers.{L}.*``).
 
 ``PlanDriver`` plays the scheduler for a ``ModelRunner``: it hands out blocks and
 builds StepPlans (new requests, per-step diffs, chunked prefill, preemption).
@@ -217,15 +217,22 @@ MTP_FILE = "model-mtp.safetensors"
 
 
 def add_mtp_layer(path: str, seed: int = 0) -> str:
-    """A copy of the Qwen3.5 checkpoint at ``path`` (``qwen3_5`` or ``qwen3_5_moe``) with the
-    multi-token-prediction tensors the released checkpoints ship, random; ``path`` itself is
-    left alone. Built once per (path, seed); the copy returned is shared, so don't write to it.
+    """A copy of the Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) or DeepSeek-V3 checkpoint at
+    ``path`` with the multi-token-prediction tensors the released checkpoints ship, random;
+    ``path`` itself is left alone. Built once per (path, seed); the copy returned is shared,
+    so don't write to it. The tensors go into a file of their own (and the index, if any).
 
-    ``mtp.fc.weight`` [H, 2H] (over cat(embedding, hidden), the embedding first), the norms
-    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, and
+    Qwen3.5: ``mtp.fc.weight`` [H, 2H] (over cat(embedding, hidden), the embedding first),
+    the norms ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, and
     ``mtp.layers.0.*``: the names and shapes of the checkpoint's own first full-attention
-    layer, drawn afresh. They go into a file of their own (and the index, if there is one);
-    config.json gets ``mtp_num_hidden_layers: 1``.
+    layer, drawn afresh; config.json gets ``mtp_num_hidden_layers: 1``.
+
+    DeepSeek-V3: one layer past the last, ``model.layers.{L}.*`` (L = num_hidden_layers):
+    ``eh_proj.weight`` [H, 2H] (over cat(enorm(embedding), hnorm(hidden)), the embedding
+    first), the norms ``enorm``, ``hnorm`` and ``shared_head.norm``, the decoder layer's
+    tensors (the names and shapes of the checkpoint's last layer, a MoE one, drawn afresh),
+    and ``embed_tokens.weight`` / ``shared_head.head.weight``: exact copies of the model's
+    embedding and lm_head, as released; config.json gets ``num_nextn_predict_layers: 1``.
     """
     global _cache_root
     import torch
@@ -238,10 +245,16 @@ def add_mtp_layer(path: str, seed: int = 0) -> str:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     text = config.get("text_config", config)
-    if not str(text.get("model_type", "")).startswith("qwen3_5"):
-        raise ValueError(f"{path!r} is a {text.get('model_type')!r} checkpoint, not Qwen3.5")
-    full = text["layer_types"].index("full_attention")
-    prefix = f"model.layers.{full}."  # the text-only models' names (no "language_model")
+    deepseek = text.get("model_type") == "deepseek_v3"
+    if deepseek:
+        mtp_prefix = f"model.layers.{text['num_hidden_layers']}."
+        prefix = f"model.layers.{text['num_hidden_layers'] - 1}."  # the last layer: MoE
+    elif str(text.get("model_type", "")).startswith("qwen3_5"):
+        full = text["layer_types"].index("full_attention")
+        prefix = f"model.layers.{full}."  # the text-only models' names (no "language_model")
+    else:
+        raise ValueError(f"{path!r} is a {text.get('model_type')!r} checkpoint, "
+                         "not Qwen3.5 or DeepSeek-V3")
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -250,6 +263,7 @@ def add_mtp_layer(path: str, seed: int = 0) -> str:
     else:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     shapes: dict[str, list[int]] = {}
+    copies = {}  # DeepSeek-V3's MTP embedding and head: the main model's, duplicated
     dtype = None
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as handle:
@@ -258,21 +272,42 @@ def add_mtp_layer(path: str, seed: int = 0) -> str:
                     shapes[tensor[len(prefix):]] = handle.get_slice(tensor).get_shape()
                 if tensor == "model.norm.weight":
                     dtype = handle.get_tensor(tensor).dtype
+                if deepseek and tensor in ("model.embed_tokens.weight", "lm_head.weight"):
+                    copies[tensor] = handle.get_tensor(tensor)
     if not shapes or dtype is None:
         raise ValueError(f"{path!r} holds no {prefix}* or model.norm.weight tensors")
+    if deepseek and len(copies) != 2:
+        raise ValueError(f"{path!r} holds no model.embed_tokens.weight or lm_head.weight "
+                         "(a tied one?)")
 
     hidden = text["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"mtp.fc.weight": [hidden, 2 * hidden],
-              **{f"mtp.{n}.weight": [hidden]
-                 for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
-              **{"mtp.layers.0." + n: shape for n, shape in shapes.items()}}
     tensors = {}
-    for name, shape in sorted(shapes.items()):
-        # Matrices at _build's scale; norms around 0, where Qwen3.5's (1 + w) norms start
-        # (_build's sit around 1), so a norm read as plain w, not 1 + w, shows at once.
-        std = 0.1 if name.endswith("norm.weight") else 0.15
-        tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype).contiguous()
+    if deepseek:
+        shapes = {"eh_proj.weight": [hidden, 2 * hidden],
+                  **{f"{n}.weight": [hidden] for n in ("enorm", "hnorm", "shared_head.norm")},
+                  **shapes}
+        for name, shape in sorted(shapes.items()):
+            # As _build draws them: DeepSeek's norms are plain w, so around 1; the router's
+            # correction bias large enough to change the choice of experts.
+            draw = torch.randn(shape, generator=gen)
+            if name.endswith("norm.weight"):
+                draw = 1.0 + 0.1 * draw
+            else:
+                draw = draw * (0.3 if name.endswith("e_score_correction_bias") else 0.15)
+            tensors[mtp_prefix + name] = draw.to(dtype).contiguous()
+        tensors[mtp_prefix + "embed_tokens.weight"] = copies["model.embed_tokens.weight"]
+        tensors[mtp_prefix + "shared_head.head.weight"] = copies["lm_head.weight"]
+    else:
+        shapes = {"mtp.fc.weight": [hidden, 2 * hidden],
+                  **{f"mtp.{n}.weight": [hidden]
+                     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+                  **{"mtp.layers.0." + n: shape for n, shape in shapes.items()}}
+        for name, shape in sorted(shapes.items()):
+            # Matrices at _build's scale; norms around 0, where Qwen3.5's (1 + w) norms start
+            # (_build's sit around 1), so a norm read as plain w, not 1 + w, shows at once.
+            std = 0.1 if name.endswith("norm.weight") else 0.15
+            tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype).contiguous()
 
     if _cache_root is None:
         _cache_root = tempfile.mkdtemp(prefix="pocketllm-tiny-")
@@ -290,9 +325,12 @@ def add_mtp_layer(path: str, seed: int = 0) -> str:
             meta["total_parameters"] += sum(t.numel() for t in tensors.values())
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
-    config["mtp_num_hidden_layers"] = 1
-    if "text_config" in config:
-        config["text_config"]["mtp_num_hidden_layers"] = 1
+    if deepseek:
+        config["num_nextn_predict_layers"] = 1
+    else:
+        config["mtp_num_hidden_layers"] = 1
+        if "text_config" in config:
+            config["text_config"]["mtp_num_hidden_layers"] = 1
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     _mtp_built[key] = out

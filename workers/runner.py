@@ -87,10 +87,11 @@ class ModelRunner:
             self.model = self.build(info, args, self.backend)
             load_model_weights(self.model, info, args, show_progress=show_progress)
         self.model.eval()
-        self.draft = proposer_for(self, info, args)  # the worker's drafter, if any
         # A family may attend its own way (MLA: workers/layers/mla.py): its backend decides
-        # the metadata the runner builds and whether CUDA graphs can capture it.
+        # the metadata the runner (and an MTP drafter) builds and whether CUDA graphs can
+        # capture it.
         self.backend = self.model.attention_backend
+        self.draft = proposer_for(self, info, args)  # the worker's drafter, if any
         cfg = self.model.cfg
         self.block_size = args.block_size
         self.max_model_len = info.max_model_len
