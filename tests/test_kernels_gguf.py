@@ -16,7 +16,7 @@ from pocketllm.workers.kernels import gguf_gemv  # noqa: E402
 from pocketllm.workers.loader.dummy_blocks import SCALE_FIELDS, random_block_tensor  # noqa: E402
 from pocketllm.workers.loader.gguf_quants import GGML_TYPES  # noqa: E402
 
-TYPES = [gguf_gemv.Q8_0, gguf_gemv.Q4_K, gguf_gemv.Q6_K]
+TYPES = sorted(gguf_gemv.BLOCKS)  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
 CUDA = DEVICE.type == "cuda"
 
 
@@ -88,8 +88,8 @@ def test_block_gemv_into_a_column_slice():
 
 def test_refusals():
     x = torch.zeros(1, 256, device=DEVICE)
-    with pytest.raises(Exception, match="no GPU kernel reads GGUF type 13"):
-        gguf_gemv.block_gemv(x, torch.zeros(4, 176, dtype=torch.uint8, device=DEVICE), 13, 4, 256)
+    with pytest.raises(Exception, match="no GPU kernel reads GGUF type 3"):  # Q4_1
+        gguf_gemv.block_gemv(x, torch.zeros(4, 160, dtype=torch.uint8, device=DEVICE), 3, 4, 256)
     with pytest.raises(ValueError, match="do not hold"):
         gguf_gemv.block_gemv(x, torch.zeros(4, 100, dtype=torch.uint8, device=DEVICE),
                              gguf_gemv.Q4_K, 4, 256)

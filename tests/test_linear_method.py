@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.workers.distributed import SINGLE, TPGroup  # noqa: E402
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
-from pocketllm.workers.kernels.gguf_gemv import Q4_K, Q6_K, Q8_0  # noqa: E402
+from pocketllm.workers.kernels.gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: E402
 from pocketllm.workers.layers import linear, linear_method  # noqa: E402
 from pocketllm.workers.layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear,  # noqa: E402
                                               Shard, even_shard)
@@ -226,12 +226,31 @@ def test_the_activation_fused_before_the_dots_gives_the_unfused_bits(rows, down_
     assert torch.equal(model.down(half, hidden_act="silu", reduce=False), want)
 
 
+@pytest.mark.parametrize("rows", [1, 9])  # the float block gemv, then dequantize
+def test_q5_k_and_q4_0_layers_multiply_as_their_dequantized_weights(rows):
+    """A Q5_K_M file's Q5_K and a Q4_0 file's blocks (no integer dots taken yet)."""
+    types = dict(TYPES, **{"attn.q_proj.weight": Q5_K, "attn.k_proj.weight": Q5_K,
+                           "attn.v_proj.weight": Q4_0, "mlp.down_proj.weight": Q4_0})
+    tensors = checkpoint(types)
+    model = built(types)
+    assert model.qkv.method is linear_method.GGUF_BLOCKS and model.qkv.block_types == [Q5_K, Q4_0]
+    assert [b.shape for b in model.qkv.blocks] == [(96, 176), (32, 144)]
+    load(model, tensors)
+    dense = {name: torch.from_numpy(w.read()).to(DEVICE) for name, w in tensors.items()}
+    qkv = torch.cat([dense[f"attn.{p}_proj.weight"] for p in "qkv"])
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.testing.assert_close(model.qkv(x), x @ qkv.T, atol=1e-4, rtol=1e-4)
+    h = torch.randn(rows, INTER, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    torch.testing.assert_close(model.down(h), h @ dense["mlp.down_proj.weight"].T,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_a_float_part_or_a_type_without_a_kernel_keeps_the_layer_dense(caplog):
-    types = dict(TYPES, **{"attn.v_proj.weight": None, "mlp.down_proj.weight": 13})  # Q5_K
+    types = dict(TYPES, **{"attn.v_proj.weight": None, "mlp.down_proj.weight": 3})  # Q4_1
     model = built({k: v for k, v in types.items() if v is not None})
     assert model.qkv.method is linear_method.DENSE and not model.qkv.weight.is_meta
     assert model.down.method is linear_method.DENSE
-    assert "Q5_K blocks have no GPU kernel" in caplog.text
+    assert "Q4_1 blocks have no GPU kernel" in caplog.text
     assert model.head.method is linear_method.GGUF_BLOCKS
 
 

@@ -20,7 +20,8 @@ group of 16's sum is sc * dx * (sum q qx - 32 sum qx)), Q8_0 (signed by signed) 
 (its offset of 8 through the block's float sum of x). Blocks whose size is not a
 multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16.
 ``DOTS`` holds the ones the GPU path takes: those timed and checked on a GPU whose type
-also has a float block kernel (``gguf_gemv.BLOCKS``) for longer steps.
+the GPU path keeps as blocks (``gguf_gemv.BLOCKS``: a float block kernel and a
+dequantization for the other steps).
 
 Under Triton's CPU interpreter (no inline assembly) ``dp4a`` is four multiply-adds of
 the bytes, the same integers.
@@ -34,11 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gguf_gemv import Q4_K, Q6_K, Q8_0, _check
+from .gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _check
 from .fixed_sum import lane_sum
 from .int8_blocks import store_int8_blocks
-
-Q4_0, Q5_K = 2, 13
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -16,6 +16,11 @@ Layouts (``loader/gguf_quants.py`` decodes the same bytes in numpy, the referenc
 - Q4_K, 144 bytes per 256: f16 d, f16 dmin, twelve bytes of eight 6-bit scales and
   mins, q[128]: four runs of 32 bytes, each run's low nibbles one sub-block of 32
   and its high nibbles the next; w = d * scale * q - dmin * min.
+- Q4_0, 18 bytes per 32: f16 d, q[16]: weight i < 16 the low nibble of q[i], 16 + i
+  its high nibble; w = d * (q - 8).
+- Q5_K, 176 bytes per 256: Q4_K's d, dmin and scales, then qh[32] (bit s of qh[i]: the
+  fifth bit of weight i of sub-block s), then q[128] as Q4_K's; w = d * scale * q - dmin
+  * min, q of 0..31.
 - Q6_K, 210 bytes per 256: ql[128] (low nibbles), qh[64] (two high bits), int8
   scales[16] (one per 16 weights), f16 d; w = d * scale * (q - 32). Each half of 128
   weights reads ql[64 h:64 h + 64] (low nibbles: weights 0-63, high: 64-127) and
@@ -32,9 +37,10 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-Q8_0, Q4_K, Q6_K = 8, 12, 14
-# ggml type -> (weights per block, bytes per block)
-BLOCKS = {Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
+# ggml type -> (weights per block, bytes per block): the types these kernels read, which
+# the GPU path keeps as blocks (``KernelPolicy.linear_method``)
+BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 
 
 @triton.jit
@@ -64,6 +70,32 @@ def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
         dot = tl.sum(q.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, DEPTH]
         first = (b0 + tl.arange(0, DEPTH))[None, :]
         d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 34,
+                    (first < K // 32) & ok[:, None])
+        acc += d * dot
+    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
+                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+    """As ``_q8_0_kernel``: DEPTH blocks of 32 a loop step, each 16 bytes of nibbles."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    base = W + rows.to(tl.int64)[:, None, None] * row_bytes
+    g = tl.arange(0, DEPTH)[None, :, None]
+    i = tl.arange(0, 16)[None, None, :]
+    acc = tl.zeros([BLOCK_N, DEPTH], dtype=tl.float32)
+    for b0 in range(0, K // 32, DEPTH):
+        blk = b0 + g
+        live = (blk < K // 32) & ok[:, None, None]
+        q = tl.load(base + blk * 18 + 2 + i, mask=live, other=0).to(tl.int32)
+        xs = X + m * stride_x + blk * 32 + i
+        x_lo = tl.load(xs, mask=blk < K // 32, other=0.0).to(tl.float32)
+        x_hi = tl.load(xs + 16, mask=blk < K // 32, other=0.0).to(tl.float32)
+        dot = tl.sum(((q & 15) - 8).to(tl.float32) * x_lo + ((q >> 4) - 8).to(tl.float32) * x_hi, 2)
+        first = (b0 + tl.arange(0, DEPTH))[None, :]
+        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 18,
                     (first < K // 32) & ok[:, None])
         acc += d * dot
     tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
@@ -116,6 +148,43 @@ def _k4_scale_min(blk, s, ok):
     scale = tl.where(low, a & 63, (c & 15) | ((a >> 6) << 4))
     mn = tl.where(low, b & 63, (c >> 4) | ((b >> 6) << 4))
     return scale.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q5_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
+                 DEPTH: tl.constexpr):
+    """As ``_q4_k_kernel``, each nibble topped by its bit of qh."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, BLOCK_N * DEPTH)
+    rows = pid * BLOCK_N + p // DEPTH
+    ok = rows < N
+    row_ptr = W + rows.to(tl.int64) * row_bytes
+    run = tl.arange(0, 4)[None, :, None]  # sub-blocks 2 run (low nibbles), 2 run + 1 (high)
+    i = tl.arange(0, 32)[None, None, :]
+    sub = tl.arange(0, 4)
+    acc = tl.zeros([BLOCK_N * DEPTH], dtype=tl.float32)
+    for sb0 in range(0, K // 256, DEPTH):
+        sb = sb0 + p % DEPTH
+        live = ok & (sb < K // 256)
+        blk = row_ptr + sb * 176
+        q = tl.load(blk[:, None, None] + 48 + run * 32 + i, mask=live[:, None, None],
+                    other=0).to(tl.int32)
+        qh = tl.load(blk[:, None, None] + 16 + i, mask=live[:, None, None], other=0).to(tl.int32)
+        q_lo = (q & 15) | (((qh >> (2 * run)) & 1) << 4)
+        q_hi = (q >> 4) | (((qh >> (2 * run + 1)) & 1) << 4)
+        xs = X + m * stride_x + sb[:, None, None] * 256 + run * 64 + i  # [P, 4, 32]
+        x_lo = tl.load(xs, mask=live[:, None, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xs + 32, mask=live[:, None, None], other=0.0).to(tl.float32)
+        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo, 2)  # [P, 4]
+        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi, 2)
+        sc_lo, mn_lo = _k4_scale_min(blk, 2 * sub, live)
+        sc_hi, mn_hi = _k4_scale_min(blk, 2 * sub + 1, live)
+        sums = _f16_at(blk, live) * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
+        mins = _f16_at(blk + 2, live) * tl.sum(mn_lo * tl.sum(x_lo, 2) + mn_hi * tl.sum(x_hi, 2), 1)
+        acc += sums - mins
+    y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
+    out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + m * stride_y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 @triton.jit
@@ -172,6 +241,23 @@ def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr, GROUP: 
 
 
 @triton.jit
+def _dequant_q4_0_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Program (row tile, GROUP blocks of 32)."""
+    pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = g0 + tl.arange(0, GROUP)
+    i = tl.arange(0, 16)
+    live = (rows < N)[:, None] & (g < K // 32)[None, :]
+    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * 18  # [BLOCK_N, GROUP]
+    q = tl.load(base[:, :, None] + 2 + i[None, None, :], mask=live[:, :, None], other=0)
+    d = _f16_at(base, live)[:, :, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + g[None, :, None] * 32 + i[None, None, :]
+    for half in tl.static_range(2):  # low nibbles: weights 0-15; high: 16-31
+        w = (((q >> (4 * half)) & 15).to(tl.int32) - 8).to(tl.float32) * d
+        tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=live[:, :, None])
+
+
+@triton.jit
 def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
     """Program (row tile, super-block)."""
     pid, sb = tl.program_id(0), tl.program_id(1)
@@ -188,6 +274,30 @@ def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
     for half in tl.static_range(2):  # low nibbles: sub-block 2 run; high: 2 run + 1
         sc, mn = _k4_scale_min(blk, 2 * run + half, ok)
         w = d * sc[:, :, None] * ((q >> (4 * half)) & 15).to(tl.float32) - dmin * mn[:, :, None]
+        tl.store(out + 32 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
+
+
+@triton.jit
+def _dequant_q5_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
+    """As ``_dequant_q4_k_kernel``, each nibble topped by its bit of qh."""
+    pid, sb = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    blk = W + rows.to(tl.int64) * row_bytes + sb * 176
+    run = tl.arange(0, 4)
+    i = tl.arange(0, 32)
+    q = tl.load(blk[:, None, None] + 48 + run[None, :, None] * 32 + i[None, None, :],
+                mask=ok[:, None, None], other=0).to(tl.int32)
+    qh = tl.load(blk[:, None, None] + 16 + i[None, None, :], mask=ok[:, None, None],
+                 other=0).to(tl.int32)
+    d = _f16_at(blk, ok)[:, None, None]
+    dmin = _f16_at(blk + 2, ok)[:, None, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + run[None, :, None] * 64 + i[None, None, :]
+    for half in tl.static_range(2):  # low nibbles: sub-block 2 run; high: 2 run + 1
+        s = 2 * run + half
+        sc, mn = _k4_scale_min(blk, s, ok)
+        qs = ((q >> (4 * half)) & 15) | (((qh >> s[None, :, None]) & 1) << 4)
+        w = d * sc[:, :, None] * qs.to(tl.float32) - dmin * mn[:, :, None]
         tl.store(out + 32 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
 
 
@@ -223,11 +333,13 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     _check(blocks, ggml_type, n, k)
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
     block_n = 16
-    if ggml_type == Q8_0:
-        _dequant_q8_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
+    if ggml_type in (Q4_0, Q8_0):  # blocks of 32, eight a program
+        kernel = _dequant_q8_0_kernel if ggml_type == Q8_0 else _dequant_q4_0_kernel
+        kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
             blocks, out, n, k, blocks.shape[1], BLOCK_N=block_n, GROUP=8)
-    else:
-        kernel = _dequant_q4_k_kernel if ggml_type == Q4_K else _dequant_q6_k_kernel
+    else:  # super-blocks of 256, one a program
+        kernel = {Q4_K: _dequant_q4_k_kernel, Q5_K: _dequant_q5_k_kernel,
+                  Q6_K: _dequant_q6_k_kernel}[ggml_type]
         kernel[(triton.cdiv(n, block_n), k // 256)](blocks, out, n, k, blocks.shape[1],
                                                     BLOCK_N=block_n)
     return out
@@ -245,7 +357,9 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
 # (rows a program, blocks or super-blocks of each row a loop step, warps) per type: the
 # fastest on an H100 over Llama-3-8B's gate_up and down (.devrun's bench_gguf sweep,
 # docs/benchmarks.md, session 26); each checked there against dequantize-then-matmul
-CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4)}
+CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4),
+           # not tuned yet: Q8_0's and Q4_K's shapes
+           Q4_0: (2, 16, 2), Q5_K: (4, 2, 2)}
 
 
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
@@ -262,7 +376,8 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     if y.shape != (x.shape[0], n) or y.stride(1) != 1:
         raise ValueError(f"out {tuple(y.shape)} with strides {y.stride()} for [{x.shape[0]}, {n}]")
     block_n, depth, warps = config or CONFIGS[ggml_type]
-    kernel = {Q8_0: _q8_0_kernel, Q4_K: _q4_k_kernel, Q6_K: _q6_k_kernel}[ggml_type]
+    kernel = {Q4_0: _q4_0_kernel, Q8_0: _q8_0_kernel, Q4_K: _q4_k_kernel, Q5_K: _q5_k_kernel,
+              Q6_K: _q6_k_kernel}[ggml_type]
     grid = (triton.cdiv(n, block_n), x.shape[0])
     kernel[grid](x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0),
                  BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
