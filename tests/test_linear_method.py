@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.workers.distributed import SINGLE, TPGroup  # noqa: E402
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
-from pocketllm.workers.kernels.gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: E402
+from pocketllm.workers.kernels.gguf_gemv import IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: E402
 from pocketllm.workers.layers import linear, linear_method  # noqa: E402
 from pocketllm.workers.layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear,  # noqa: E402
                                               Shard, even_shard)
@@ -227,10 +227,11 @@ def test_the_activation_fused_before_the_dots_gives_the_unfused_bits(rows, down_
 
 
 @pytest.mark.parametrize("rows", [1, 9])  # the float block gemv, then dequantize
-def test_q5_k_and_q4_0_layers_multiply_as_their_dequantized_weights(rows):
-    """A Q5_K_M file's Q5_K and a Q4_0 file's blocks (no integer dots taken yet)."""
+def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows):
+    """A Q5_K_M file's Q5_K, a Q4_0 file's and an IQ4_XS file's blocks (no integer dots
+    taken for them yet)."""
     types = dict(TYPES, **{"attn.q_proj.weight": Q5_K, "attn.k_proj.weight": Q5_K,
-                           "attn.v_proj.weight": Q4_0, "mlp.down_proj.weight": Q4_0})
+                           "attn.v_proj.weight": Q4_0, "mlp.down_proj.weight": IQ4_XS})
     tensors = checkpoint(types)
     model = built(types)
     assert model.qkv.method is linear_method.GGUF_BLOCKS and model.qkv.block_types == [Q5_K, Q4_0]

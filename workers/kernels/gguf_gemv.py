@@ -21,6 +21,9 @@ Layouts (``loader/gguf_quants.py`` decodes the same bytes in numpy, the referenc
 - Q5_K, 176 bytes per 256: Q4_K's d, dmin and scales, then qh[32] (bit s of qh[i]: the
   fifth bit of weight i of sub-block s), then q[128] as Q4_K's; w = d * scale * q - dmin
   * min, q of 0..31.
+- IQ4_XS, 136 bytes per 256: f16 d, u16 scales_h, scales_l[4], q[128]: sub-block s of 32
+  has the 6-bit scale (nibble s % 2 of scales_l[s // 2]) | (bits 2s..2s+1 of scales_h)
+  << 4, and reads q[16 s:16 s + 16] as Q4_0 does; w = d * (scale - 32) * LEVELS[q].
 - Q6_K, 210 bytes per 256: ql[128] (low nibbles), qh[64] (two high bits), int8
   scales[16] (one per 16 weights), f16 d; w = d * scale * (q - 32). Each half of 128
   weights reads ql[64 h:64 h + 64] (low nibbles: weights 0-63, high: 64-127) and
@@ -37,10 +40,14 @@ import triton.language as tl
 
 from pocketllm.errors import UnsupportedFeatureError
 
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 # ggml type -> (weights per block, bytes per block): the types these kernels read, which
 # the GPU path keeps as blocks (``KernelPolicy.linear_method``)
-BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+          IQ4_XS: (256, 136)}
+# IQ4_XS's (and IQ4_NL's) 16 levels a nibble picks (ggml's kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_levels: dict = {}  # device -> IQ4_LEVELS as a float32 tensor there
 
 
 @triton.jit
@@ -188,6 +195,46 @@ def _q5_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
 
 
 @triton.jit
+def _iq4_xs_scales(blk, ok):
+    """The eight sub-blocks' scales - 32 at super-block pointers ``blk`` -> float32 [P, 8]."""
+    s = tl.arange(0, 8)[None, :]
+    low = tl.load(blk[:, None] + 4 + s // 2, mask=ok[:, None], other=0).to(tl.int32)
+    h0 = tl.load(blk[:, None] + 2, mask=ok[:, None], other=0).to(tl.int32)
+    h1 = tl.load(blk[:, None] + 3, mask=ok[:, None], other=0).to(tl.int32)
+    high = ((h0 | (h1 << 8)) >> (2 * s)) & 3
+    return (((low >> (4 * (s % 2))) & 15) | (high << 4)).to(tl.float32) - 32.0
+
+
+@triton.jit
+def _iq4_xs_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, LEVELS,
+                   BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+    """(row, super-block) pairs as in ``_q4_k_kernel``; a nibble's level is a load from
+    ``LEVELS`` (16 floats, cached)."""
+    pid, m = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, BLOCK_N * DEPTH)
+    rows = pid * BLOCK_N + p // DEPTH
+    ok = rows < N
+    row_ptr = W + rows.to(tl.int64) * row_bytes
+    sub = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    acc = tl.zeros([BLOCK_N * DEPTH], dtype=tl.float32)
+    for sb0 in range(0, K // 256, DEPTH):
+        sb = sb0 + p % DEPTH
+        live = ok & (sb < K // 256)
+        blk = row_ptr + sb * 136
+        q = tl.load(blk[:, None, None] + 8 + sub * 16 + j, mask=live[:, None, None],
+                    other=0).to(tl.int32)
+        xs = X + m * stride_x + sb[:, None, None] * 256 + sub * 32 + j  # [P, 8, 16]
+        x_lo = tl.load(xs, mask=live[:, None, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xs + 16, mask=live[:, None, None], other=0.0).to(tl.float32)
+        dot = tl.sum(tl.load(LEVELS + (q & 15)) * x_lo + tl.load(LEVELS + (q >> 4)) * x_hi, 2)
+        acc += _f16_at(blk, live) * tl.sum(_iq4_xs_scales(blk, live) * dot, 1)
+    y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
+    out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + m * stride_y + out, y.to(Y.dtype.element_ty), mask=out < N)
+
+
+@triton.jit
 def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
                  DEPTH: tl.constexpr):
     """(row, super-block) pairs as in ``_q4_k_kernel``."""
@@ -326,6 +373,29 @@ def _dequant_q6_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
             tl.store(out + 128 * h + 64 * nib, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
 
 
+@triton.jit
+def _dequant_iq4_xs_kernel(W, Out, N, K, row_bytes, LEVELS, BLOCK_N: tl.constexpr):
+    """Program (row tile, super-block)."""
+    pid, sb = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    blk = W + rows.to(tl.int64) * row_bytes + sb * 136
+    sub = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    q = tl.load(blk[:, None, None] + 8 + sub * 16 + j, mask=ok[:, None, None], other=0).to(tl.int32)
+    scale = (_f16_at(blk, ok)[:, None] * _iq4_xs_scales(blk, ok))[:, :, None]
+    out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + sub * 32 + j
+    for half in tl.static_range(2):  # low nibbles: weights 0-15 of a sub-block; high: 16-31
+        w = scale * tl.load(LEVELS + ((q >> (4 * half)) & 15))
+        tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
+
+
+def _levels_on(device: torch.device) -> torch.Tensor:
+    if device not in _levels:
+        _levels[device] = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device)
+    return _levels[device]
+
+
 def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The [n, k] matrix of ``blocks`` in ``dtype`` (each weight rounded once from float32):
@@ -337,6 +407,9 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
         kernel = _dequant_q8_0_kernel if ggml_type == Q8_0 else _dequant_q4_0_kernel
         kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
             blocks, out, n, k, blocks.shape[1], BLOCK_N=block_n, GROUP=8)
+    elif ggml_type == IQ4_XS:
+        _dequant_iq4_xs_kernel[(triton.cdiv(n, block_n), k // 256)](
+            blocks, out, n, k, blocks.shape[1], _levels_on(blocks.device), BLOCK_N=block_n)
     else:  # super-blocks of 256, one a program
         kernel = {Q4_K: _dequant_q4_k_kernel, Q5_K: _dequant_q5_k_kernel,
                   Q6_K: _dequant_q6_k_kernel}[ggml_type]
@@ -359,7 +432,7 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
 # docs/benchmarks.md, session 26); each checked there against dequantize-then-matmul
 CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4),
            # not tuned yet: Q8_0's and Q4_K's shapes
-           Q4_0: (2, 16, 2), Q5_K: (4, 2, 2)}
+           Q4_0: (2, 16, 2), Q5_K: (4, 2, 2), IQ4_XS: (4, 2, 2)}
 
 
 def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k: int,
@@ -376,9 +449,13 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     if y.shape != (x.shape[0], n) or y.stride(1) != 1:
         raise ValueError(f"out {tuple(y.shape)} with strides {y.stride()} for [{x.shape[0]}, {n}]")
     block_n, depth, warps = config or CONFIGS[ggml_type]
+    grid = (triton.cdiv(n, block_n), x.shape[0])
+    args = (x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0))
+    if ggml_type == IQ4_XS:
+        _iq4_xs_kernel[grid](*args, _levels_on(x.device), BLOCK_N=block_n, DEPTH=depth,
+                             num_warps=warps)
+        return y
     kernel = {Q4_0: _q4_0_kernel, Q8_0: _q8_0_kernel, Q4_K: _q4_k_kernel, Q5_K: _q5_k_kernel,
               Q6_K: _q6_k_kernel}[ggml_type]
-    grid = (triton.cdiv(n, block_n), x.shape[0])
-    kernel[grid](x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0),
-                 BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
+    kernel[grid](*args, BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
     return y
