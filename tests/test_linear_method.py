@@ -226,20 +226,20 @@ def test_the_activation_fused_before_the_dots_gives_the_unfused_bits(rows, down_
     assert torch.equal(model.down(half, hidden_act="silu", reduce=False), want)
 
 
-@pytest.mark.parametrize("rows", [1, 9])  # the float block gemv, then dequantize
-def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows):
+@pytest.mark.parametrize("rows", [1, 9])  # the block kernels up to GEMV_ROWS, then dequantize
+def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows, dots):
     """A Q5_K_M file's Q5_K, a Q4_0 file's and an IQ4_XS file's blocks (no integer dots
-    taken for them yet)."""
-    types = dict(TYPES, **{"attn.q_proj.weight": Q5_K, "attn.k_proj.weight": Q5_K,
+    taken for them yet: their parts take float x beside a Q8_0 part's dots)."""
+    types = dict(TYPES, **{"attn.q_proj.weight": Q8_0, "attn.k_proj.weight": Q5_K,
                            "attn.v_proj.weight": Q4_0, "mlp.down_proj.weight": IQ4_XS})
     tensors = checkpoint(types)
     model = built(types)
-    assert model.qkv.method is linear_method.GGUF_BLOCKS and model.qkv.block_types == [Q5_K, Q4_0]
-    assert [b.shape for b in model.qkv.blocks] == [(96, 176), (32, 144)]
+    assert model.qkv.method is linear_method.GGUF_BLOCKS
+    assert model.qkv.block_types == [Q8_0, Q5_K, Q4_0] and not model.qkv.fuses(torch.ones(1, H))
     load(model, tensors)
     dense = {name: torch.from_numpy(w.read()).to(DEVICE) for name, w in tensors.items()}
     qkv = torch.cat([dense[f"attn.{p}_proj.weight"] for p in "qkv"])
-    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = int8_exact_rows(rows, H, seed=1)  # the Q8_0 part's dots: exact on these
     torch.testing.assert_close(model.qkv(x), x @ qkv.T, atol=1e-4, rtol=1e-4)
     h = torch.randn(rows, INTER, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     torch.testing.assert_close(model.down(h), h @ dense["mlp.down_proj.weight"].T,

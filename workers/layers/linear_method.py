@@ -190,13 +190,14 @@ class GGUFBlockMethod:
         y = torch.empty(x.shape[0], layer.out_width, dtype=out_dtype or x.dtype, device=x.device)
         at = 0
         dots = self._dots(x)
+        given = xq is not None
         for blocks, ggml_type in zip(layer.blocks, layer.block_types):
             n = blocks.shape[0]
             if dots and ggml_type in gguf_dot.DOTS:
                 if xq is None:  # x in 8-bit blocks, for the groups the integer dots read
                     xq = gguf_dot.quantize_rows(x)
                 gguf_dot.DOTS[ggml_type](xq, blocks, n, k, out=y[:, at:at + n])
-            elif xq is not None:
+            elif given:  # (a part without dots beside ones with them takes float x)
                 raise ValueError("int8 blocks of x given to a product that does not take them")
             elif x.shape[0] <= GEMV_ROWS:
                 gguf_gemv.block_gemv(x, blocks, ggml_type, n, k, out=y[:, at:at + n])
