@@ -16,7 +16,7 @@ from pocketllm.workers.kernels import gguf_gemv  # noqa: E402
 from pocketllm.workers.loader.dummy_blocks import SCALE_FIELDS, random_block_tensor  # noqa: E402
 from pocketllm.workers.loader.gguf_quants import GGML_TYPES  # noqa: E402
 
-TYPES = sorted(gguf_gemv.BLOCKS)  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
+TYPES = sorted(gguf_gemv.FORMATS)  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
 CUDA = DEVICE.type == "cuda"
 
 

@@ -169,8 +169,8 @@ class KernelPolicy:
 
         missing = sorted({type_name(t) for t in stored if t not in BLOCKS})
         if missing:
-            _warn_once(f"GGUF {', '.join(missing)} blocks have no GPU kernel: their layers "
-                       "are dequantized to the model dtype at load")
+            _warn_once(f"GGUF {', '.join(missing)} blocks have no GPU kernel taken yet: their "
+                       "layers are dequantized to the model dtype at load")
             return DENSE
         return GGUF_BLOCKS
 

@@ -59,7 +59,7 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
 
     bf16 = [torch.randn(n, k, device=DEV).to(BF16) for _ in range(COPIES)]
     row["bf16_us"] = 1e3 * graph_ms(lambda: [gemv_mod.gemv(x, w) for w in bf16]) / COPIES
-    if ggml_type in gguf_gemv.BLOCKS:
+    if ggml_type in gguf_gemv.FORMATS:
         row["float_us"] = timed(lambda b: gguf_gemv.block_gemv(x, b, ggml_type, n, k))
     row["dot_us"] = timed(dots())
     if ggml_type == gguf_dot.Q8_0:  # the same bytes repacked for word reads (q8_0_split)

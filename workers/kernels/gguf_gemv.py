@@ -41,10 +41,13 @@ import triton.language as tl
 from pocketllm.errors import UnsupportedFeatureError
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
-# ggml type -> (weights per block, bytes per block): the types these kernels read, which
-# the GPU path keeps as blocks (``KernelPolicy.linear_method``)
-BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-          IQ4_XS: (256, 136)}
+# ggml type -> (weights per block, bytes per block): the types these kernels read
+FORMATS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+           IQ4_XS: (256, 136)}
+# the ones the GPU path keeps as blocks (``KernelPolicy.linear_method``): those whose
+# kernels also ran compiled on a GPU (Q4_0's, Q5_K's and IQ4_XS's: in the interpreter only,
+# so their files still dequantize at load there)
+BLOCKS = {t: FORMATS[t] for t in (Q8_0, Q4_K, Q6_K)}
 # IQ4_XS's (and IQ4_NL's) 16 levels a nibble picks (ggml's kvalues_iq4nl)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _levels: dict = {}  # device -> IQ4_LEVELS as a float32 tensor there
@@ -419,9 +422,9 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
 
 
 def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
-    if ggml_type not in BLOCKS:
+    if ggml_type not in FORMATS:
         raise UnsupportedFeatureError(f"no GPU kernel reads GGUF type {ggml_type} blocks")
-    per, size = BLOCKS[ggml_type]
+    per, size = FORMATS[ggml_type]
     if k % per or tuple(blocks.shape) != (n, k // per * size) or blocks.dtype != torch.uint8:
         raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a [{n}, {k}] "
                          f"matrix of type {ggml_type}")
