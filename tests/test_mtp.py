@@ -83,13 +83,14 @@ def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
     assert drafted > 0
 
 
-def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp():
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])  # hybrid, MLA
+def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp(family):
     """Seeded sampling (one prompt three times at once, the server's n = 3), a stop
     string, penalties and logit_bias per position, a JSON grammar, and a KV cache small
     enough to preempt: each the text without speculation."""
     from pocketllm import SamplingParams
 
-    path = _with_mtp()
+    path = _with_mtp(family)
     common = dict(model=path, dtype="float32", max_model_len=256, device="cpu")
     plain = _decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
     cases = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
