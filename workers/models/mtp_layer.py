@@ -42,9 +42,6 @@ class MTPNames:
     norm: str
     shared: tuple[str, ...] = ()
 
-    def owns(self, name: str) -> bool:
-        return name.startswith(self.prefix)
-
     def is_shared(self, name: str) -> bool:
         return name[len(self.prefix):].startswith(self.shared) if self.shared else False
 
