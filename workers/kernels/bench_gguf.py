@@ -7,7 +7,7 @@ against dequantize-then-matmul; ``--tune`` sweeps the dots' (rows, blocks a step
 
     python -m pocketllm.workers.kernels.bench_gguf [--types q4_k q6_k ...] [--tune]
 
-CUDA only. ``GB/s`` is the blocks' bytes of one launch over its time.
+CUDA only. ``GB/s`` is the blocks' bytes of one launch over its faster path's time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .bench import BF16, DEV, graph_ms
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336)]
 TYPES = {"q4_0": gguf_dot.Q4_0, "q8_0": gguf_dot.Q8_0, "q4_k": gguf_dot.Q4_K,
-         "q5_k": gguf_dot.Q5_K, "q6_k": gguf_dot.Q6_K}
+         "q5_k": gguf_dot.Q5_K, "q6_k": gguf_dot.Q6_K, "iq4_xs": gguf_gemv.IQ4_XS}
 SWEEP = list(itertools.product((1, 2, 4), (2, 4, 8, 16), (1, 2)))
 COPIES = 8  # distinct weights in a chain (8 x a 4.6 GB-class layer's blocks exceed L2)
 
@@ -45,7 +45,7 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
     x = torch.randn(1, k, device=DEV).to(BF16)
     want = x.float() @ dense.T
     out = torch.empty(1, n, device=DEV, dtype=BF16)
-    dot = gguf_dot.KERNELS[ggml_type]
+    dot = gguf_dot.KERNELS.get(ggml_type)  # IQ4_XS has the float block gemv only
     row = dict(type=name, proj=proj, n=n, k=k, bytes=blocks.numel())
 
     def timed(fn) -> float:
@@ -61,7 +61,8 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
     row["bf16_us"] = 1e3 * graph_ms(lambda: [gemv_mod.gemv(x, w) for w in bf16]) / COPIES
     if ggml_type in gguf_gemv.FORMATS:
         row["float_us"] = timed(lambda b: gguf_gemv.block_gemv(x, b, ggml_type, n, k))
-    row["dot_us"] = timed(dots())
+    if dot is not None:
+        row["dot_us"] = timed(dots())
     if ggml_type == gguf_dot.Q8_0:  # the same bytes repacked for word reads (q8_0_split)
         split = {id(b): gguf_dot.q8_0_split(b, n, k) for b in chain}
         def split_dots(config=None):
@@ -72,7 +73,7 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
         if tune:
             times = {c: timed(split_dots(c)) for c in SWEEP}
             row["split_top3"] = sorted(times.items(), key=lambda t: t[1])[:3]
-    if tune:
+    if tune and dot is not None:
         times = {}
         for config in SWEEP:
             try:
@@ -92,12 +93,13 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     args = parser.parse_args()
     rows = [measure(t, TYPES[t], *shape, args.tune) for t in args.types for shape in SHAPES]
-    print(f"{'type':5} {'proj':8} {'bf16 us':>8} {'float us':>9} {'dots us':>8} {'GB/s':>6}"
+    print(f"{'type':6} {'proj':8} {'bf16 us':>8} {'float us':>9} {'dots us':>8} {'GB/s':>6}"
           + ("  best (rows, blocks, warps)   us   GB/s" if args.tune else ""))
     for r in rows:
         gbs = lambda us: r["bytes"] / us / 1e3  # noqa: E731
-        print(f"{r['type']:5} {r['proj']:8} {r['bf16_us']:8.1f} {r.get('float_us', 0):9.1f} "
-              f"{r['dot_us']:8.1f} {gbs(r['dot_us']):6.0f}"
+        fastest = min(r.get("dot_us", float("inf")), r.get("float_us", float("inf")))
+        print(f"{r['type']:6} {r['proj']:8} {r['bf16_us']:8.1f} {r.get('float_us', 0):9.1f} "
+              f"{r.get('dot_us', 0):8.1f} {gbs(fastest):6.0f}"
               + (f"  {str(r['best']):26} {r['best_us']:6.1f} {gbs(r['best_us']):6.0f}"
                  if "best" in r else ""))
 
