@@ -65,8 +65,11 @@ def gpu_free_bytes(device: torch.device) -> Optional[int]:
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    """K and V of ``block_size`` positions; FP8: a code a value and a scale byte a head."""
+                       dtype: torch.dtype, latent_width: Optional[int] = None) -> int:
+    """K and V of ``block_size`` positions; FP8: a code a value and a scale byte a head; an
+    MLA layer (``latent_width``): one latent row a position instead."""
+    if latent_width is not None:
+        return num_layers * block_size * latent_width * dtype.itemsize
     if dtype == torch.float8_e4m3fn:
         return 2 * num_layers * block_size * num_kv_heads * (head_dim + 1)
     elem = torch.empty((), dtype=dtype).element_size()

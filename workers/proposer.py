@@ -49,9 +49,8 @@ class Proposer:
         self.backend = backend
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.latent_width = latent_width
-        self.block_bytes = (kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim,
-                                               self.dtype) if latent_width is None else
-                            num_layers * self.block_size * latent_width * self.dtype.itemsize)
+        self.block_bytes = kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim,
+                                              self.dtype, latent_width)
         # its own stream for unseeded rows: the target's draws stay the target's
         self.sampler = Sampler(torch_ops, args.seed + 1)
         self._seeds = np.random.default_rng(args.seed)  # unseeded requests' (``coupled``)

@@ -106,9 +106,8 @@ class ModelRunner:
         state_shapes, slot_bytes = self._state_shapes(layout)
         kv_dtype = self.policy.kv_cache_dtype(args.kv_cache_dtype, self.device, self.dtype,
                                               latent is not None)
-        per_layer_block = (kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
-                                              kv_dtype) if latent is None
-                           else self.block_size * latent * self.dtype.itemsize)
+        per_layer_block = kv_bytes_per_block(1, self.block_size, kv_heads, cfg.head_dim,
+                                             kv_dtype, latent)
         if self.device.type == "cpu":  # the ranks of a host share one RAM budget
             per_layer_block *= ranks_on_this_host(args)
             slot_bytes *= ranks_on_this_host(args)
