@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pocketllm import cli
+from pocketllm.bench.cli import cmd_bench_latency
 from pocketllm.bench import latency, peer_llama_cpp
 from pocketllm.bench.latency import (LatencyResult, fresh_prompt, prompt_ids_for, report,
                                      run_pocketllm, synthetic_ids)
@@ -78,12 +79,12 @@ def test_prompt_and_input_len_are_refused_together(capsys):
 
 def test_prompt_without_a_tokenizer_is_refused():
     with pytest.raises(SystemExit, match="--prompt needs a tokenizer.*--input-len"):
-        cli.cmd_bench_latency(latency_args(*DUMMY, "--prompt", "hello"))
+        cmd_bench_latency(latency_args(*DUMMY, "--prompt", "hello"))
 
 
 def test_llama_cpp_peer_refuses_a_model_that_is_not_a_gguf():
     with pytest.raises(SystemExit, match="--peer llama.cpp runs a GGUF file.*dummy weights"):
-        cli.cmd_bench_latency(latency_args(*DUMMY, "--peer", "llama.cpp"))
+        cmd_bench_latency(latency_args(*DUMMY, "--peer", "llama.cpp"))
 
 
 def test_missing_llama_cpp_says_how_to_install_it(monkeypatch):
