@@ -36,6 +36,7 @@ from .sampler.torch_ops import HostCopy
 from .models.base import check_tensor_parallel
 from .models.registry import arch_config, build_model
 from .mtp_proposer import MTPProposer
+from .runner_graphs import capture_graphs, warm_up_attention, warm_up_sampler
 from .step_rows import (RequestBook, RequestState, ScheduledSeq, StepError, StepRows,
                         accept_drafts, check_state_plan, row_histories, snapshot_rows)
 
@@ -125,7 +126,7 @@ class ModelRunner:
         # per group: the sliding window whose table entries behind it point at the pad block
         self.group_slide = [layout.window(g) for g in range(len(counts))]
         self.state_groups = [layout.is_state(g) for g in range(len(counts))]
-        self._warm_up_attention()
+        warm_up_attention(self)
         self.sampler = Sampler(torch_ops, args.seed)
         self.book = RequestBook(self.kv.num_blocks, self.kv.pad_blocks, self.group_slide,
                                 self.block_size, args.max_num_seqs, self._history,
@@ -135,8 +136,8 @@ class ModelRunner:
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
         self._spans: list[tuple] = []  # (path, start, end) of device spans not read yet
-        self.graphs, self.mixed_graphs, self.verify_graphs = self._capture_graphs()
-        self._warm_up_sampler()
+        self.graphs, self.mixed_graphs, self.verify_graphs = capture_graphs(self)
+        warm_up_sampler(self)
         self.load_seconds = time.perf_counter() - started
         logger.info("worker ready: %s on %s/%s, KV capacity %d tokens (%s; blocks of %d%s), "
                     "load %.1fs", info.architecture, self.device, dtype_name(self.dtype),
@@ -194,46 +195,6 @@ class ModelRunner:
     def pad_slot(self) -> int:
         """The first group's spare zero slot (a model of one group has only that one)."""
         return self.kv.pad_slot(0)
-
-    def _warm_up_attention(self) -> None:
-        """Compile the attention kernels' variants now, not during the first requests."""
-        warm_up = getattr(self.backend, "warm_up", None)
-        if warm_up is None:
-            return
-        started = time.perf_counter()
-        attn = self.model.layers[self.model.layer_group.index(0)].self_attn  # group 0: attention
-        with torch.inference_mode():
-            for g, pad_block in enumerate(self.kv.pad_blocks):  # each pool, its layers' kinds
-                if self.state_groups[g]:
-                    continue
-                layers = [layer for layer, lg in zip(self.model.layers, self.model.layer_group)
-                          if lg == g]
-                kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
-                first = self.model.layer_group.index(g)
-                warm_up(*self.kv_caches[first], attn.num_heads, pad_block, self.block_size,
-                        kinds, attn.scale, sinks=attn.sinks is not None, dtype=self.dtype)
-        logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
-
-    def _warm_up_sampler(self) -> None:
-        """Sample once from dummy logits, greedy and at random, on CUDA: CUDA loads a
-        kernel's module on its first use and the pinned-memory pool starts empty, costs
-        the first requests would pay (docs/benchmarks.md, "Cold start"). Seeded, so the
-        shared generator of unseeded requests is not advanced."""
-        if self.device.type != "cuda":
-            return
-        logits = torch.zeros(2, self.model.cfg.vocab_size, device=self.device)
-        specs = [SamplingSpec(temperature=0.0, logprobs=1),
-                 SamplingSpec(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, seed=0,
-                              logprobs=1)]
-        self.sampler(logits, specs, [0, 0])
-        torch.cuda.synchronize(self.device)
-
-    def _capture_graphs(self):
-        """(decode graphs, piecewise graphs of the other steps, graphs of speculative
-        verification steps), each None when off (``runner_graphs.py``)."""
-        from .runner_graphs import capture_graphs
-
-        return capture_graphs(self)
 
     @property
     def computes_at_launch(self) -> bool:

@@ -1,15 +1,18 @@
-"""The torch worker's CUDA graphs, captured once at startup: decode steps
-(``cuda_graphs.py``), steps holding a prefill (``piecewise_graphs.py``), speculative
-verification steps (``verify_graphs.py``) and the draft model's one-row steps."""
+"""What the torch worker compiles and captures once at startup, so that no request pays
+for it: its CUDA graphs (decode steps, ``cuda_graphs.py``; steps holding a prefill,
+``piecewise_graphs.py``; speculative verification steps, ``verify_graphs.py``; the draft
+model's one-row steps), the attention kernels' variants and the sampler's first use."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 
 from pocketllm.config import SPECULATIVE_MAX_BATCH
+from pocketllm.proto.messages import SamplingSpec
 
 logger = logging.getLogger("pocketllm.worker")
 
@@ -68,3 +71,38 @@ def _capture(r, args):
     if r.draft is not None:
         r.draft.capture(max_batch, r.max_model_len)
     return decode, mixed, verify
+
+
+def warm_up_attention(r) -> None:
+    """Compile the attention kernels' variants now, not during the first requests."""
+    warm_up = getattr(r.backend, "warm_up", None)
+    if warm_up is None:
+        return
+    started = time.perf_counter()
+    attn = r.model.layers[r.model.layer_group.index(0)].self_attn  # group 0: attention
+    with torch.inference_mode():
+        for g, pad_block in enumerate(r.kv.pad_blocks):  # each pool, its layers' kinds
+            if r.state_groups[g]:
+                continue
+            layers = [layer for layer, lg in zip(r.model.layers, r.model.layer_group)
+                      if lg == g]
+            kinds = {(layer.self_attn.window, layer.self_attn.softcap) for layer in layers}
+            first = r.model.layer_group.index(g)
+            warm_up(*r.kv_caches[first], attn.num_heads, pad_block, r.block_size,
+                    kinds, attn.scale, sinks=attn.sinks is not None, dtype=r.dtype)
+    logger.info("attention kernels ready in %.1fs", time.perf_counter() - started)
+
+
+def warm_up_sampler(r) -> None:
+    """Sample once from dummy logits, greedy and at random, on CUDA: CUDA loads a
+    kernel's module on its first use and the pinned-memory pool starts empty, costs
+    the first requests would pay (docs/benchmarks.md, "Cold start"). Seeded, so the
+    shared generator of unseeded requests is not advanced."""
+    if r.device.type != "cuda":
+        return
+    logits = torch.zeros(2, r.model.cfg.vocab_size, device=r.device)
+    specs = [SamplingSpec(temperature=0.0, logprobs=1),
+             SamplingSpec(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, seed=0,
+                          logprobs=1)]
+    r.sampler(logits, specs, [0, 0])
+    torch.cuda.synchronize(r.device)
