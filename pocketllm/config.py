@@ -71,7 +71,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     speculative_method: Optional[str] = None  # SPECULATIVE_METHODS; None: no speculation
     num_speculative_tokens: int = 4  # most drafts a request verifies in one step
-    speculative_replay: Optional[str] = None  # "replay"'s file (scheduler/replay.py)
+    # "replay"'s file, or the tokens put in the worker drafter's proposals (scheduler/replay.py)
+    speculative_replay: Optional[str] = None
     # "draft"'s model: a local path, a shipped shape (dummy weights) or a Hugging Face id
     speculative_model: Optional[str] = None
     cpu_kv_cache_fraction: float = 0.10  # share of available RAM for KV on CPU (capped at 4 GiB)
@@ -148,9 +149,14 @@ class EngineArgs:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.speculative_method is not None:
             _choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
-        if (self.speculative_method == "replay") != (self.speculative_replay is not None):
-            raise InvalidRequestError("speculative_method='replay' and speculative_replay (the "
-                                      "recorded output it proposes) go together",
+        if self.speculative_method == "replay" and self.speculative_replay is None:
+            raise InvalidRequestError("speculative_method='replay' proposes a recorded output: "
+                                      "speculative_replay names its file", "speculative_replay")
+        if self.speculative_replay is not None and self.speculative_method not in (
+                "replay", "draft", "mtp"):
+            raise InvalidRequestError("speculative_replay (a recorded output, benchmarks only) "
+                                      "is proposed by speculative_method='replay', or put in "
+                                      "place of the tokens 'draft' or 'mtp' propose",
                                       "speculative_replay")
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise InvalidRequestError("speculative_method='draft' and speculative_model (the "

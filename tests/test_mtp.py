@@ -83,6 +83,28 @@ def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
     assert drafted > 0
 
 
+def test_replayed_tokens_in_mtp_proposals_are_accepted_at_either_end(tmp_path):
+    """``speculative_replay`` with ``mtp`` (the bench's ``--speculative-replay``): the layer
+    proposes as always, its proposals carry the recorded output, so every draft is accepted
+    (as recorded) or none is (each moved to another id), the text unchanged either way."""
+    import json
+
+    from pocketllm import SamplingParams
+    from tiny_checkpoints import VOCAB_SIZE
+
+    path = _with_mtp()
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = _decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256)
+    for shift, full in ((0, True), (1, False)):
+        replay = tmp_path / f"replay{shift}.json"
+        replay.write_text(json.dumps({"runs": [
+            {"prompt": p, "output": [(t + shift) % VOCAB_SIZE for t in o.token_ids]}
+            for p, o in zip(PROMPTS, want)]}))
+        drafted, accepted = _same_and_drafts(
+            _mtp_engine(path, speculative_replay=str(replay)), want, PROMPTS, greedy)
+        assert drafted > 0 and accepted == (drafted if full else 0), (shift, drafted, accepted)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])  # hybrid, MLA
 def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp(family):
     """Seeded sampling (one prompt three times at once, the server's n = 3), a stop

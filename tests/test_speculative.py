@@ -322,6 +322,8 @@ def test_engine_args_refusals():
         EngineArgs(speculative_method="replay")
     with pytest.raises(InvalidRequestError, match="speculative_replay"):
         EngineArgs(speculative_replay="runs.json")
+    with pytest.raises(InvalidRequestError, match="speculative_replay"):
+        EngineArgs(speculative_method="ngram", speculative_replay="runs.json")
 
 
 # --- the torch worker: tiny dense and MLA checkpoints, the replay drafter --------------------

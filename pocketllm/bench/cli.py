@@ -36,10 +36,11 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     if ns.replay_acceptance:
         from .latency import speculative_replay
 
-        if args.speculative_method is not None or ns.peer or ns.batch_sizes:
+        if args.speculative_method not in (None, "draft", "mtp") or ns.peer or ns.batch_sizes:
             raise SystemExit("--speculative-replay runs its own two engines (without "
-                             "speculation, then replaying): no --speculative-method, --peer "
-                             "or --batch-sizes")
+                             "speculation, then replaying): no --peer or --batch-sizes, and "
+                             "a --speculative-method only of the worker's drafters (draft, "
+                             "mtp), whose proposals then carry the replayed tokens")
         print(speculative_replay(args, ns.prompt, ns.input_len, ns.output_len, ns.runs,
                                  ns.warmup, ns.replay_acceptance, info.vocab_size, threads))
         return 0
@@ -130,7 +131,9 @@ def add_bench_parsers(sub) -> None:
                      choices=["full", "none"],
                      help="speculation's cost at full or no acceptance: decode without it, "
                           "recording the greedy output, then with that output replayed as "
-                          "drafts (full) or shifted to other tokens (none)")
+                          "drafts (full) or shifted to other tokens (none); with "
+                          "--speculative-method draft|mtp that drafter runs and its "
+                          "proposals carry the replayed tokens")
     lat.set_defaults(func=cmd_bench_latency)
 
     tp = bench.add_parser("throughput", help="offline output tokens/s over many requests")

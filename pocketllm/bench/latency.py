@@ -101,16 +101,20 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
     """``bench latency --speculative-replay``: batch-1 decode without speculation, recording
     the greedy output, then with the replay drafter proposing it (``accept="full"``) or a
     copy no draft of which is accepted (``"none"``): speculation's cost at either end of
-    acceptance. Returns the report."""
+    acceptance. With ``args.speculative_method`` "draft" or "mtp" that drafter proposes, and
+    its proposals carry the replayed tokens (``scheduler/worker_drafts.py``): its own cost
+    at either end. Returns the report."""
     import dataclasses
     import os
 
     record: list = []
-    plain, prompt_ids = run_pocketllm(args, None, prompt, output_len, runs, warmup,
+    method = args.speculative_method  # None (the replay drafter), "draft" or "mtp"
+    plain_args = dataclasses.replace(args, speculative_method=None, speculative_model=None)
+    plain, prompt_ids = run_pocketllm(plain_args, None, prompt, output_len, runs, warmup,
                                       input_len=input_len, record=record)
     path = replay_file(record, accept, vocab_size)
     try:
-        spec_args = dataclasses.replace(args, speculative_method="replay",
+        spec_args = dataclasses.replace(args, speculative_method=method or "replay",
                                         speculative_replay=path)
         ours, _ = run_pocketllm(spec_args, prompt_ids, None, output_len, runs, warmup)
     finally:
@@ -118,7 +122,8 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
     plain.name = "no speculation"
     return "\n".join([
         f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed ({accept} "
-        f"acceptance), k = {args.num_speculative_tokens}",
+        f"acceptance{f', in the {method} drafter' + chr(39) + 's proposals' if method else ''})"
+        f", k = {args.num_speculative_tokens}",
         report([ours, plain], output_len, threads=threads if ours.device == "cpu" else None),
         roofline(ours)])
 

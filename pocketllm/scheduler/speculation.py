@@ -142,8 +142,10 @@ def drafter_for(config: SchedulerConfig) -> Optional[Drafter]:
     k = config.num_speculative_tokens
     if not k:
         return None
+    replay = (ReplayDrafter(k, load_runs(config.speculative_replay))
+              if config.speculative_replay else None)
     if config.speculative_method == "replay":
-        return ReplayDrafter(k, load_runs(config.speculative_replay or ""))
+        return replay
     if config.speculative_method in ("draft", "mtp"):
-        return WorkerDrafter(k)
+        return WorkerDrafter(k, replay)
     return NgramDrafter(k)
