@@ -62,60 +62,44 @@ def _f16_at(ptrs, mask):
 
 
 @triton.jit
-def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
-                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
-    """DEPTH blocks of 32 a loop step."""
+def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.constexpr,
+                 CODES: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+    """Blocks of 32 (an fp16 d, then CODES bytes of codes: Q8_0's 32 int8, Q4_0's 16 bytes
+    of nibbles, each less 8), DEPTH of them a loop step."""
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
     base = W + rows.to(tl.int64)[:, None, None] * row_bytes
     g = tl.arange(0, DEPTH)[None, :, None]
-    i = tl.arange(0, 32)[None, None, :]
+    i = tl.arange(0, CODES)[None, None, :]
     acc = tl.zeros([BLOCK_N, DEPTH], dtype=tl.float32)
     for b0 in range(0, K // 32, DEPTH):
         blk = b0 + g
         live = (blk < K // 32) & ok[:, None, None]
-        q = tl.load(base + blk * 34 + 2 + i, mask=live, other=0).to(tl.int8, bitcast=True)
-        x = tl.load(X + m * stride_x + blk * 32 + i, mask=blk < K // 32, other=0.0)
-        dot = tl.sum(q.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, DEPTH]
-        first = (b0 + tl.arange(0, DEPTH))[None, :]
-        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 34,
-                    (first < K // 32) & ok[:, None])
-        acc += d * dot
-    tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y,
-                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
-    """As ``_q8_0_kernel``: DEPTH blocks of 32 a loop step, each 16 bytes of nibbles."""
-    pid, m = tl.program_id(0), tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
-    base = W + rows.to(tl.int64)[:, None, None] * row_bytes
-    g = tl.arange(0, DEPTH)[None, :, None]
-    i = tl.arange(0, 16)[None, None, :]
-    acc = tl.zeros([BLOCK_N, DEPTH], dtype=tl.float32)
-    for b0 in range(0, K // 32, DEPTH):
-        blk = b0 + g
-        live = (blk < K // 32) & ok[:, None, None]
-        q = tl.load(base + blk * 18 + 2 + i, mask=live, other=0).to(tl.int32)
+        q = tl.load(base + blk * BYTES + 2 + i, mask=live, other=0)
         xs = X + m * stride_x + blk * 32 + i
-        x_lo = tl.load(xs, mask=blk < K // 32, other=0.0).to(tl.float32)
-        x_hi = tl.load(xs + 16, mask=blk < K // 32, other=0.0).to(tl.float32)
-        dot = tl.sum(((q & 15) - 8).to(tl.float32) * x_lo + ((q >> 4) - 8).to(tl.float32) * x_hi, 2)
+        if CODES == 32:
+            x = tl.load(xs, mask=blk < K // 32, other=0.0)
+            dot = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x.to(tl.float32), 2)
+        else:  # low nibbles: weights 0-15, high: 16-31
+            q = q.to(tl.int32)
+            x_lo = tl.load(xs, mask=blk < K // 32, other=0.0).to(tl.float32)
+            x_hi = tl.load(xs + 16, mask=blk < K // 32, other=0.0).to(tl.float32)
+            dot = tl.sum(((q & 15) - 8).to(tl.float32) * x_lo
+                         + ((q >> 4) - 8).to(tl.float32) * x_hi, 2)
         first = (b0 + tl.arange(0, DEPTH))[None, :]
-        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * 18,
+        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * BYTES,
                     (first < K // 32) & ok[:, None])
         acc += d * dot
     tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
-                 DEPTH: tl.constexpr):
+def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, FIVE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
     """DEPTH super-blocks of each row a loop step: the (row, super-block) pairs are one
-    axis of BLOCK_N * DEPTH, summed per row at the end."""
+    axis of BLOCK_N * DEPTH, summed per row at the end. ``FIVE``: Q5_K, each nibble
+    topped by its bit of the 32 bytes qh before the codes."""
     pid, m = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_N * DEPTH)
     rows = pid * BLOCK_N + p // DEPTH
@@ -128,13 +112,20 @@ def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
     for sb0 in range(0, K // 256, DEPTH):
         sb = sb0 + p % DEPTH
         live = ok & (sb < K // 256)
-        blk = row_ptr + sb * 144
-        q = tl.load(blk[:, None, None] + 16 + run * 32 + i, mask=live[:, None, None], other=0)
+        blk = row_ptr + sb * (144 + 32 * FIVE)
+        q = tl.load(blk[:, None, None] + (16 + 32 * FIVE) + run * 32 + i,
+                    mask=live[:, None, None], other=0)
+        q_lo, q_hi = q & 15, q >> 4
+        if FIVE:
+            qh = tl.load(blk[:, None, None] + 16 + i, mask=live[:, None, None],
+                         other=0).to(tl.int32)
+            q_lo = q_lo.to(tl.int32) | (((qh >> (2 * run)) & 1) << 4)
+            q_hi = q_hi.to(tl.int32) | (((qh >> (2 * run + 1)) & 1) << 4)
         xs = X + m * stride_x + sb[:, None, None] * 256 + run * 64 + i  # [P, 4, 32]
         x_lo = tl.load(xs, mask=live[:, None, None], other=0.0).to(tl.float32)
         x_hi = tl.load(xs + 32, mask=live[:, None, None], other=0.0).to(tl.float32)
-        dot_lo = tl.sum((q & 15).to(tl.float32) * x_lo, 2)  # [P, 4]
-        dot_hi = tl.sum((q >> 4).to(tl.float32) * x_hi, 2)
+        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo, 2)  # [P, 4]
+        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi, 2)
         sc_lo, mn_lo = _k4_scale_min(blk, 2 * sub, live)
         sc_hi, mn_hi = _k4_scale_min(blk, 2 * sub + 1, live)
         sums = _f16_at(blk, live) * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
@@ -158,43 +149,6 @@ def _k4_scale_min(blk, s, ok):
     scale = tl.where(low, a & 63, (c & 15) | ((a >> 6) << 4))
     mn = tl.where(low, b & 63, (c >> 4) | ((b >> 6) << 4))
     return scale.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _q5_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
-                 DEPTH: tl.constexpr):
-    """As ``_q4_k_kernel``, each nibble topped by its bit of qh."""
-    pid, m = tl.program_id(0), tl.program_id(1)
-    p = tl.arange(0, BLOCK_N * DEPTH)
-    rows = pid * BLOCK_N + p // DEPTH
-    ok = rows < N
-    row_ptr = W + rows.to(tl.int64) * row_bytes
-    run = tl.arange(0, 4)[None, :, None]  # sub-blocks 2 run (low nibbles), 2 run + 1 (high)
-    i = tl.arange(0, 32)[None, None, :]
-    sub = tl.arange(0, 4)
-    acc = tl.zeros([BLOCK_N * DEPTH], dtype=tl.float32)
-    for sb0 in range(0, K // 256, DEPTH):
-        sb = sb0 + p % DEPTH
-        live = ok & (sb < K // 256)
-        blk = row_ptr + sb * 176
-        q = tl.load(blk[:, None, None] + 48 + run * 32 + i, mask=live[:, None, None],
-                    other=0).to(tl.int32)
-        qh = tl.load(blk[:, None, None] + 16 + i, mask=live[:, None, None], other=0).to(tl.int32)
-        q_lo = (q & 15) | (((qh >> (2 * run)) & 1) << 4)
-        q_hi = (q >> 4) | (((qh >> (2 * run + 1)) & 1) << 4)
-        xs = X + m * stride_x + sb[:, None, None] * 256 + run * 64 + i  # [P, 4, 32]
-        x_lo = tl.load(xs, mask=live[:, None, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(xs + 32, mask=live[:, None, None], other=0.0).to(tl.float32)
-        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo, 2)  # [P, 4]
-        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi, 2)
-        sc_lo, mn_lo = _k4_scale_min(blk, 2 * sub, live)
-        sc_hi, mn_hi = _k4_scale_min(blk, 2 * sub + 1, live)
-        sums = _f16_at(blk, live) * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, 1)
-        mins = _f16_at(blk + 2, live) * tl.sum(mn_lo * tl.sum(x_lo, 2) + mn_hi * tl.sum(x_hi, 2), 1)
-        acc += sums - mins
-    y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
-    out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(Y + m * stride_y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 @triton.jit
@@ -275,78 +229,49 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
 
 
 @triton.jit
-def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Program (row tile, GROUP blocks of 32)."""
+def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BYTES: tl.constexpr, CODES: tl.constexpr,
+                         BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Program (row tile, GROUP blocks of 32): Q8_0, or Q4_0 (``CODES`` 16: nibbles)."""
     pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     g = g0 + tl.arange(0, GROUP)
-    i = tl.arange(0, 32)
+    i = tl.arange(0, CODES)
     live = (rows < N)[:, None] & (g < K // 32)[None, :]
-    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * 34  # [BLOCK_N, GROUP]
-    q = tl.load(base[:, :, None] + 2 + i[None, None, :], mask=live[:, :, None], other=0)
-    d = _f16_at(base, live)
-    w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, :, None]
-    out = Out + rows.to(tl.int64)[:, None, None] * K + g[None, :, None] * 32 + i[None, None, :]
-    tl.store(out, w.to(Out.dtype.element_ty), mask=live[:, :, None])
-
-
-@triton.jit
-def _dequant_q4_0_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Program (row tile, GROUP blocks of 32)."""
-    pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = g0 + tl.arange(0, GROUP)
-    i = tl.arange(0, 16)
-    live = (rows < N)[:, None] & (g < K // 32)[None, :]
-    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * 18  # [BLOCK_N, GROUP]
+    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * BYTES  # [BLOCK_N, GROUP]
     q = tl.load(base[:, :, None] + 2 + i[None, None, :], mask=live[:, :, None], other=0)
     d = _f16_at(base, live)[:, :, None]
     out = Out + rows.to(tl.int64)[:, None, None] * K + g[None, :, None] * 32 + i[None, None, :]
-    for half in tl.static_range(2):  # low nibbles: weights 0-15; high: 16-31
-        w = (((q >> (4 * half)) & 15).to(tl.int32) - 8).to(tl.float32) * d
-        tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=live[:, :, None])
+    if CODES == 32:
+        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+        tl.store(out, w.to(Out.dtype.element_ty), mask=live[:, :, None])
+    else:
+        for half in tl.static_range(2):  # low nibbles: weights 0-15; high: 16-31
+            w = (((q >> (4 * half)) & 15).to(tl.int32) - 8).to(tl.float32) * d
+            tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=live[:, :, None])
 
 
 @triton.jit
-def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
-    """Program (row tile, super-block)."""
+def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, FIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row tile, super-block); ``FIVE``: Q5_K (nibbles topped by bits of qh)."""
     pid, sb = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
-    blk = W + rows.to(tl.int64) * row_bytes + sb * 144
+    blk = W + rows.to(tl.int64) * row_bytes + sb * (144 + 32 * FIVE)
     run = tl.arange(0, 4)
     i = tl.arange(0, 32)
-    q = tl.load(blk[:, None, None] + 16 + run[None, :, None] * 32 + i[None, None, :],
-                mask=ok[:, None, None], other=0)
-    d = _f16_at(blk, ok)[:, None, None]
-    dmin = _f16_at(blk + 2, ok)[:, None, None]
-    out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + run[None, :, None] * 64 + i[None, None, :]
-    for half in tl.static_range(2):  # low nibbles: sub-block 2 run; high: 2 run + 1
-        sc, mn = _k4_scale_min(blk, 2 * run + half, ok)
-        w = d * sc[:, :, None] * ((q >> (4 * half)) & 15).to(tl.float32) - dmin * mn[:, :, None]
-        tl.store(out + 32 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
-
-
-@triton.jit
-def _dequant_q5_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
-    """As ``_dequant_q4_k_kernel``, each nibble topped by its bit of qh."""
-    pid, sb = tl.program_id(0), tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
-    blk = W + rows.to(tl.int64) * row_bytes + sb * 176
-    run = tl.arange(0, 4)
-    i = tl.arange(0, 32)
-    q = tl.load(blk[:, None, None] + 48 + run[None, :, None] * 32 + i[None, None, :],
-                mask=ok[:, None, None], other=0).to(tl.int32)
-    qh = tl.load(blk[:, None, None] + 16 + i[None, None, :], mask=ok[:, None, None],
-                 other=0).to(tl.int32)
+    q = tl.load(blk[:, None, None] + (16 + 32 * FIVE) + run[None, :, None] * 32
+                + i[None, None, :], mask=ok[:, None, None], other=0).to(tl.int32)
     d = _f16_at(blk, ok)[:, None, None]
     dmin = _f16_at(blk + 2, ok)[:, None, None]
     out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + run[None, :, None] * 64 + i[None, None, :]
     for half in tl.static_range(2):  # low nibbles: sub-block 2 run; high: 2 run + 1
         s = 2 * run + half
         sc, mn = _k4_scale_min(blk, s, ok)
-        qs = ((q >> (4 * half)) & 15) | (((qh >> s[None, :, None]) & 1) << 4)
+        qs = (q >> (4 * half)) & 15
+        if FIVE:
+            qh = tl.load(blk[:, None, None] + 16 + i[None, None, :], mask=ok[:, None, None],
+                         other=0).to(tl.int32)
+            qs = qs | (((qh >> s[None, :, None]) & 1) << 4)
         w = d * sc[:, :, None] * qs.to(tl.float32) - dmin * mn[:, :, None]
         tl.store(out + 32 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
 
@@ -393,6 +318,10 @@ def _dequant_iq4_xs_kernel(W, Out, N, K, row_bytes, LEVELS, BLOCK_N: tl.constexp
         tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
 
 
+# the blocks of 32: (bytes a block, bytes of codes: 32 int8, or 16 of nibbles)
+_SMALL = {Q8_0: (34, 32), Q4_0: (18, 16)}
+
+
 def _levels_on(device: torch.device) -> torch.Tensor:
     if device not in _levels:
         _levels[device] = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device)
@@ -406,18 +335,18 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     _check(blocks, ggml_type, n, k)
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
     block_n = 16
+    args = (blocks, out, n, k, blocks.shape[1])
     if ggml_type in (Q4_0, Q8_0):  # blocks of 32, eight a program
-        kernel = _dequant_q8_0_kernel if ggml_type == Q8_0 else _dequant_q4_0_kernel
-        kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
-            blocks, out, n, k, blocks.shape[1], BLOCK_N=block_n, GROUP=8)
-    elif ggml_type == IQ4_XS:
-        _dequant_iq4_xs_kernel[(triton.cdiv(n, block_n), k // 256)](
-            blocks, out, n, k, blocks.shape[1], _levels_on(blocks.device), BLOCK_N=block_n)
-    else:  # super-blocks of 256, one a program
-        kernel = {Q4_K: _dequant_q4_k_kernel, Q5_K: _dequant_q5_k_kernel,
-                  Q6_K: _dequant_q6_k_kernel}[ggml_type]
-        kernel[(triton.cdiv(n, block_n), k // 256)](blocks, out, n, k, blocks.shape[1],
-                                                    BLOCK_N=block_n)
+        _dequant_q8_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
+            *args, *_SMALL[ggml_type], BLOCK_N=block_n, GROUP=8)
+        return out
+    grid = (triton.cdiv(n, block_n), k // 256)  # super-blocks of 256, one a program
+    if ggml_type == IQ4_XS:
+        _dequant_iq4_xs_kernel[grid](*args, _levels_on(blocks.device), BLOCK_N=block_n)
+    elif ggml_type == Q6_K:
+        _dequant_q6_k_kernel[grid](*args, BLOCK_N=block_n)
+    else:
+        _dequant_q4_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, BLOCK_N=block_n)
     return out
 
 
@@ -454,11 +383,13 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     block_n, depth, warps = config or CONFIGS[ggml_type]
     grid = (triton.cdiv(n, block_n), x.shape[0])
     args = (x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0))
-    if ggml_type == IQ4_XS:
-        _iq4_xs_kernel[grid](*args, _levels_on(x.device), BLOCK_N=block_n, DEPTH=depth,
-                             num_warps=warps)
-        return y
-    kernel = {Q4_0: _q4_0_kernel, Q8_0: _q8_0_kernel, Q4_K: _q4_k_kernel, Q5_K: _q5_k_kernel,
-              Q6_K: _q6_k_kernel}[ggml_type]
-    kernel[grid](*args, BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
+    tile = dict(BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
+    if ggml_type in (Q4_0, Q8_0):
+        _q8_0_kernel[grid](*args, *_SMALL[ggml_type], **tile)
+    elif ggml_type in (Q4_K, Q5_K):
+        _q4_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, **tile)
+    elif ggml_type == Q6_K:
+        _q6_k_kernel[grid](*args, **tile)
+    else:
+        _iq4_xs_kernel[grid](*args, _levels_on(x.device), **tile)
     return y
