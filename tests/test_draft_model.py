@@ -11,7 +11,8 @@ import pytest
 from pocketllm.errors import InvalidRequestError, UnsupportedFeatureError
 from pocketllm.scheduler.worker_drafts import WorkerDrafter
 from test_scheduler_harness import Driver, config, make_request
-from test_speculative import GPU, _decoded, _drafts, _same, _same_and_drafts, _same_case_by_case
+from speculation_checks import (GPU, decoded, draft_counts, same, same_and_drafts,
+                                same_case_by_case)
 
 
 def _tiny(family="llama", **overrides):
@@ -128,13 +129,13 @@ def test_greedy_text_is_the_same_with_a_draft_model(family, device):
 
     target = _tiny(family)
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = _decoded(PROMPTS, greedy, model=target, dtype="float32", max_model_len=256,
+    want = decoded(PROMPTS, greedy, model=target, dtype="float32", max_model_len=256,
                     device=device)
     drafts = [_tiny("llama", num_hidden_layers=1), _tiny("llama", rms_norm_eps=1e-2)]
     if family == "llama":
         drafts.insert(0, target)
     for i, draft in enumerate(drafts):
-        drafted, accepted = _same_and_drafts(_draft_engine(target, draft, device), want,
+        drafted, accepted = same_and_drafts(_draft_engine(target, draft, device), want,
                                              PROMPTS, greedy, times=2)
         assert drafted > 0
         if family == "llama" and i == 0:
@@ -154,12 +155,12 @@ def test_sampled_text_is_the_same_seed_by_seed_and_coupled_drafts_are_accepted()
         for seed in range(4):
             sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=seed,
                                 ignore_eos=True)
-            want = _decoded(PROMPTS, sp, model=target, dtype="float32", max_model_len=256,
+            want = decoded(PROMPTS, sp, model=target, dtype="float32", max_model_len=256,
                             device="cpu")
-            _same(want, llm.generate(PROMPTS, sp))
+            same(want, llm.generate(PROMPTS, sp))
         before = llm.engine_stats()
         llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True))
-        drafted, accepted = _drafts(llm, before)
+        drafted, accepted = draft_counts(llm, before)
     finally:
         llm.shutdown()
     assert drafted > 0 and accepted >= 0.9 * drafted
@@ -179,10 +180,10 @@ def test_stops_penalties_grammars_n_and_preemption_with_a_draft_model():
              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3),
              SamplingParams(max_tokens=20, temperature=0.8, seed=7),
              SamplingParams(max_tokens=30, temperature=0, response_format={"type": "json_object"})]
-    plain = _decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
+    plain = decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
     stop = plain[0].text[len(plain[0].text) // 2:][:3]
     cases.append(SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
-    _same_case_by_case(lambda **kw: _draft_engine(target, draft, **kw), cases, PROMPTS, **common)
+    same_case_by_case(lambda **kw: _draft_engine(target, draft, **kw), cases, PROMPTS, **common)
 
 
 def test_a_long_prompt_is_read_by_the_draft_model_in_chunks():
@@ -194,9 +195,9 @@ def test_a_long_prompt_is_read_by_the_draft_model_in_chunks():
     target = _tiny()
     prompt = [[(7 * i) % 400 + 20 for i in range(45)]]
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    want = _decoded(prompt, greedy, model=target, dtype="float32", max_model_len=256,
+    want = decoded(prompt, greedy, model=target, dtype="float32", max_model_len=256,
                     device="cpu", max_num_batched_tokens=16)
-    drafted, accepted = _same_and_drafts(_draft_engine(target, target, max_num_batched_tokens=16),
+    drafted, accepted = same_and_drafts(_draft_engine(target, target, max_num_batched_tokens=16),
                                          want, prompt, greedy)
     assert drafted > 0 and accepted == drafted
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pocketllm.errors import UnsupportedFeatureError
-from test_speculative import GPU, _decoded, _same_and_drafts, _same_case_by_case
+from speculation_checks import GPU, decoded, same_and_drafts, same_case_by_case
 
 PROMPTS = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
 
@@ -77,9 +77,9 @@ def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
 
     path = _with_mtp(family)
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = _decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256,
+    want = decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256,
                     device=device)
-    drafted, _ = _same_and_drafts(_mtp_engine(path, device), want, PROMPTS, greedy, times=2)
+    drafted, _ = same_and_drafts(_mtp_engine(path, device), want, PROMPTS, greedy, times=2)
     assert drafted > 0
 
 
@@ -94,13 +94,13 @@ def test_replayed_tokens_in_mtp_proposals_are_accepted_at_either_end(tmp_path):
 
     path = _with_mtp()
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = _decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256)
+    want = decoded(PROMPTS, greedy, model=path, dtype="float32", max_model_len=256)
     for shift, full in ((0, True), (1, False)):
         replay = tmp_path / f"replay{shift}.json"
         replay.write_text(json.dumps({"runs": [
             {"prompt": p, "output": [(t + shift) % VOCAB_SIZE for t in o.token_ids]}
             for p, o in zip(PROMPTS, want)]}))
-        drafted, accepted = _same_and_drafts(
+        drafted, accepted = same_and_drafts(
             _mtp_engine(path, speculative_replay=str(replay)), want, PROMPTS, greedy)
         assert drafted > 0 and accepted == (drafted if full else 0), (shift, drafted, accepted)
 
@@ -114,7 +114,7 @@ def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp(family
 
     path = _with_mtp(family)
     common = dict(model=path, dtype="float32", max_model_len=256, device="cpu")
-    plain = _decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
+    plain = decoded(PROMPTS, SamplingParams(max_tokens=24, temperature=0), **common)
     cases = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
              for s in range(3)]
     cases += [SamplingParams(max_tokens=24, temperature=0, stop=[plain[0].text[8:11]]),
@@ -122,7 +122,7 @@ def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp(family
                              presence_penalty=0.3, logit_bias={45: 2.0}),
               SamplingParams(max_tokens=30, temperature=0,
                              response_format={"type": "json_object"})]
-    _same_case_by_case(lambda **kw: _mtp_engine(path, **kw), cases, PROMPTS, **common)
+    same_case_by_case(lambda **kw: _mtp_engine(path, **kw), cases, PROMPTS, **common)
 
 
 def test_mtp_refusals():

@@ -16,6 +16,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError
 from pocketllm.scheduler.drafter import COOLDOWN, Drafter
 from pocketllm.scheduler.ngram import NgramDrafter
+from speculation_checks import same
 from test_scheduler_harness import Driver, config, make_request, next_token
 
 # --- the n-gram drafter -------------------------------------------------------------------
@@ -39,14 +40,19 @@ def test_drafts_shorten_as_they_fail_and_pause_when_none_is_accepted():
     assert d.propose("a", tokens, 10) == [3, 4]
     d.verified("a", 2, 0)  # none accepted: a pause
     assert all(d.propose("a", tokens, 10) == [] for _ in range(COOLDOWN))
-    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]  # then full length again
-    d.verified("a", 4, 0)  # failing again: a pause twice as long
+    assert d.propose("a", tokens, 10) == [3]  # then a probe of one draft
+    d.verified("a", 1, 0)  # failing again: a pause twice as long
     assert all(d.propose("a", tokens, 10) == [] for _ in range(2 * COOLDOWN))
+    assert d.propose("a", tokens, 10) == [3]
+    d.verified("a", 1, 1)  # an accepted probe: the length grows back, step by step
+    assert d.propose("a", tokens, 10) == [3, 4]
+    d.verified("a", 2, 2)
+    assert d.propose("a", tokens, 10) == [3, 4, 5]
+    d.verified("a", 3, 3)
     assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
-    d.verified("a", 4, 4)  # an accepted draft: the next pause is short again
-    d.verified("a", 4, 0)
+    d.verified("a", 4, 0)  # the next pause is short again
     assert all(d.propose("a", tokens, 10) == [] for _ in range(COOLDOWN))
-    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
+    assert d.propose("a", tokens, 10) == [3]
     d.forget("a")
 
 
@@ -216,12 +222,6 @@ def engines(default_model_path):
         llm.shutdown()
 
 
-def _same(a, b):
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.text for o in a] == [o.text for o in b]
-    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
-
-
 def test_engine_greedy_and_seeded_text_is_the_same_with_speculation(engines):
     from pocketllm import SamplingParams
 
@@ -229,7 +229,7 @@ def test_engine_greedy_and_seeded_text_is_the_same_with_speculation(engines):
     for sp in (SamplingParams(max_tokens=48, temperature=0),
                SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=11),
                SamplingParams(max_tokens=7, temperature=0)):  # max_tokens lands mid-run
-        _same(plain.generate([COPY], sp), spec.generate([COPY], sp))
+        same(plain.generate([COPY], sp), spec.generate([COPY], sp))
 
 
 def test_engine_sampled_text_is_the_same_for_every_seed(engines):
@@ -243,7 +243,7 @@ def test_engine_sampled_text_is_the_same_for_every_seed(engines):
     for seed in range(8):
         sp = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
         for prompt in prompts:
-            _same(plain.generate([prompt], sp), spec.generate([prompt], sp))
+            same(plain.generate([prompt], sp), spec.generate([prompt], sp))
 
 
 def test_engine_stop_strings_logprobs_and_a_cached_prefix(engines):
@@ -254,13 +254,13 @@ def test_engine_stop_strings_logprobs_and_a_cached_prefix(engines):
     stop = first.text.split()[4]  # a word well inside the answer
     sp = SamplingParams(max_tokens=40, temperature=0, stop=[stop], logprobs=2)
     want, got = plain.generate([COPY], sp), spec.generate([COPY], sp)
-    _same(want, got)
+    same(want, got)
     assert got[0].finish_reason == "stop" and stop not in got[0].text
     for a, b in zip(want[0].logprobs, got[0].logprobs):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-3)
     again = spec.generate([COPY], SamplingParams(max_tokens=40, temperature=0))  # cached
     assert again[0].usage.cached_tokens > 0
-    _same(again, [first])
+    same(again, [first])
 
 
 COPY_JSON = ('Repeat this JSON object exactly.\n\n{"keeper": "Ada", "years": 100, "light": '
@@ -286,9 +286,9 @@ def test_engine_penalties_bias_and_grammars_apply_per_position(engines):
                               response_format={"type": "json_object"})):
         before = settled_stats(spec)
         if sp.response_format:
-            _same(plain.chat(JSON_CHAT, sp), spec.chat(JSON_CHAT, sp))
+            same(plain.chat(JSON_CHAT, sp), spec.chat(JSON_CHAT, sp))
         else:
-            _same(plain.generate([COPY_JSON], sp), spec.generate([COPY_JSON], sp))
+            same(plain.generate([COPY_JSON], sp), spec.generate([COPY_JSON], sp))
         assert settled_stats(spec, newer_than=before).spec_draft_tokens > before.spec_draft_tokens
 
 
@@ -325,155 +325,6 @@ def test_engine_args_refusals():
     with pytest.raises(InvalidRequestError, match="speculative_replay"):
         EngineArgs(speculative_method="ngram", speculative_replay="runs.json")
 
-
-# --- the torch worker: tiny dense and MLA checkpoints, the replay drafter --------------------
-
-def _drafts(llm, before):
-    from pocketllm.bench.throughput import settled_stats
-
-    after = settled_stats(llm, newer_than=before, timeout=5.0)
-    return (after.spec_draft_tokens - before.spec_draft_tokens,
-            after.spec_accepted_tokens - before.spec_accepted_tokens)
-
-
-def _same_and_drafts(llm, want, prompts, sampling, times: int = 1) -> tuple[int, int]:
-    """Generate ``times`` over, each time the outputs ``want``; then shut ``llm`` down:
-    (drafts verified, accepted) meanwhile."""
-    try:
-        before = llm.engine_stats()
-        for _ in range(times):
-            _same(want, llm.generate(prompts, sampling))
-        return _drafts(llm, before)
-    finally:
-        llm.shutdown()
-
-
-def _same_case_by_case(make_engine, cases, prompts, **common) -> None:
-    """Each of ``cases`` (SamplingParams) gives the text without speculation on an engine
-    of ``make_engine(**kw)``, with drafts verified (a seeded case runs ``prompts[0]``
-    three times at once, the server's n = 3); then so does greedy decoding in a KV cache
-    small enough to preempt. ``common``: the engine without speculation."""
-    from pocketllm import SamplingParams
-
-    llm = make_engine()
-    try:
-        for sp in cases:
-            run = [prompts[0]] * 3 if sp.seed is not None else prompts
-            before = llm.engine_stats()
-            _same(_decoded(run, sp, **common), llm.generate(run, sp))
-            assert _drafts(llm, before)[0] > 0, sp
-    finally:
-        llm.shutdown()
-    many = [[60 + i, 61 + i, 62, 60 + i, 61 + i] for i in range(6)]
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    want = _decoded(many, greedy, **common, num_kv_blocks=12)
-    llm = make_engine(num_kv_blocks=12)
-    try:
-        _same(want, llm.generate(many, greedy))
-        assert llm.engine_stats().preemptions > 0
-    finally:
-        llm.shutdown()
-
-
-def _decoded(prompts, sampling, **engine):
-    """The output of an engine without speculation."""
-    from pocketllm import LLM
-
-    llm = LLM(**engine)
-    try:
-        return llm.generate(prompts, sampling)
-    finally:
-        llm.shutdown()
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-GPU = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
-
-
-@pytest.mark.parametrize("family,device", [
-    ("llama", "cpu"), ("deepseek_v2", "cpu"), ("qwen3_5", "cpu"),
-    pytest.param("llama", "cuda", marks=GPU), pytest.param("gemma3", "cuda", marks=GPU),
-    pytest.param("deepseek_v2", "cuda", marks=GPU), pytest.param("qwen3_5", "cuda", marks=GPU)])
-def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, tmp_path):
-    """Dense, sliding-window, MLA and hybrid (Qwen3.5: each draft row's state kept and
-    the rejected ones rolled back) models on the torch worker (float32): n-gram drafts
-    change no token, two requests drafting in one step and a cached prefix in play; then
-    the replay drafter replays the greedy output (every draft accepted), a shifted copy
-    (none accepted) and one with every third token shifted (runs cut short). On a GPU,
-    verification steps replay CUDA graphs (MLA's and Qwen3.5's run eagerly)."""
-    import json
-
-    from pocketllm import LLM, SamplingParams
-    from tiny_checkpoints import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(family)
-    prompts = [[40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51, 52, 50]]
-    common = dict(model=path, dtype="float32", max_model_len=256, device=device)
-    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = _decoded(prompts, greedy, **common)
-    spec = LLM(**common, speculative_method="ngram")
-    try:
-        for _ in range(2):  # the second time from the prefix cache
-            _same(want, spec.generate(prompts, greedy))
-    finally:
-        spec.shutdown()
-    for every in (0, 1, 3):  # each token right, each wrong, every third wrong
-        replay = tmp_path / f"replay{every}.json"
-        replay.write_text(json.dumps({"runs": [
-            {"prompt": p, "output": [(t + (every and i % every == every - 1)) % 512
-                                     for i, t in enumerate(o.token_ids)]}
-            for p, o in zip(prompts, want)]}))
-        llm = LLM(**common, speculative_method="replay", speculative_replay=str(replay),
-                  num_speculative_tokens=3)
-        try:
-            graphs = llm.engine_caps().speculative_max_rows
-            before = llm.engine_stats()
-            _same(want, llm.generate(prompts, greedy))
-            drafted, accepted = _drafts(llm, before)
-            eager = llm.engine_stats().steps_by_path.get("eager", 0) - before.steps_by_path.get(
-                "eager", 0)
-        finally:
-            llm.shutdown()
-        assert drafted > 0
-        assert accepted == drafted if every == 0 else accepted == 0 if every == 1 else (
-            0 < accepted < drafted)
-        if device == "cuda" and family not in ("deepseek_v2", "qwen3_5"):
-            assert graphs == 4 * 4 and eager == 0  # 4 requests of 3 drafts + 1
-
-
-
-@GPU
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("k", [4, 7])
-def test_bf16_drafts_of_the_greedy_output_are_all_accepted_on_the_gpu(family, k, tmp_path):
-    """In bfloat16 on CUDA, a verification step computes each of its k + 1 rows with the
-    bits its decode step would have had (the gemv's rows, the decode kernel's splits), so
-    every draft replaying the greedy output is accepted and the text is the same, though
-    a tiny random model's logits are full of near ties."""
-    import json
-
-    from pocketllm import LLM, SamplingParams
-    from tiny_checkpoints import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(family)
-    prompt = [[40, 41, 42, 43, 44, 45, 46]]
-    common = dict(model=path, dtype="bfloat16", max_model_len=256, device="cuda")
-    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    want = _decoded(prompt, greedy, **common)
-    replay = tmp_path / "replay.json"
-    replay.write_text(json.dumps({"runs": [{"prompt": prompt[0],
-                                            "output": list(want[0].token_ids)}]}))
-    llm = LLM(**common, speculative_method="replay", speculative_replay=str(replay),
-              num_speculative_tokens=k)
-    drafted, accepted = _same_and_drafts(llm, want, prompt, greedy)
-    assert drafted > 0 and accepted == drafted
 
 def test_server_n_choices_and_metrics_with_speculation(default_model_path):
     """n > 1 over HTTP: each greedy choice is the same with n-gram speculation as without,

@@ -4,9 +4,13 @@ A drafter (``ngram.py``, ``replay.py``) says which tokens may follow a request's
 ones; this base decides how many it may propose: ``k`` times the request's recent
 acceptance (an exponential average of accepted / drafted), at least one. A step that
 accepts none of a request's drafts pauses its drafting (``COOLDOWN`` steps, doubled each
-time it fails again, back to ``COOLDOWN`` once a draft is accepted): a verification step
-costs more than a decode step (on a GPU 1.5 to 2.5 of them, docs/speculative.md), so a
-request whose drafts keep failing probes about log2 of its steps times, not every step.
+time it fails again, back to ``COOLDOWN`` once a draft is accepted), and the step after
+the pause probes with one draft, the length growing back with each accepted step (1, 2,
+3, 4 for k = 4). A verification step costs more than a decode step (on a GPU 1.5 to 2.5
+of them for k = 4, docs/speculative.md), and a worker's drafter pays for every draft it
+proposes (an MTP layer's LM head), so a request whose drafts keep failing probes about
+log2 of its steps times, each with the cheapest verification there is, not every step
+at full length.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class Drafter:
             return
         if not accepted:
             pace.pause, pace.next_pause = pace.next_pause, 2 * pace.next_pause
-            pace.rate = 1.0  # after the pause, try again at full length
+            pace.rate = 1.0 / self.k  # after the pause, probe with one draft
             return
         pace.rate = (1 - EMA) * pace.rate + EMA * accepted / drafted
         pace.next_pause = COOLDOWN
