@@ -227,12 +227,10 @@ def test_the_activation_fused_before_the_dots_gives_the_unfused_bits(rows, down_
 
 
 @pytest.mark.parametrize("rows", [1, 9])  # the block kernels up to GEMV_ROWS, then dequantize
-def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows, dots,
-                                                                           monkeypatch):
-    """A Q5_K_M file's Q5_K, a Q4_0 file's and an IQ4_XS file's blocks, as the GPU path
-    will take them once their kernels ran compiled (``gguf_gemv.BLOCKS``; no integer dots
-    for them yet: their parts take float x beside a Q8_0 part's dots)."""
-    monkeypatch.setattr(K.gguf_gemv, "BLOCKS", K.gguf_gemv.FORMATS)
+def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows, dots):
+    """A Q5_K_M file's Q5_K, a Q4_0 file's and an IQ4_XS file's blocks in one stacked
+    layer: Q8_0's and Q5_K's parts take the integer dots where they run, Q4_0's and
+    IQ4_XS's (no dots taken) float x beside them."""
     types = dict(TYPES, **{"attn.q_proj.weight": Q8_0, "attn.k_proj.weight": Q5_K,
                            "attn.v_proj.weight": Q4_0, "mlp.down_proj.weight": IQ4_XS})
     tensors = checkpoint(types)

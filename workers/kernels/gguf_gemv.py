@@ -45,9 +45,9 @@ Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 FORMATS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
            IQ4_XS: (256, 136)}
 # the ones the GPU path keeps as blocks (``KernelPolicy.linear_method``): those whose
-# kernels also ran compiled on a GPU (Q4_0's, Q5_K's and IQ4_XS's: in the interpreter only,
-# so their files still dequantize at load there)
-BLOCKS = {t: FORMATS[t] for t in (Q8_0, Q4_K, Q6_K)}
+# kernels also ran compiled on a GPU, checked and timed there (all six since session 34:
+# docs/benchmarks.md); another type's file dequantizes at load, saying so
+BLOCKS = dict(FORMATS)
 # IQ4_XS's (and IQ4_NL's) 16 levels a nibble picks (ggml's kvalues_iq4nl)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _levels: dict = {}  # device -> IQ4_LEVELS as a float32 tensor there
@@ -363,7 +363,7 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
 # fastest on an H100 over Llama-3-8B's gate_up and down (.devrun's bench_gguf sweep,
 # docs/benchmarks.md, session 26); each checked there against dequantize-then-matmul
 CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4),
-           # not tuned yet: Q8_0's and Q4_K's shapes
+           # not tuned yet (Q8_0's and Q4_K's shapes; checked on an H100, session 34)
            Q4_0: (2, 16, 2), Q5_K: (4, 2, 2), IQ4_XS: (4, 2, 2)}
 
 
