@@ -105,6 +105,23 @@ def test_replayed_tokens_in_mtp_proposals_are_accepted_at_either_end(tmp_path):
         assert drafted > 0 and accepted == (drafted if full else 0), (shift, drafted, accepted)
 
 
+def test_the_bench_replays_inside_the_mtp_proposals():
+    """``bench latency --speculative-method mtp --speculative-replay full``: the recording
+    is made without speculation, then every draft the layer proposes carries it."""
+    import re
+
+    from pocketllm.bench.latency import speculative_replay
+    from pocketllm.config import EngineArgs
+    from tiny_checkpoints import VOCAB_SIZE
+
+    args = EngineArgs(model=_with_mtp(), dtype="float32", device="cpu", max_model_len=256,
+                      speculative_method="mtp")
+    report = speculative_replay(args, None, 12, 16, 1, 0, "full", VOCAB_SIZE, 1)
+    assert "inside the mtp drafter's proposals" in report
+    verified, accepted = map(int, re.search(r"(\d+) verified, (\d+) accepted", report).groups())
+    assert verified > 0 and accepted == verified, report
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])  # hybrid, MLA
 def test_sampled_stopped_penalised_structured_and_preempted_text_with_mtp(family):
     """Seeded sampling (one prompt three times at once, the server's n = 3), a stop

@@ -120,10 +120,10 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
     finally:
         os.unlink(path)
     plain.name = "no speculation"
+    inside = f", inside the {method} drafter's proposals" if method else ""
     return "\n".join([
         f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed ({accept} "
-        f"acceptance{f', in the {method} drafter' + chr(39) + 's proposals' if method else ''})"
-        f", k = {args.num_speculative_tokens}",
+        f"acceptance{inside}), k = {args.num_speculative_tokens}",
         report([ours, plain], output_len, threads=threads if ours.device == "cpu" else None),
         roofline(ours)])
 
