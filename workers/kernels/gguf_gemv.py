@@ -62,8 +62,8 @@ def _f16_at(ptrs, mask):
 
 
 @triton.jit
-def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.constexpr,
-                 CODES: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+def _q8_0_q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.constexpr,
+                      CODES: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
     """Blocks of 32 (an fp16 d, then CODES bytes of codes: Q8_0's 32 int8, Q4_0's 16 bytes
     of nibbles, each less 8), DEPTH of them a loop step."""
     pid, m = tl.program_id(0), tl.program_id(1)
@@ -95,8 +95,8 @@ def _q8_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.constex
 
 
 @triton.jit
-def _q4_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, FIVE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+def _q4_k_q5_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, FIVE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
     """DEPTH super-blocks of each row a loop step: the (row, super-block) pairs are one
     axis of BLOCK_N * DEPTH, summed per row at the end. ``FIVE``: Q5_K, each nibble
     topped by its bit of the 32 bytes qh before the codes."""
@@ -165,7 +165,7 @@ def _iq4_xs_scales(blk, ok):
 @triton.jit
 def _iq4_xs_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, LEVELS,
                    BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
-    """(row, super-block) pairs as in ``_q4_k_kernel``; a nibble's level is a load from
+    """(row, super-block) pairs as in ``_q4_k_q5_k_kernel``; a nibble's level is a load from
     ``LEVELS`` (16 floats, cached)."""
     pid, m = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_N * DEPTH)
@@ -194,7 +194,7 @@ def _iq4_xs_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, LEVELS,
 @triton.jit
 def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
                  DEPTH: tl.constexpr):
-    """(row, super-block) pairs as in ``_q4_k_kernel``."""
+    """(row, super-block) pairs as in ``_q4_k_q5_k_kernel``."""
     pid, m = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_N * DEPTH)
     rows = pid * BLOCK_N + p // DEPTH
@@ -229,8 +229,8 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
 
 
 @triton.jit
-def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BYTES: tl.constexpr, CODES: tl.constexpr,
-                         BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _dequant_q8_0_q4_0_kernel(W, Out, N, K, row_bytes, BYTES: tl.constexpr,
+                              CODES: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """Program (row tile, GROUP blocks of 32): Q8_0, or Q4_0 (``CODES`` 16: nibbles)."""
     pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,7 +251,7 @@ def _dequant_q8_0_kernel(W, Out, N, K, row_bytes, BYTES: tl.constexpr, CODES: tl
 
 
 @triton.jit
-def _dequant_q4_k_kernel(W, Out, N, K, row_bytes, FIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_q4_k_q5_k_kernel(W, Out, N, K, row_bytes, FIVE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (row tile, super-block); ``FIVE``: Q5_K (nibbles topped by bits of qh)."""
     pid, sb = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -337,7 +337,7 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     block_n = 16
     args = (blocks, out, n, k, blocks.shape[1])
     if ggml_type in (Q4_0, Q8_0):  # blocks of 32, eight a program
-        _dequant_q8_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
+        _dequant_q8_0_q4_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
             *args, *_SMALL[ggml_type], BLOCK_N=block_n, GROUP=8)
         return out
     grid = (triton.cdiv(n, block_n), k // 256)  # super-blocks of 256, one a program
@@ -346,7 +346,7 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     elif ggml_type == Q6_K:
         _dequant_q6_k_kernel[grid](*args, BLOCK_N=block_n)
     else:
-        _dequant_q4_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, BLOCK_N=block_n)
+        _dequant_q4_k_q5_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, BLOCK_N=block_n)
     return out
 
 
@@ -385,9 +385,9 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     args = (x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0))
     tile = dict(BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
     if ggml_type in (Q4_0, Q8_0):
-        _q8_0_kernel[grid](*args, *_SMALL[ggml_type], **tile)
+        _q8_0_q4_0_kernel[grid](*args, *_SMALL[ggml_type], **tile)
     elif ggml_type in (Q4_K, Q5_K):
-        _q4_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, **tile)
+        _q4_k_q5_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, **tile)
     elif ggml_type == Q6_K:
         _q6_k_kernel[grid](*args, **tile)
     else:
