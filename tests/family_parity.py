@@ -9,7 +9,11 @@ import pytest
 from test_worker_parity import GREEDY_LP, NEW_TOKENS
 from tiny_checkpoints import PlanDriver
 
-LOGPROB_TOL = 1e-4
+# float32 log probabilities of 32 greedy steps against transformers' own: torch's kernels
+# sum in another order on another ISA, and a tiny recurrent MoE drifted by 1.02e-4 on an
+# AVX2 EPYC (session 34) where it stays under 1e-4 on an AVX-512 Xeon; a wrong layer is
+# off by orders of magnitude more
+LOGPROB_TOL = 2e-4
 
 
 def run(runner, prompts: dict, new_tokens=NEW_TOKENS, chunk=None, preempt_after=None):
