@@ -318,8 +318,10 @@ def _dequant_iq4_xs_kernel(W, Out, N, K, row_bytes, LEVELS, BLOCK_N: tl.constexp
         tl.store(out + 16 * half, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
 
 
-# the blocks of 32: (bytes a block, bytes of codes: 32 int8, or 16 of nibbles)
-_SMALL = {Q8_0: (34, 32), Q4_0: (18, 16)}
+def _block32_bytes(ggml_type: int) -> tuple[int, int]:
+    """A block of 32's bytes, and its codes' (all but the fp16 d): Q8_0 34, 32; Q4_0 18, 16."""
+    size = FORMATS[ggml_type][1]
+    return size, size - 2
 
 
 def _levels_on(device: torch.device) -> torch.Tensor:
@@ -338,7 +340,7 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     args = (blocks, out, n, k, blocks.shape[1])
     if ggml_type in (Q4_0, Q8_0):  # blocks of 32, eight a program
         _dequant_q8_0_q4_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
-            *args, *_SMALL[ggml_type], BLOCK_N=block_n, GROUP=8)
+            *args, *_block32_bytes(ggml_type), BLOCK_N=block_n, GROUP=8)
         return out
     grid = (triton.cdiv(n, block_n), k // 256)  # super-blocks of 256, one a program
     if ggml_type == IQ4_XS:
@@ -385,7 +387,7 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     args = (x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0))
     tile = dict(BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
     if ggml_type in (Q4_0, Q8_0):
-        _q8_0_q4_0_kernel[grid](*args, *_SMALL[ggml_type], **tile)
+        _q8_0_q4_0_kernel[grid](*args, *_block32_bytes(ggml_type), **tile)
     elif ggml_type in (Q4_K, Q5_K):
         _q4_k_q5_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, **tile)
     elif ggml_type == Q6_K:
