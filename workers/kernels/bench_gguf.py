@@ -27,7 +27,7 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336)]
 TYPES = {"q4_0": gguf_dot.Q4_0, "q8_0": gguf_dot.Q8_0, "q4_k": gguf_dot.Q4_K,
          "q5_k": gguf_dot.Q5_K, "q6_k": gguf_dot.Q6_K, "iq4_xs": gguf_gemv.IQ4_XS}
-SWEEP = list(itertools.product((1, 2, 4), (2, 4, 8, 16), (1, 2)))
+SWEEP = list(itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (1, 2, 4)))
 COPIES = 8  # distinct weights in a chain (8 x a 4.6 GB-class layer's blocks exceed L2)
 
 

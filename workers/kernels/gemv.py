@@ -162,36 +162,11 @@ def _gemv_kernel(X, Res, NormW, ResOut, NormOut, W, Scale, Bias, Y, Cos, Sin, N,
 
 
 @triton.jit
-def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
-    """``_gemv_kernel``'s product for M <= ROWS rows at once (their norm, activation or
-    rotary run in launches of their own, ``_rows``): each weight chunk is read once for all
-    rows, and each row's sum is the one-row kernel's, bit for bit, given its BLOCK_K: the
-    same partial sum per (feature, column), the same fixed-order lane_sum. Weights and rows
-    are loaded as [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles, which (with the warps
-    along BLOCK_K only) share the product's layout: no shuffle through shared memory in
-    the loop."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rows < N
-    rows = tl.where(n_ok, rows, 0)
-    ms = tl.arange(0, ROWS)
-    m_ok = ms < M
-    ks = tl.arange(0, BLOCK_K)[None, None, :]
-    w_ptrs = W + rows.to(tl.int64)[None, :, None] * stride_w + ks
-    x_ptrs = X + ms.to(tl.int64)[:, None, None] * stride_x + ks
-    w = tl.load(w_ptrs, mask=ks < K, other=0.0, eviction_policy="evict_first")
-    wait_for_prior(PDL)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w_ptrs += BLOCK_K
-        w_next = tl.load(w_ptrs, mask=k0 + BLOCK_K + ks < K, other=0.0,
-                         eviction_policy="evict_first")
-        xf = tl.load(x_ptrs, mask=m_ok[:, None, None] & (k0 + ks < K), other=0.0).to(tl.float32)
-        x_ptrs += BLOCK_K
-        acc += _weights(w, SCALED) * xf
-        w = w_next
+def _row_sums(acc, ms, M, rows, n_ok, Scale, Bias, Y, stride_y, ROWS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+              SCALED: tl.constexpr):
+    """Stores rows ``ms``' sums of ``acc`` [ROWS, BLOCK_N, BLOCK_K] (lanes summed in the
+    one-row kernel's fixed order), scaled and biased as it does."""
     y = tl.reshape(lane_sum(tl.reshape(acc, [ROWS * BLOCK_N, BLOCK_K]), ROWS * BLOCK_N, BLOCK_K),
                    [ROWS, BLOCK_N])
     if SCALED:
@@ -199,7 +174,64 @@ def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
     if HAS_BIAS:
         y += tl.load(Bias + rows).to(tl.float32)[None, :]
     tl.store(Y + ms.to(tl.int64)[:, None] * stride_y + rows[None, :], y.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+             mask=(ms < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _rows_kernel(X, W, Scale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
+                 ROWS: tl.constexpr, ROWS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SCALED: tl.constexpr, PDL: tl.constexpr):
+    """``_gemv_kernel``'s product for 1 < M <= ROWS + ROWS_B rows at once (their norm,
+    activation or rotary run in launches of their own, ``_rows``): each weight chunk is read
+    once for all rows, and each row's sum is the one-row kernel's, bit for bit, given its
+    BLOCK_K: the same partial sum per (feature, column), the same fixed-order lane_sum.
+    Weights and rows are loaded as [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles,
+    which (with the warps along BLOCK_K only) share the product's layout: no shuffle
+    through shared memory in the loop.
+
+    The rows are two power-of-two groups (5 = 4 + 1, 8 = 4 + 4), so five rows cost five
+    rows' multiply-adds, not eight. The loop's instructions bound it, not the memory: rows
+    past M reread the last row and the last step rereads its own chunk (EVEN_K), so no
+    load takes a mask."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    rows = tl.where(n_ok, rows, 0)
+    ks = tl.arange(0, BLOCK_K)[None, None, :]
+    w_ptrs = W + rows.to(tl.int64)[None, :, None] * stride_w + ks
+    ms = tl.arange(0, ROWS)
+    x_at = tl.minimum(ms, M - 1)[:, None, None] * stride_x + ks
+    ms_b = ROWS + tl.arange(0, ROWS_B)
+    xb_at = tl.minimum(ms_b, M - 1)[:, None, None] * stride_x + ks
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=ks < K, other=0.0, eviction_policy="evict_first")
+    wait_for_prior(PDL)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([ROWS_B, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w_ptrs += tl.where(k0 + BLOCK_K < K, BLOCK_K, 0)
+            w_next = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(X + x_at + k0)
+            xb = tl.load(X + xb_at + k0)
+        else:
+            k_ok = k0 + ks < K
+            w_ptrs += BLOCK_K
+            w_next = tl.load(w_ptrs, mask=k0 + BLOCK_K + ks < K, other=0.0,
+                             eviction_policy="evict_first")
+            x = tl.load(X + x_at + k0, mask=k_ok, other=0.0)
+            xb = tl.load(X + xb_at + k0, mask=k_ok, other=0.0)
+        wf = _weights(w, SCALED)
+        acc += wf * x.to(tl.float32)
+        acc_b += wf * xb.to(tl.float32)
+        w = w_next
+    _row_sums(acc, ms, M, rows, n_ok, Scale, Bias, Y, stride_y, ROWS, BLOCK_N, BLOCK_K,
+              HAS_BIAS, SCALED)
+    _row_sums(acc_b, ms_b, M, rows, n_ok, Scale, Bias, Y, stride_y, ROWS_B, BLOCK_N, BLOCK_K,
+              HAS_BIAS, SCALED)
 
 
 # (BLOCK_N, BLOCK_K, num_warps), timed on an H200 over the projections of the shipped
@@ -319,12 +351,15 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], l
     lanes = min(_config(n, k, lanes_pre, rotates, weight.element_size() == 1)[1],
                 triton.next_power_of_2(k))
     block_n, block_k, warps = config or (max(1, 16 // rows), lanes, max(1, lanes // 256))
+    rows_a = 1 << ((m - 1).bit_length() - 1)  # two power-of-two groups: 5 = 4 + 1, 8 = 4 + 4
+    rows_b = triton.next_power_of_2(m - rows_a)
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight if scale is None else weight.view(torch.uint8),
         scale if scale is not None else weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0), ROWS=rows, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, SCALED=scale is not None,
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0), ROWS=rows_a, ROWS_B=rows_b,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, SCALED=scale is not None,
         num_warps=warps, **pdl.launch_options(x.device))
     return y
 
