@@ -23,6 +23,9 @@ multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int1
 the GPU path keeps as blocks (``gguf_gemv.BLOCKS``: a float block kernel and a
 dequantization for the other steps).
 
+The kernels launch with programmatic dependent launch (``pdl.py``) and wait at their
+start: the grid is resident while the launch before it drains.
+
 Under Triton's CPU interpreter (no inline assembly) ``dp4a`` is four multiply-adds of
 the bytes, the same integers.
 """
@@ -38,6 +41,7 @@ import triton.language as tl
 from .gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _check
 from .fixed_sum import lane_sum
 from .int8_blocks import store_int8_blocks
+from .pdl import launch_options, wait_for_prior
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -122,10 +126,12 @@ def _k4_scales(w1, w2, w3, h: tl.constexpr):
 
 @triton.jit
 def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
-                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program: BLOCK_N rows, SB super-blocks of each a loop step. A super-block is 36
     words: d and dmin (fp16), three of 6-bit scales and mins, then four runs of eight
     words of nibbles (run r's low nibbles: sub-block 2r; high: 2r + 1)."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -169,9 +175,11 @@ def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
 
 @triton.jit
 def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
-                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program: BLOCK_N rows, NB blocks of 32 of each a loop step. A block is 17 int16:
     d (fp16), then 32 int8 codes; w = d * q, both sides signed."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -195,11 +203,13 @@ def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
 
 @triton.jit
 def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
-                           BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+                           BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """``_q8_0_dot_kernel`` on Q8_0 rows repacked by ``q8_0_split``: a row's K int8 codes,
     then its K/32 fp16 scales. The codes are read as aligned int32 words (the file's
     34-byte blocks allow only int16 reads); the sums are the same, in the same order (the
     blocks' lanes added by ``lane_sum`` in both, whatever each compiled layout)."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -224,9 +234,11 @@ def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
 
 @triton.jit
 def _q4_0_dot_kernel(XQ, XD, XS, W16, Y, N, K, row_halves, stride_y,
-                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """A block is 9 int16: d (fp16), then 16 bytes whose low nibbles are weights 0-15 and
     high nibbles 16-31; w = d * (q - 8), so a block's sum is d * (dx * sum q qx - 8 * sum x)."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -253,10 +265,12 @@ def _q4_0_dot_kernel(XQ, XD, XS, W16, Y, N, K, row_halves, stride_y,
 
 @triton.jit
 def _q5_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
-                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """Q4_K's super-block with a fifth bit: 44 words: d and dmin, three of 6-bit scales
     and mins, eight of high bits (byte i's bit s: sub-block s, position i), then the 32
     words of nibbles; w = d * sc * (q + 16 h) - dmin * m."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -301,12 +315,14 @@ def _q5_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
 
 @triton.jit
 def _q6_k_dot_kernel(XQ, XD, W16, W8, Y, N, K, row_halves, stride_y,
-                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """A super-block is 105 int16: ql[128] (half h's 64 bytes: low nibbles are its
     weights 0-63, high 64-127), qh[64] (half h's 32 bytes: bits 2j..2j+1 of byte i are
     weight 32 j + i), int8 scales[16] (one per 16 weights), d. w = d * sc * (q - 32): a
     group of 16's sum is d * sc * dx * (sum q qx - 32 sum qx). Tile axes: (row,
     super-block, half h, group g of 16 in a nibble run, word w of the group)."""
+    wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -361,7 +377,7 @@ def _launch(kernel, xq, words: torch.Tensor, out: torch.Tensor, n: int, k: int, 
     block_n, depth, warps = config
     kernel[(triton.cdiv(n, block_n), xq[0].shape[0])](
         *xq, *weights, out, n, k, words.shape[1], out.stride(0), block_n, depth, EMULATE,
-        num_warps=warps)
+        num_warps=warps, **launch_options(out.device))
     return out
 
 
@@ -439,7 +455,7 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
     words = blocks.view(torch.int32)
     _q4_k_dot_kernel[(triton.cdiv(n, block_n), q.shape[0])](
         q.view(torch.int32), d, s, words, out, n, k, words.shape[1], out.stride(0),
-        BLOCK_N=block_n, SB=sb, EMULATE=EMULATE, num_warps=warps)
+        BLOCK_N=block_n, SB=sb, EMULATE=EMULATE, num_warps=warps, **launch_options(out.device))
     return out
 
 
