@@ -347,12 +347,14 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], l
     thread."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     _check_weight(weight, scale)
-    rows = triton.next_power_of_2(m)
     lanes = min(_config(n, k, lanes_pre, rotates, weight.element_size() == 1)[1],
                 triton.next_power_of_2(k))
-    block_n, block_k, warps = config or (max(1, 16 // rows), lanes, max(1, lanes // 256))
     rows_a = 1 << ((m - 1).bit_length() - 1)  # two power-of-two groups: 5 = 4 + 1, 8 = 4 + 4
     rows_b = triton.next_power_of_2(m - rows_a)
+    # up to 20 rows x features of partial sums (eight lanes a thread each): five rows take
+    # four features a program, the fastest on an H100 (bench_gemv --rows 5 --tune, session 35)
+    block_n = 1 << ((20 // (rows_a + rows_b)).bit_length() - 1)
+    block_n, block_k, warps = config or (block_n, lanes, max(1, lanes // 256))
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight if scale is None else weight.view(torch.uint8),

@@ -326,6 +326,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     span = max_seq_len if not window else min(max_seq_len, window)
     block_n, warps = tiles or TILES[128 if dim <= 128 else 256]
+    if tiles is None and k_cache.element_size() == 4 and dim > 128:
+        block_n //= 2  # float32 tiles of 256-wide heads: 64 keys need 272 KB of shared memory
     if partition is None:
         partition = max(span, 1)
     num_splits = triton.cdiv(span, partition)
