@@ -39,7 +39,10 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk,
     the integer dots round x to int8 blocks first (as llama.cpp's MMVQ rounds it to
     q8_1), which moves this random model's log probabilities by a few hundredths (0.03
     on an H100): the same greedy tokens, within 0.05. The dots' own bits: test_kernels_gguf.py."""
-    if not dots:
+    if dots:  # float32 rows take the dots only where told (16-bit ones always do)
+        monkeypatch.setattr(linear_method.GGUF_BLOCKS, "dot_dtypes",
+                            linear_method.GGUFBlockMethod.dot_dtypes + (torch.float32,))
+    else:
         monkeypatch.setattr(linear_method.GGUF_BLOCKS, "dot_devices", ())
     blocks = make_runner(q8_file, device="cuda")
     dense = make_runner(q8_file, device="cuda", dequantize_weights=True)
@@ -56,7 +59,8 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_dequantized(q8_file, chunk,
 
 def test_the_embedded_gguf_on_its_blocks_agrees_with_float32_over_a_long_text(default_model_path):
     """Teacher-forced over 1,100 tokens of prose in chunks of up to ``GEMV_ROWS`` rows (so
-    every product of a block layer is a block gemv), float32 activations: the top-1 token
+    every product of a block layer is a block gemv), float32 activations (so the float
+    block gemv, not the int8 dots: ``GGUFBlockMethod.dot_dtypes``): the top-1 token
     agrees with the file dequantized to float32 at >= 99% of positions, and the perplexity
     is within 1%, the CPU block path's bar (test_block_weights.py)."""
     from test_block_weights import TEXT_TOKENS, _torch_teacher_forced, prose_ids

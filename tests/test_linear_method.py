@@ -86,16 +86,20 @@ def built(types, tp=None, dtype=torch.float32):
 
 
 def take_dots(monkeypatch):
-    """Rows up to GEMV_ROWS take the integer dots on this device too (as on CUDA)."""
+    """Rows up to GEMV_ROWS take the integer dots on this device too (as on CUDA), and in
+    float32 too (as in 16-bit models)."""
     monkeypatch.setattr(linear_method.GGUF_BLOCKS, "dot_devices", ("cuda", DEVICE.type))
+    monkeypatch.setattr(linear_method.GGUF_BLOCKS, "dot_dtypes",
+                        linear_method.GGUFBlockMethod.dot_dtypes + (torch.float32,))
 
 
 @pytest.fixture(params=[False, True], ids=["block_gemv", "dots"])
 def dots(request, monkeypatch):
-    """Whether rows up to GEMV_ROWS take the integer dots here (always so on CUDA)."""
+    """Whether rows up to GEMV_ROWS take the integer dots here (these float32 layers take
+    the float block gemv unless told)."""
     if request.param:
         take_dots(monkeypatch)
-    return request.param or DEVICE.type == "cuda"
+    return request.param
 
 
 def int8_exact_rows(rows: int, k: int, seed: int) -> torch.Tensor:
