@@ -72,8 +72,8 @@ def rows_as_alone():
     """Inside, products of up to ``gemv_max_rows`` rows run as the gemv, which computes each
     row with the bits it gets alone (kernels/gemv.py): a speculative verification step's
     rows then equal their decode steps' (verify_graphs.py). Outside, only one-row products
-    do: at five to eight rows the gemv takes about twice cuBLAS's time (docs/benchmarks.md,
-    session 30), so a plain batch of decodes keeps the GEMM."""
+    do: at five rows the gemv takes 1.2-1.5x cuBLAS's time (docs/benchmarks.md, session
+    35), so a plain batch of decodes keeps the GEMM."""
     token = _rows_as_alone.set(True)
     try:
         yield
