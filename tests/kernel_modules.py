@@ -37,3 +37,14 @@ def load_kernels() -> tuple[types.SimpleNamespace, "object"]:
     pytest.importorskip("triton.language")
     mods = {name: importlib.import_module(f"pocketllm.workers.kernels.{name}") for name in MODULES}
     return types.SimpleNamespace(**mods), torch.device("cuda" if cuda else "cpu")
+
+
+def compiled_only(*values, reason: str):
+    """``pytest.param(*values)`` that runs where the kernels compile (CUDA) and skips under
+    the interpreter: a case whose kernels another interpreted case already runs, and that
+    costs minutes there (docs/testing.md, "What the CPU suite leaves to the GPU")."""
+    import torch
+
+    return pytest.param(*values, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason=f"compiled only: {reason}"))
+
