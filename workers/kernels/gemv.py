@@ -343,8 +343,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], l
     """x [M, K] (1 < M <= MAX_ROWS) through ``_rows_kernel``. Its BLOCK_K is the one a
     one-row launch of the same product takes (``_config`` with that launch's ``lanes_pre``
     and ``rotates``), so each row's sums are that launch's; a warp covers 256 columns
-    (eight a thread), so BLOCK_K sets the warps, and BLOCK_N keeps 128 partial sums a
-    thread."""
+    (eight a thread), so BLOCK_K sets the warps, and BLOCK_N the partial sums a thread
+    holds (rows x BLOCK_N x 8)."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     _check_weight(weight, scale)
     lanes = min(_config(n, k, lanes_pre, rotates, weight.element_size() == 1)[1],

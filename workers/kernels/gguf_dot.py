@@ -204,7 +204,7 @@ def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
 @triton.jit
 def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
                            BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr,
-                     PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     """``_q8_0_dot_kernel`` on Q8_0 rows repacked by ``q8_0_split``: a row's K int8 codes,
     then its K/32 fp16 scales. The codes are read as aligned int32 words (the file's
     34-byte blocks allow only int16 reads); the sums are the same, in the same order (the
