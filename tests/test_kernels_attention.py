@@ -77,6 +77,17 @@ def test_mixed_step_matches_torch_backend(window, softcap):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_float32_decodes_of_256_wide_heads():
+    """Gemma 3's 256-wide heads in a float32 cache: the decode kernel takes half its keys
+    a loop (``decode_tiles``; 64 keys needed more shared memory than an H100 has, so the
+    first float32 run of the embedded model on a GPU failed at start-up)."""
+    assert K.paged_decode_attention.decode_tiles(256, 4)[0] == \
+        K.paged_decode_attention.decode_tiles(256, 2)[0] // 2
+    out, ref = run_both([(70, 1), (5, 1)], heads=4, kv_heads=1, dim=256, window=None,
+                        softcap=None, seed=5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_long_chunk_over_long_prefix(window):
     # key tiles entirely before the diagonal (unmasked path) and several query blocks;

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..layers.attention import AttentionMetadata
 from .kv_write import write_kv
-from .paged_decode_attention import decode_block_n, paged_decode_attention, sm_count
+from .paged_decode_attention import decode_tiles, paged_decode_attention, sm_count
 from .prefill_attention import INVARIANT_TILES, prefill_attention
 
 
@@ -78,7 +78,8 @@ class TritonAttention:
             # its decode would have, and sums them in the same order
             partition = self.policy.decode_partition(d.block_tables.shape[0] // d.seq_rows,
                                                      k_cache.shape[1], span, sm_count(q.device),
-                                                     decode_block_n(q.shape[2]))
+                                                     decode_tiles(q.shape[2],
+                                                                  k_cache.element_size())[0])
             paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.q_start,
                                    d.max_seq_len, meta.block_size, scale, window, softcap, out,
                                    partition=partition,

@@ -244,7 +244,7 @@ def _run_decode(tiles, case, policy: KernelPolicy = KernelPolicy(triton=True)):
     _label, (step, meta), window = case
     d = meta.decode
     span = min(d.max_seq_len, window) if window else d.max_seq_len
-    block_n = tiles[0] if tiles else decode_mod.decode_block_n(step.q.shape[2])
+    block_n = (tiles or decode_mod.decode_tiles(step.q.shape[2], step.k_cache.element_size()))[0]
     partition = policy.decode_partition(d.block_tables.shape[0], step.k_cache.shape[1], span,
                                         decode_mod.sm_count(DEV), block_n)
     decode_mod.paged_decode_attention(step.q, step.k_cache, step.v_cache, d.block_tables,

@@ -283,9 +283,12 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
-def decode_block_n(head_dim: int) -> int:
-    """Keys per loop of the decode kernel: a split is a multiple of it."""
-    return TILES[128 if head_dim <= 128 else 256][0]
+def decode_tiles(head_dim: int, element_size: int) -> tuple[int, int]:
+    """(keys per loop, warps) of the decode kernel for a cache of ``element_size``-byte
+    values: a split is a multiple of the keys. Float32 caches of heads wider than 128 take
+    half the keys (64 keys of 256-wide float32 heads need 272 KB of shared memory)."""
+    block_n, warps = TILES[128 if head_dim <= 128 else 256]
+    return (block_n // 2 if element_size == 4 and head_dim > 128 else block_n), warps
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -325,9 +328,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = heads // kv_heads
     span = max_seq_len if not window else min(max_seq_len, window)
-    block_n, warps = tiles or TILES[128 if dim <= 128 else 256]
-    if tiles is None and k_cache.element_size() == 4 and dim > 128:
-        block_n //= 2  # float32 tiles of 256-wide heads: 64 keys need 272 KB of shared memory
+    block_n, warps = tiles or decode_tiles(dim, k_cache.element_size())
     if partition is None:
         partition = max(span, 1)
     num_splits = triton.cdiv(span, partition)
