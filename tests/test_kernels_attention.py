@@ -169,6 +169,29 @@ def test_decode_only_step_writes_new_kv_in_the_decode_kernel(window, softcap):
     assert not torch.isnan(k_cache[meta.slot_mapping.long()]).any()
 
 
+def test_verification_rows_as_decodes_have_their_decode_steps_bits():
+    """A speculative step's rows run as decodes (``rows_as_decodes``: an eager hybrid
+    model's verification): each row gets exactly the output of a decode step of its
+    sequences at its position, the keys split as for a step of two sequences."""
+    specs = [(57, 4), (20, 3)]  # a last token and 3 and 2 drafts
+    seqs, q, k, v, k_cache, v_cache = make_step(specs, 4, 2, 32, seed=21)
+    policy = KernelPolicy(triton=True, decode_min_partition=16)  # splits of 16 keys
+    backend = K.attention_backend.TritonAttention(policy)
+    meta = build_metadata(seqs, BS, [None], DEVICE, BLOCKS * BS, kernel_tables=True,
+                          rows_as_decodes=True)
+    assert meta.prefill is None and meta.decode.num_seqs == 2
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, None, 32 ** -0.5, None)
+    for j in range(3):  # the step whose decodes are each sequence's j-th row
+        rows = [s.row + j for s in seqs]
+        step = [ScheduledSeq(s.block_ids, s.start + j, 1, i) for i, s in enumerate(seqs)]
+        alone = build_metadata(step, BS, [None], DEVICE, BLOCKS * BS, kernel_tables=True)
+        got = backend.forward(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(),
+                              alone, None, 32 ** -0.5, None)
+        assert torch.equal(out[rows], got)
+    with pytest.raises(ValueError, match="Triton"):
+        build_metadata(seqs, BS, [None], DEVICE, BLOCKS * BS, rows_as_decodes=True)
+
+
 def test_split_merge_in_the_decode_kernel_is_race_free():
     # The last split to arrive merges: a missing fence or a stale read would show as a
     # wrong row now and then, so on a GPU repeat over fresh inputs (few reps interpreted).

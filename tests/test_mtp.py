@@ -67,6 +67,41 @@ def test_the_mtp_layer_guesses_as_transformers_modules_do(family):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])  # hybrid, MLA
+def test_rows_waiting_for_the_layer_write_the_kv_a_pass_each_step_writes(family, monkeypatch):
+    """The layer's KV is written once a request is asked to propose or holds
+    ``WAIT_ROWS`` verified rows (workers/mtp_proposer.py): a prompt and decode steps that
+    propose nothing leave their rows waiting until then, and the KV their pass writes is
+    the KV a pass after every step writes."""
+    import torch
+
+    from pocketllm.proto.messages import SamplingSpec
+    from pocketllm.workers import mtp_proposer
+    from tiny_checkpoints import PlanDriver
+    from test_worker_parity import make_runner
+
+    path = _with_mtp(family)
+
+    def decode(wait_rows: int, steps: int):
+        monkeypatch.setattr(mtp_proposer, "WAIT_ROWS", wait_rows)
+        runner = make_runner(path, speculative_method="mtp")
+        driver = PlanDriver(runner)
+        driver.add("r", PROMPTS[0], SamplingSpec(temperature=0.0, max_tokens=steps), steps)
+        for _ in range(steps):
+            driver.step_once()
+        waiting = runner.draft.waiting.get("r")
+        return runner, driver.reqs["r"].blocks, 0 if waiting is None else len(waiting.ids)
+
+    each, blocks, waiting = decode(1, 12)
+    assert waiting == 0
+    deferred, same_blocks, waiting = decode(16, 12)  # 10 prompt rows, a pass at 16
+    assert same_blocks == blocks and waiting == (10 + 11) - 16
+    slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(16)])
+    for want, got in zip(each.draft.kv.layer_caches[0], deferred.draft.kv.layer_caches[0]):
+        if want is not None:
+            torch.testing.assert_close(got[slots], want[slots], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family,device", [
     ("qwen3_5", "cpu"), ("qwen3_5_moe", "cpu"), ("deepseek_v3", "cpu"),
     pytest.param("qwen3_5", "cuda", marks=GPU), pytest.param("deepseek_v3", "cuda", marks=GPU)])

@@ -63,13 +63,14 @@ def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, t
 
 
 @GPU
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
 @pytest.mark.parametrize("k", [4, 7])
 def test_bf16_drafts_of_the_greedy_output_are_all_accepted_on_the_gpu(family, k, tmp_path):
     """In bfloat16 on CUDA, a verification step computes each of its k + 1 rows with the
-    bits its decode step would have had (the gemv's rows, the decode kernel's splits), so
-    every draft replaying the greedy output is accepted and the text is the same, though
-    a tiny random model's logits are full of near ties."""
+    bits its decode step would have had (the gemv's rows, the decode kernel's splits; a
+    hybrid model's eager step too, its recurrent rows one by one), so every draft
+    replaying the greedy output is accepted and the text is the same, though a tiny
+    random model's logits are full of near ties."""
     import json
 
     from pocketllm import LLM, SamplingParams

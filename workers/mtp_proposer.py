@@ -3,11 +3,19 @@ layer (``models/mtp_layer.py``), fed the target's own hidden states (its pool an
 sampling: ``proposer.py``).
 
 The layer at position t reads the target's hidden state at t and token t + 1, so its
-KV cache can only be written once both are known: after every step, for every request
-in it, the rows whose next token is known (a prompt chunk's, the verified ones of a
-decode or a verification; a rejected draft's row is written again once the target has
-computed it for the right token). The step's hidden states come from the forward
-(``LaunchedStep.hidden``), a CUDA graph's included.
+KV cache can only be written once both are known: after a step, for the rows whose next
+token is known (a prompt chunk's, the verified ones of a decode or a verification; a
+rejected draft's row is written again once the target has computed it for the right
+token). The step's hidden states come from the forward (``LaunchedStep.hidden``), a CUDA
+graph's included.
+
+That pass waits until the layer is needed: a request's verified rows are kept (their
+hidden states, about 8 KB a row for a 4096-wide model) until a step asks it for
+proposals, or until it holds ``WAIT_ROWS`` of them; then every request of the step with
+rows waiting passes them through the layer at once, as a prompt chunk would. A request
+whose drafts keep failing proposes only after each pause (``scheduler/drafter.py``), so
+at zero acceptance the layer runs about once a pause over the whole pause's rows, not
+eagerly after every step; when every step proposes, nothing waits.
 
 A request asked to propose then takes its last row's guess as the first draft, and the
 layer guesses on from its own output and that draft, one position further each time
@@ -30,6 +38,24 @@ from pocketllm.proto.messages import StepResult
 from .proposer import Proposer, verified_tokens
 from .step_rows import ScheduledSeq
 
+# The most rows a request keeps waiting for the layer: bounds the kept hidden states (at
+# most this many rows a running request) and how rarely a request that never proposes
+# (paused, or in a batch too big to draft) has its layer KV written.
+WAIT_ROWS = 32
+
+
+class Waiting:
+    """A request's verified rows not yet through the layer, from position ``start``."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.hidden: list[torch.Tensor] = []  # [rows, hidden] pieces, in position order
+        self.ids: list[int] = []  # each row's next token
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
 
 class MTPProposer(Proposer):
     reads_hidden = True
@@ -40,37 +66,80 @@ class MTPProposer(Proposer):
         super().__init__(runner, args, runner.backend, 1, target.num_local_kv_heads,
                          target.cfg.head_dim, target.latent_cache_width)
         self.final_norm = target.norm  # the layer reads the target's normed hidden states
+        self.waiting: dict[str, Waiting] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
 
     def after_step(self, result: Optional[StepResult], step, requests: dict
                    ) -> Optional[list[list[int]]]:
         if step.hidden is None:
             return None
         tokens_of = verified_tokens(result, step.slots, requests) if result is not None else {}
-        seqs, rows, ids, positions = [], [], [], []
-        last: dict[str, int] = {}  # request -> the row of its last verified position
+        asked = {rid: count for rid, count in (step.proposals or {}).items()
+                 if count > 0 and result is not None}
+        ready = []  # (request, its sequence this step, verified rows, their next tokens, last?)
         for rid, seq in zip(step.seq_ids, step.seqs):
             state = requests.get(rid)
             tokens = tokens_of.get(rid, state.token_ids if state is not None else None)
             n = 0 if tokens is None else min(seq.num_tokens, len(tokens) - 1 - seq.start)
             if n <= 0:
                 continue
-            seqs.append(ScheduledSeq(seq.block_ids, seq.start, n, len(ids)))
-            rows.extend(range(seq.row, seq.row + n))
-            ids.extend(tokens[seq.start + 1:seq.start + n + 1])
-            positions.extend(range(seq.start, seq.start + n))
-            if seq.start + n == len(tokens) - 1:
-                last[rid] = len(ids) - 1
-        if not seqs:
+            waiting = self.waiting.get(rid)
+            if waiting is not None and waiting.end != seq.start:  # not a continuation: drop
+                del self.waiting[rid]
+            ready.append((rid, seq, n, tokens[seq.start + 1:seq.start + n + 1],
+                          seq.start + n == len(tokens) - 1))
+        if not ready:
             return None
-        hidden = self.final_norm(step.hidden.index_select(0, self.ids(rows)))
-        out = self.mtp(self.ids(ids), self.ids(positions), max(positions), hidden,
-                       self.metadata(seqs), self.kv.layer_caches[0])
-        if result is None or not step.proposals:
+        if not any(rid in asked or self._waiting_rows(rid) + n >= WAIT_ROWS
+                   for rid, _seq, n, _ids, _last in ready):
+            self._wait(step.hidden, ready)
             return None
-        asked = [(rid, last[rid], count) for rid, count in step.proposals.items()
-                 if count > 0 and rid in last]
-        proposed = self._propose(out, asked, [positions[row] for _, row, _ in asked], requests)
+        out, last = self._pass(step.hidden, ready)
+        if not asked:
+            return None
+        rows = [(rid, last[rid][0], count) for rid, count in asked.items() if rid in last]
+        proposed = self._propose(out, rows, [last[rid][1] for rid, _, _ in rows], requests)
         return [proposed.get(rid, []) for rid in result.request_ids]
+
+    def _waiting_rows(self, request_id: str) -> int:
+        waiting = self.waiting.get(request_id)
+        return 0 if waiting is None else len(waiting.ids)
+
+    def _wait(self, hidden: torch.Tensor, ready: list) -> None:
+        """Keep the step's verified rows for a later pass (a copy: the step's states are
+        a graph's buffer, or hold rows nobody waits for)."""
+        rows = [r for _rid, seq, n, _ids, _last in ready for r in range(seq.row, seq.row + n)]
+        kept = (hidden if rows == list(range(hidden.shape[0])) and hidden._base is None
+                else hidden.index_select(0, self.ids(rows)))
+        at = 0
+        for rid, seq, n, ids, _last in ready:
+            waiting = self.waiting.setdefault(rid, Waiting(seq.start))
+            waiting.hidden.append(kept[at:at + n])
+            waiting.ids.extend(ids)
+            at += n
+
+    def _pass(self, hidden: torch.Tensor, ready: list
+              ) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+        """The layer over every ready request's waiting rows and this step's: its output
+        rows, and per request whose tokens end with this step's, the (row, position) of
+        its last verified position (its guess follows the tokens)."""
+        pieces, seqs, ids, positions = [], [], [], []
+        last: dict[str, tuple[int, int]] = {}
+        for rid, seq, n, step_ids, is_last in ready:
+            waiting = self.waiting.pop(rid, None) or Waiting(seq.start)
+            pieces += [*waiting.hidden, hidden[seq.row:seq.row + n]]
+            count = len(waiting.ids) + n
+            seqs.append(ScheduledSeq(seq.block_ids, waiting.start, count, len(ids)))
+            ids += waiting.ids + step_ids
+            positions.extend(range(waiting.start, waiting.start + count))
+            if is_last:
+                last[rid] = (len(ids) - 1, positions[-1])
+        states = self.final_norm(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        out = self.mtp(self.ids(ids), self.ids(positions), max(positions), states,
+                       self.metadata(seqs), self.kv.layer_caches[0])
+        return out, last
 
     def _propose(self, out: torch.Tensor, asked: list[tuple[str, int, int]],
                  positions: list[int], requests: dict) -> dict[str, list[int]]:

@@ -7,6 +7,7 @@ The runner never appends the tokens it samples: the next plan's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -343,15 +344,18 @@ class ModelRunner:
             hidden, logits = graphs.run(seqs, input_ids, positions, rung, pending)
             # (the graph's buffer is the next step's too: a copy)
             return self._sample(plan, rows, logits, "graph", self._kept(rows, hidden.clone))
-        meta = self.metadata(seqs, snapshots)
+        as_decodes = self._verifies_as_decodes(plan, rows)
+        meta = self.metadata(seqs, snapshots, as_decodes)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
+        alone = kernel_policy.rows_as_alone() if as_decodes else contextlib.nullcontext()
         try:  # the ranks' collectives are in here
             if mixed_rung:
                 hidden = self.mixed_graphs.run(input_ids, positions, meta, mixed_rung, pending)
             else:
-                hidden = self.model(self._device_ids(input_ids, pending),
-                                    to_device(positions, self.device, torch.long),
-                                    max(positions), meta, self.kv_caches)
+                with alone:
+                    hidden = self.model(self._device_ids(input_ids, pending),
+                                        to_device(positions, self.device, torch.long),
+                                        max(positions), meta, self.kv_caches)
             path = "piecewise" if mixed_rung else "eager"
             kept = self._kept(rows, hidden.clone if mixed_rung else lambda: hidden)
             if not sample_rows:
@@ -360,7 +364,8 @@ class ModelRunner:
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
                 hidden = hidden.index_select(0, to_device(sample_rows, self.device))
-            logits = self.model.compute_logits(hidden)
+            with alone:
+                logits = self.model.compute_logits(hidden)
         except Exception as e:
             if self.tp.world > 1:  # the other ranks may be left inside a collective
                 raise RankFailure(f"rank {self.rank} failed mid-forward: "
@@ -389,14 +394,16 @@ class ModelRunner:
                 for g, state in enumerate(self.state_groups)]
 
     def metadata(self, seqs: list[list[ScheduledSeq]],
-                 snapshots: Optional[list[list[tuple[int, int]]]] = None) -> list:
+                 snapshots: Optional[list[list[tuple[int, int]]]] = None,
+                 as_decodes: bool = False) -> list:
         """A step's attention metadata per KV cache group (``seqs``: each group's tables;
-        ``snapshots``: each state group's, by row)."""
+        ``snapshots``: each state group's, by row; ``as_decodes``: every row of the
+        attention groups as a decode of its position)."""
         tables = getattr(self.backend, "kernel_tables", False)
         return [build_state_metadata(group, self.device, snapshots[g] if snapshots else ())
                 if self.state_groups[g] else
                 build_metadata(group, self.block_size, windows, self.device, self.kv.pad_slot(g),
-                               kernel_tables=tables)
+                               kernel_tables=tables, rows_as_decodes=as_decodes)
                 for g, (group, windows) in enumerate(zip(seqs, self.group_windows))]
 
     def _device_ids(self, input_ids: list[int],
@@ -419,6 +426,14 @@ class ModelRunner:
         if any(s.num_tokens != 1 for s in seqs):
             return 0
         return self.graphs.rung(len(seqs))
+
+    def _verifies_as_decodes(self, plan: StepPlan, rows: StepRows) -> bool:
+        """Whether an eager step verifying drafts (one no verify graph fits: a hybrid
+        model's, which snapshots each row's state) runs its rows as the verify graphs do,
+        each with the bits of its decode step (verify_graphs.py): every row samples, and the
+        attention backend can read rows as decodes."""
+        return (bool(plan.draft_token_ids) and len(rows.samplers) == len(rows.input_ids)
+                and getattr(self.backend, "rows_as_decodes", False))
 
     def _verify_rung(self, plan: StepPlan, rows: StepRows) -> int:
         """The captured batch size for a step of decodes with drafts, every row sampled;

@@ -10,7 +10,7 @@ b × (k + 1) rows.
 The rows run as decodes, each a position of its sequence with its own length: products of
 up to eight rows take the gemv (``rows_as_alone``), which gives each row the bits it gets
 alone (kernels/gemv.py), and the decode attention kernel splits each row's keys as for a
-step of b sequences (``PagedSeqs.seq_rows``); so every row is computed exactly as its
+step of b sequences (``PagedSeqs.num_seqs``); so every row is computed exactly as its
 decode step would have computed it, and greedy drafts the model would have decoded are
 accepted.
 The K/V of all rows are written before the attention reads them. A step packs each
@@ -47,7 +47,7 @@ class VerifyGraphs(DecodeGraphs):
         t = b * self.query_rows
         metas = [AttentionMetadata(slots[:t], [], t, False, self.block_size, decode=PagedSeqs(
                      tables[:t], self.seq_lens[:t], self.q_start[:t], self.q_lens[:t],
-                     self.max_model_len, 1, seq_rows=self.query_rows))
+                     self.max_model_len, 1, num_seqs=b))
                  for slots, tables in zip(self.slots, self.tables)]
         with rows_as_alone():  # each row's products as its decode step's
             hidden = self.model(self.input_ids[:t], self.positions[:t], self.max_model_len - 1,

@@ -33,6 +33,8 @@ from .prefill_attention import INVARIANT_TILES, prefill_attention
 class TritonAttention:
     # The runner passes this to build_metadata: these kernels read block tables, not groups.
     kernel_tables = True
+    # A verification step's rows can run as decodes (build_metadata's rows_as_decodes)
+    rows_as_decodes = True
 
     def __init__(self, policy=None):
         """``policy``: the ``KernelPolicy`` that chooses decode splits, SDPA for a lone
@@ -69,14 +71,14 @@ class TritonAttention:
         d = meta.decode
         # A decode-only step's rows are all decodes: the decode kernel writes them, unless
         # rows of one sequence read each other's (a speculative step run as decodes).
-        fused_write = p is None and d is not None and d.seq_rows == 1
+        fused_write = p is None and d is not None and not d.num_seqs
         if not fused_write:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if d is not None:
             span = min(d.max_seq_len, window) if window else d.max_seq_len
             # splits sized by sequences, not rows: a speculative row then splits its keys as
             # its decode would have, and sums them in the same order
-            partition = self.policy.decode_partition(d.block_tables.shape[0] // d.seq_rows,
+            partition = self.policy.decode_partition(d.num_seqs or d.block_tables.shape[0],
                                                      k_cache.shape[1], span, sm_count(q.device),
                                                      decode_tiles(q.shape[2],
                                                                   k_cache.element_size())[0])

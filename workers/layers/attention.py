@@ -59,9 +59,9 @@ class PagedSeqs:
     max_q_len: int
     lone_fresh_rows: Optional[slice] = None  # the rows of a lone sequence starting at 0
     host: tuple[tuple[int, int, int], ...] = ()  # per sequence: (q_start, q_len, seq_len)
-    # Decode rows per sequence: more than one in a speculative step run as decodes (each
-    # row a position of its sequence, its own length; verify_graphs.py)
-    seq_rows: int = 1
+    # A speculative step's rows run as decodes (each row a position of its sequence, its
+    # own length; verify_graphs.py): the sequences they belong to (0: each row its own)
+    num_seqs: int = 0
     # what a layer derives from these once a step for every layer (mla.py's key slots)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -79,12 +79,24 @@ class AttentionMetadata:
 
 def build_metadata(seqs: Sequence[ScheduledSeq], block_size: int,
                    windows: Sequence[Optional[int]], device: torch.device,
-                   pad_slot: int, kernel_tables: bool = False) -> AttentionMetadata:
+                   pad_slot: int, kernel_tables: bool = False,
+                   rows_as_decodes: bool = False) -> AttentionMetadata:
     """``pad_slot``: a slot that always holds zeros, read by the padding of batched decodes
     (masked out, but it must not hold NaN garbage, since 0 * NaN is NaN).
-    ``kernel_tables``: build the Triton kernels' tables instead of the torch groups."""
+    ``kernel_tables``: build the Triton kernels' tables instead of the torch groups;
+    ``rows_as_decodes`` (with them): every row of a sequence as a decode of its own
+    position (a speculative step verified as decodes: verify_graphs.py)."""
     if kernel_tables:
-        return _kernel_metadata(seqs, block_size, device)
+        if not rows_as_decodes:
+            return _kernel_metadata(seqs, block_size, device)
+        rows = [ScheduledSeq(s.block_ids, s.start + j, 1, s.row + j)
+                for s in seqs for j in range(s.num_tokens)]
+        meta = _kernel_metadata(rows, block_size, device)
+        if meta.decode is not None:
+            meta.decode.num_seqs = len(seqs)
+        return meta
+    if rows_as_decodes:
+        raise ValueError("rows run as decodes only on the Triton kernels' tables")
     windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
     slots: list[np.ndarray] = []
     groups: list[AttentionGroup] = []
