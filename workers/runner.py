@@ -347,12 +347,12 @@ class ModelRunner:
         as_decodes = self._verifies_as_decodes(plan, rows)
         meta = self.metadata(seqs, snapshots, as_decodes)
         mixed_rung = self.mixed_graphs.rung(len(input_ids)) if self.mixed_graphs else 0
-        alone = kernel_policy.rows_as_alone() if as_decodes else contextlib.nullcontext()
+        alone = kernel_policy.rows_as_alone if as_decodes else contextlib.nullcontext
         try:  # the ranks' collectives are in here
             if mixed_rung:
                 hidden = self.mixed_graphs.run(input_ids, positions, meta, mixed_rung, pending)
             else:
-                with alone:
+                with alone():
                     hidden = self.model(self._device_ids(input_ids, pending),
                                         to_device(positions, self.device, torch.long),
                                         max(positions), meta, self.kv_caches)
@@ -364,7 +364,7 @@ class ModelRunner:
                 hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]  # e.g. all decodes: no copy
             else:
                 hidden = hidden.index_select(0, to_device(sample_rows, self.device))
-            with alone:
+            with alone():
                 logits = self.model.compute_logits(hidden)
         except Exception as e:
             if self.tp.world > 1:  # the other ranks may be left inside a collective
