@@ -335,13 +335,14 @@ class ModelRunner:
         pending = self._pending_inputs(rows.pending_rows)
         self._start_states(seqs)
         snapshots = self._snapshot_rows(seqs, plan.state_snapshots)
-        # a snapshot is taken inside the layers' eager forward (a decode graph has no slot for one)
+        # a decode graph has no slot for a snapshot: a verify graph or the eager forward takes it
         rung = 0 if plan.state_snapshots else self._graph_rung(seqs[0], len(samplers))
         graphs = self.graphs
         if not rung:
             graphs, rung = self.verify_graphs, self._verify_rung(plan, rows)
         if rung:
-            hidden, logits = graphs.run(seqs, input_ids, positions, rung, pending)
+            keep = {"snapshots": snapshots} if graphs is self.verify_graphs else {}
+            hidden, logits = graphs.run(seqs, input_ids, positions, rung, pending, **keep)
             # (the graph's buffer is the next step's too: a copy)
             return self._sample(plan, rows, logits, "graph", self._kept(rows, hidden.clone))
         as_decodes = self._verifies_as_decodes(plan, rows)
@@ -438,7 +439,7 @@ class ModelRunner:
     def _verify_rung(self, plan: StepPlan, rows: StepRows) -> int:
         """The captured batch size for a step of decodes with drafts, every row sampled;
         0: eager."""
-        if self.verify_graphs is None or not plan.draft_token_ids or plan.state_snapshots:
+        if self.verify_graphs is None or not plan.draft_token_ids:
             return 0
         if len(rows.samplers) != len(rows.input_ids):
             return 0

@@ -61,13 +61,11 @@ def _capture(r, args):
     mixed = MixedGraphs(r.model, r.kv_caches, r.max_model_len, r.device,
                         max_tokens) if max_tokens > 0 else None
     verify = None
-    # a linear-attention model's verification keeps each row's state: eager
     max_batch = min(SPECULATIVE_MAX_BATCH, args.max_num_seqs)
-    if (args.speculative_method is not None and not any(r.state_groups)
-            and isinstance(r.backend, TritonAttention)):
+    if args.speculative_method is not None and isinstance(r.backend, TritonAttention):
         verify = VerifyGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len,
                               r.kv.pad_blocks, r.device, max_batch,
-                              args.num_speculative_tokens + 1)
+                              args.num_speculative_tokens + 1, r.state_groups)
     if r.draft is not None:
         r.draft.capture(max_batch, r.max_model_len)
     return decode, mixed, verify

@@ -61,6 +61,15 @@ class PrefillRound:
         # pieces of one row (a verification's rows, each snapshotted): the decode form
         self.single = all(n == 1 for _row, n, _slot in chunks)
 
+    @classmethod
+    def one_row_each(cls, rows: torch.Tensor, slots: torch.Tensor) -> "PrefillRound":
+        """A round of one row a sequence, its rows and slots given on the device (a
+        verify graph's buffers: verify_graphs.py)."""
+        round_ = cls.__new__(cls)
+        round_.chunks, round_.segments, round_.single = (), None, True
+        round_.rows, round_.slots = rows, slots
+        return round_
+
 
 @dataclass
 class StateMetadata:
@@ -71,8 +80,10 @@ class StateMetadata:
     # The longer chunks in rounds: a chunk cut where a snapshot is taken runs its pieces
     # in successive rounds.
     prefills: tuple[PrefillRound, ...]
-    # (round after which, its slot, the snapshot's slot): -1 after the decodes
-    snapshots: tuple[tuple[int, int, int], ...] = ()
+    # (round after which, its slot, the snapshot's slot): -1 after the decodes; the slots
+    # are ints, or [B] tensors of a round's sequences (a verify graph's: pad slots where
+    # a sequence takes none)
+    snapshots: tuple[tuple[int, Union[int, torch.Tensor], Union[int, torch.Tensor]], ...] = ()
 
 
 def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device,
@@ -184,7 +195,8 @@ class GatedDeltaNet(nn.Module):
             normed = self._decode(proj, conv_states, states, meta.decode_slots)
             self._snapshot(meta, -1, conv_states, states)
             return normed
-        normed = torch.empty(proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype,
+        # zeros: a verify graph's padding rows may be in no round, and must stay finite
+        normed = torch.zeros(proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype,
                              device=proj.device)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
@@ -204,9 +216,14 @@ class GatedDeltaNet(nn.Module):
                   states: torch.Tensor) -> None:
         """This layer's share of the snapshots taken once round ``after`` is done."""
         for when, slot, snapshot in meta.snapshots:
-            if when == after:
+            if when != after:
+                continue
+            if isinstance(slot, int):
                 conv_states[snapshot].copy_(conv_states[slot])
                 states[snapshot].copy_(states[slot])
+            else:
+                conv_states.index_copy_(0, snapshot, conv_states.index_select(0, slot))
+                states.index_copy_(0, snapshot, states.index_select(0, slot))
 
     def _prefill(self, proj: torch.Tensor, round_: PrefillRound, conv_states: torch.Tensor,
                  states: torch.Tensor, normed: torch.Tensor) -> None:
