@@ -52,8 +52,9 @@ class VerifyGraphs(DecodeGraphs):
         states = list(state_groups) or [False] * len(pad_blocks)
         self.rounds = [torch.full((3, query_rows, width), pad, dtype=torch.long, device=device)
                        if state else None for state, pad in zip(states, pad_blocks)]
-        for rounds in filter(None, self.rounds):
-            rounds[0].zero_()  # (the capture's rows: any row, the spare slot)
+        for rounds in self.rounds:
+            if rounds is not None:
+                rounds[0].zero_()  # (the capture's rows: any row, the spare slot)
         super().__init__(model, kv_caches, block_size, max_model_len, pad_blocks, device,
                          max_batch, state_groups)
 
