@@ -58,8 +58,9 @@ def test_torch_worker_greedy_text_is_the_same_with_speculation(family, device, t
         assert drafted > 0
         assert accepted == drafted if every == 0 else accepted == 0 if every == 1 else (
             0 < accepted < drafted)
-        if device == "cuda" and family != "deepseek_v2":
-            assert graphs == 4 * 4 and eager == 0  # 4 requests of 3 drafts + 1
+        if device == "cuda" and family != "deepseek_v2":  # 4 requests of 3 drafts + 1
+            # (a hybrid model's prompt step is eager: no piecewise graphs for it)
+            assert graphs == 4 * 4 and eager == (family == "qwen3_5")
 
 
 
