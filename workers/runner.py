@@ -429,10 +429,10 @@ class ModelRunner:
         return self.graphs.rung(len(seqs))
 
     def _verifies_as_decodes(self, plan: StepPlan, rows: StepRows) -> bool:
-        """Whether an eager step verifying drafts (one no verify graph fits: a hybrid
-        model's, which snapshots each row's state) runs its rows as the verify graphs do,
-        each with the bits of its decode step (verify_graphs.py): every row samples, and the
-        attention backend can read rows as decodes."""
+        """Whether an eager step verifying drafts (one past the verify graphs' rows) runs
+        its rows as the verify graphs do, each with the bits of its decode step
+        (verify_graphs.py): every row samples, and the attention backend can read rows as
+        decodes."""
         return (bool(plan.draft_token_ids) and len(rows.samplers) == len(rows.input_ids)
                 and getattr(self.backend, "rows_as_decodes", False))
 

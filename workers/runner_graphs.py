@@ -42,7 +42,6 @@ def capture_graphs(runner):
 
 def _capture(r, args):
     from .cuda_graphs import DecodeGraphs
-    from .kernels.attention_backend import TritonAttention
     from .piecewise_graphs import MixedGraphs
     from .verify_graphs import VerifyGraphs
 
@@ -62,7 +61,8 @@ def _capture(r, args):
                         max_tokens) if max_tokens > 0 else None
     verify = None
     max_batch = min(SPECULATIVE_MAX_BATCH, args.max_num_seqs)
-    if args.speculative_method is not None and isinstance(r.backend, TritonAttention):
+    # (an attention backend that reads a sequence's rows as decodes: the Triton kernels')
+    if args.speculative_method is not None and getattr(r.backend, "rows_as_decodes", False):
         verify = VerifyGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len,
                               r.kv.pad_blocks, r.device, max_batch,
                               args.num_speculative_tokens + 1, r.state_groups)
