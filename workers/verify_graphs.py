@@ -74,7 +74,7 @@ class VerifyGraphs(DecodeGraphs):
         rows, slots, snapshots = rounds
         return StateMetadata(None, None, tuple(
             PrefillRound.one_row_each(rows[j], slots[j]) for j in range(self.query_rows)),
-            tuple((j, slots[j], snapshots[j]) for j in range(self.query_rows)))
+            tuple((j, slots[j], snapshots[j]) for j in range(self.query_rows)), padded=True)
 
     def fits(self, seqs: Sequence[ScheduledSeq]) -> int:
         """The rung a step of these sequences replays (0: none fits)."""

@@ -84,6 +84,8 @@ class StateMetadata:
     # are ints, or [B] tensors of a round's sequences (a verify graph's: pad slots where
     # a sequence takes none)
     snapshots: tuple[tuple[int, Union[int, torch.Tensor], Union[int, torch.Tensor]], ...] = ()
+    # some rows are in no round (a verify graph's padding): their outputs must be finite
+    padded: bool = False
 
 
 def build_state_metadata(seqs: Sequence[ScheduledSeq], device: torch.device,
@@ -195,9 +197,8 @@ class GatedDeltaNet(nn.Module):
             normed = self._decode(proj, conv_states, states, meta.decode_slots)
             self._snapshot(meta, -1, conv_states, states)
             return normed
-        # zeros: a verify graph's padding rows may be in no round, and must stay finite
-        normed = torch.zeros(proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype,
-                             device=proj.device)
+        normed = (torch.zeros if meta.padded else torch.empty)(
+            proj.shape[0], self.v_heads * self.v_dim, dtype=proj.dtype, device=proj.device)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             o = self._decode(_take(proj, rows), conv_states, states, meta.decode_slots)
