@@ -50,6 +50,27 @@ def greedy_batch(path: str, device: str, **kw) -> dict[str, list[int]]:
     return driver.run()
 
 
+def test_verify_rounds_give_each_sequence_its_rows_slots_and_snapshots():
+    """A hybrid model's verify graph (verify_graphs.py) reads, per round j, each
+    sequence's j-th row, state slot and snapshot slot from buffers written before the
+    replay: a sequence with fewer rows, and the padding sequences of the rung, point
+    those rounds at the step's last row (padding then) and the spare slot."""
+    from pocketllm.workers.step_rows import ScheduledSeq
+    from pocketllm.workers.verify_graphs import VerifyGraphs
+
+    graphs = VerifyGraphs.__new__(VerifyGraphs)  # the buffers alone: no capture on the CPU
+    graphs.query_rows, graphs.pad_blocks = 3, [99, 7]  # k = 2; group 1 a state group
+    graphs.rounds = [None, torch.zeros(3, 3, 8, dtype=torch.long)]
+    seqs = [ScheduledSeq([4], 10, 3, 0), ScheduledSeq([5], 20, 2, 3)]  # 2 and 1 drafts
+    graphs._write_rounds(1, seqs, [(0, 1), (1, 2), (3, 6)], rung=4)  # (row, snapshot slot)
+    rows, slots, snapshots = graphs.rounds[1][:, :, :4].tolist()
+    last = 4 * 3 - 1
+    assert rows == [[0, 3, last, last], [1, 4, last, last], [2, last, last, last]]
+    assert slots == [[4, 5, 7, 7], [4, 5, 7, 7], [4, 7, 7, 7]]
+    assert snapshots == [[1, 6, 7, 7], [2, 7, 7, 7], [7, 7, 7, 7]]
+    assert not graphs.rounds[1][:, :, 4:].any()  # past the rung: untouched
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):
