@@ -92,6 +92,13 @@ def test_the_scheduler_verifies_what_the_worker_proposed(right):
         assert len(driver.plans) < len(plain.plans) / 2
     elif right == 0:
         assert stats["spec_accepted_tokens"] == 0
+        # asked for what the next step carries: after the first failures, probes of one
+        asks = {}
+        for plan in asked:
+            ids = [r.request_id for r in (*plan.new_requests, *plan.cached_requests)]
+            for rid, n in zip(ids, plan.propose_token_counts):
+                asks.setdefault(rid, []).append(n)
+        assert all(n[:2] == [4, 4] and set(n[2:]) == {1} for n in asks.values()), asks
     for plan in driver.plans:  # never asked while a step is in flight, nor beyond k
         assert all(0 <= n <= 4 for n in plan.propose_token_counts)
 

@@ -44,8 +44,14 @@ class Drafter:
         if pace.pause > 0:
             pace.pause -= 1
             return []
-        want = min(limit, max(1, round(self.k * pace.rate)))
+        want = min(limit, self.length(request_id))
         return self.candidates(request_id, tokens, want)[:want] if want > 0 else []
+
+    def length(self, request_id: str) -> int:
+        """How many drafts the request's next proposal carries: ``k`` times its recent
+        acceptance, at least one (a worker's drafter is asked for that many, no more)."""
+        pace = self._paces.get(request_id)
+        return self.k if pace is None else max(1, round(self.k * pace.rate))
 
     def paused(self, request_id: str) -> bool:
         """Whether the request's next step proposes nothing (its pause has steps left)."""

@@ -64,7 +64,8 @@ class SpeculativeSteps:
 
     def _ask_proposals(self, step: StepDraft) -> None:
         """Ask the worker's drafter (``worker_drafts.py``) for the drafts of each request's
-        next step, when that step may draft: up to k a decoding request that is not
+        next step, when that step may draft: as many as that step will carry (k times the
+        request's recent acceptance: ``Drafter.length``) a decoding request that is not
         paused, each given its block now (the proposing writes the draft model's KV at the
         positions after the request's tokens; the next step computes them there). Not
         after a prompt's last chunk: its first token would wait for the draft model to
@@ -78,7 +79,7 @@ class SpeculativeSteps:
             if (own != 1 or req.num_computed_tokens + 1 != req.num_tokens
                     or drafter.paused(req.request_id)):
                 continue
-            count = min(drafter.k, self.kv.fit_tokens(req) - n,
+            count = min(drafter.length(req.request_id), self.kv.fit_tokens(req) - n,
                         cfg.max_model_len - req.num_computed_tokens - n)
             if count > 0:
                 self.kv.grow(req, req.num_computed_tokens + n + count)
