@@ -56,6 +56,24 @@ def test_drafts_shorten_as_they_fail_and_pause_when_none_is_accepted():
     d.forget("a")
 
 
+def test_a_new_request_starts_from_the_drafters_recent_acceptance():
+    """While drafts fail for everyone, a new request starts paused and then probes with one
+    draft (not k on its first steps); once they are accepted again, a new one starts at
+    the length the recent acceptance gives."""
+    d = NgramDrafter(4)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    assert not d.paused("a") and d.length("a") == 4  # nothing verified yet: k
+    assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
+    for _ in range(8):  # 0.75 ** 8 = 0.1: under half a draft of 4
+        d.verified("a", 1, 0)
+    assert d.paused("b")
+    assert all(d.propose("b", tokens, 10) == [] for _ in range(COOLDOWN))
+    assert d.propose("b", tokens, 10) == [3]
+    for _ in range(3):  # accepted again: 1 - 0.9 * 0.75 ** 3 = 0.62
+        d.verified("b", 1, 1)
+    assert not d.paused("c") and d.propose("c", tokens, 10) == [3, 4]
+
+
 
 class WrongDrafter(Drafter):
     """Proposes the fake model's continuation, each token moved by one: none accepted."""

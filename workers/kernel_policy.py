@@ -70,7 +70,8 @@ _rows_as_alone: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_as_a
 @contextlib.contextmanager
 def rows_as_alone():
     """Inside, products of up to ``gemv_max_rows`` rows run as the gemv, which computes each
-    row with the bits it gets alone (kernels/gemv.py): a speculative verification step's
+    row with the bits it gets alone (kernels/gemv.py; a router's too, and the experts as
+    per-pair gemvs; MLA's absorbed heads row by row): a speculative verification step's
     rows then equal their decode steps' (verify_graphs.py). Outside, only one-row products
     do: at five rows the gemv takes 1.2-1.5x cuBLAS's time (docs/benchmarks.md, session
     35), so a plain batch of decodes keeps the GEMM."""
@@ -79,6 +80,11 @@ def rows_as_alone():
         yield
     finally:
         _rows_as_alone.reset(token)
+
+
+def rows_alone() -> bool:
+    """Whether products run inside ``rows_as_alone``."""
+    return _rows_as_alone.get()
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,13 @@ class KernelPolicy:
         inside ``rows_as_alone``."""
         rows = x.shape[0]
         return (self.triton and not self.batch_invariant
-                and (rows == 1 or (_rows_as_alone.get() and 1 <= rows <= self.gemv_max_rows)))
+                and (rows == 1 or (rows_alone() and 1 <= rows <= self.gemv_max_rows)))
 
     def product(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` of a plain weight that no layer fuses anything
-        into (a router): the one-row gemv where ``one_row``, else ``linear``."""
-        if self.one_row(x):
+        into (a router): the gemv where ``gemv_rows``, else ``linear``."""
+        if self.gemv_rows(x):
             return self.kernel("gemv", "gemv")(x, weight, bias)
         return self.linear(x, weight, bias)
 
@@ -227,7 +233,8 @@ class KernelPolicy:
 
         if self.batch_invariant:
             return fused_experts_fixed_tile
-        return ExpertsByTokens(self.moe_gemv_max_tokens, gemv_experts, fused_experts)
+        return ExpertsByTokens(self.moe_gemv_max_tokens, gemv_experts, fused_experts,
+                               self.gemv_max_rows)
 
     def mla_decode(self, rank: int, rope: int):
         """The decode attention over a paged MLA latent cache of rows ``rank + rope`` wide
@@ -261,18 +268,24 @@ class ExpertsByTokens:
     max_gemv_tokens: int
     gemv: Callable
     grouped: Callable
+    alone_tokens: int = 0  # inside ``rows_as_alone``, the gemvs up to this many tokens
 
     def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
-        return (self.gemv if x.shape[0] <= self.max_gemv_tokens else self.grouped)(x, *args)
+        # the gemvs compute each (token, expert) pair alone: a token's bits whatever the step
+        limit = max(self.max_gemv_tokens, self.alone_tokens if rows_alone() else 0)
+        return (self.gemv if x.shape[0] <= limit else self.grouped)(x, *args)
 
 
 def _mla_kernel_decode(policy: KernelPolicy, kernel, q_latent: torch.Tensor,
                        q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, q_rows: torch.Tensor, max_seq_len: int,
                        block_size: int, scale: float,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Triton MLA decode with the keys per split this policy picks for the launch."""
-    partition = kernel.mla_partition(policy, block_tables.shape[0], q_latent.shape[1],
+                       out: Optional[torch.Tensor] = None, num_seqs: int = 0) -> torch.Tensor:
+    """The Triton MLA decode with the keys per split this policy picks for the launch:
+    sized for ``num_seqs`` sequences (0: one a row), so a verification's rows run as
+    decodes split their keys as their decode steps did (``PagedSeqs.num_seqs``)."""
+    partition = kernel.mla_partition(policy, num_seqs or block_tables.shape[0],
+                                     q_latent.shape[1],
                                      max_seq_len, q_latent.shape[2], q_rope.shape[2],
                                      cache.element_size(), cache.device)
     return kernel.mla_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, q_rows,

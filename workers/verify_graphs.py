@@ -15,8 +15,9 @@ decode step would have computed it, and greedy drafts the model would have decod
 accepted.
 The K/V of all rows are written before the attention reads them. A step packs each
 sequence's rows (its last token and up to k drafts) in plan order; rows past the step's
-belong to no sequence, write their K/V to the pad slot and are dropped. Only the Triton
-attention of full and sliding layers runs here (MLA verifies eagerly).
+belong to no sequence, write their K/V to the pad slot and are dropped. Full, sliding
+and MLA attention run here (an MLA row absorbs its query and reads the latent cache as a
+decode does: layers/mla.py).
 
 A linear-attention layer (Qwen3.5) takes the rows in k + 1 rounds, round j the j-th row
 of every sequence in the decode form, and after each round copies the states the plan

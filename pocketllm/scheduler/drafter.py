@@ -11,6 +11,12 @@ of them for k = 4, docs/speculative.md), and a worker's drafter pays for every d
 proposes (an MTP layer's LM head), so a request whose drafts keep failing probes about
 log2 of its steps times, each with the cheapest verification there is, not every step
 at full length.
+
+A new request starts where the drafter's recent acceptance over all requests is (an
+exponential average of every verified step's accepted / drafted): while drafts keep
+failing for everyone, a new request starts paused, then probes with one draft, instead
+of proposing ``k`` on its first two steps (the second is planned before the first's
+result) only to fail like the others.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ from __future__ import annotations
 from typing import Optional
 
 EMA = 0.5  # weight of the newest step in the acceptance average
+SHARED_EMA = 0.25  # ... in the drafter's average over all requests
 COOLDOWN = 4  # steps of the first pause
 
 
 class Pace:
     """One request's acceptance average and pause."""
 
-    def __init__(self) -> None:
-        self.rate = 1.0  # acceptance average
-        self.pause = 0  # steps left without drafts
+    def __init__(self, rate: float = 1.0, pause: int = 0) -> None:
+        self.rate = rate  # acceptance average
+        self.pause = pause  # steps left without drafts
         self.next_pause = COOLDOWN
 
 
@@ -36,10 +43,20 @@ class Drafter:
     def __init__(self, k: int):
         self.k = k
         self._paces: dict[str, Pace] = {}
+        self.recent = 1.0  # acceptance average over every request's verified steps
+
+    def _pace(self, request_id: str) -> Pace:
+        """The request's pace; a new one's from ``recent``: paused when a single draft
+        would not be proposed at that rate."""
+        pace = self._paces.get(request_id)
+        if pace is None:
+            failing = round(self.k * self.recent) == 0
+            pace = self._paces[request_id] = Pace(self.recent, COOLDOWN if failing else 0)
+        return pace
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(limit, k)`` drafts to follow ``tokens`` (all verified)."""
-        pace = self._paces.setdefault(request_id, Pace())
+        pace = self._pace(request_id)
         self.observe(request_id, tokens)
         if pace.pause > 0:
             pace.pause -= 1
@@ -50,13 +67,11 @@ class Drafter:
     def length(self, request_id: str) -> int:
         """How many drafts the request's next proposal carries: ``k`` times its recent
         acceptance, at least one (a worker's drafter is asked for that many, no more)."""
-        pace = self._paces.get(request_id)
-        return self.k if pace is None else max(1, round(self.k * pace.rate))
+        return max(1, round(self.k * self._pace(request_id).rate))
 
     def paused(self, request_id: str) -> bool:
         """Whether the request's next step proposes nothing (its pause has steps left)."""
-        pace = self._paces.get(request_id)
-        return pace is not None and pace.pause > 0
+        return self._pace(request_id).pause > 0
 
     def skip(self, request_id: str) -> None:
         """A step of the paused request ran without asking (planned before the last one's
@@ -77,6 +92,7 @@ class Drafter:
         pace: Optional[Pace] = self._paces.get(request_id)
         if pace is None or drafted == 0:
             return
+        self.recent = (1 - SHARED_EMA) * self.recent + SHARED_EMA * accepted / drafted
         if not accepted:
             pace.pause, pace.next_pause = pace.next_pause, 2 * pace.next_pause
             pace.rate = 1.0 / self.k  # after the pause, probe with one draft

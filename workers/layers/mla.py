@@ -35,6 +35,7 @@ from torch import nn
 
 from ..device import to_device
 from ..distributed import SINGLE, TPGroup
+from ..kernel_policy import rows_alone
 from ..kernels import fused_kernel
 from .attention import AttentionMetadata, PagedSeqs
 from .linear import ColumnParallelLinear, RowParallelLinear, Shard, even_shard
@@ -49,13 +50,16 @@ LATENT_NORM_EPS = 1e-6
 def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          q_rows: torch.Tensor, max_seq_len: int, block_size: int,
-                         scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         scale: float, out: Optional[torch.Tensor] = None,
+                         num_seqs: int = 0) -> torch.Tensor:
     """One query per sequence over its cached latent rows (the torch reference).
 
     q_latent [T, H, R], q_rope [T, H, P]; cache [slots, R + P]; block_tables [B, W]
     int32; seq_lens [B] int32 (keys of sequence b, its query the last of them); q_rows
     [B] int64 (sequence b's row of q). Returns ``out`` [T, H, R] (allocated when None:
-    rows not in q_rows are zero), the softmax-weighted sum of the latents."""
+    rows not in q_rows are zero), the softmax-weighted sum of the latents. ``num_seqs``
+    sizes the Triton kernel's key splits (``KernelPolicy.mla_decode``); this form reads
+    each row's keys whole, so it takes it only to share that signature."""
     rank = q_latent.shape[-1]
     batch = block_tables.shape[0]
     pos = torch.arange(max_seq_len, device=cache.device)
@@ -144,12 +148,24 @@ class MlaBackend:
     """What the runner needs from an MLA model's attention: block-table metadata on every
     device (``kernel_tables``). Decode steps replay whole CUDA graphs; a prefill's
     attention (which reads its sequences' lengths on the host) runs eagerly between the
-    piecewise graphs, as every family's does."""
+    piecewise graphs, as every family's does. A speculative verification's rows run as
+    decodes (``rows_as_decodes``: each row absorbed, its keys split as its decode step's),
+    so verification steps replay the verify graphs (verify_graphs.py)."""
 
     kernel_tables = True
+    rows_as_decodes = True
 
     def __init__(self, decode: Callable[..., torch.Tensor]):
         self.decode = decode  # KernelPolicy.mla_decode()
+
+
+def _heads_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm`` of per-head rows [H, T, K] and matrices [H, K, N]. Inside
+    ``rows_as_alone`` (a verification's rows) one row at a time: the library picks its
+    kernel by the row count, so only that gives each row its decode step's bits."""
+    if a.shape[1] == 1 or not rows_alone():
+        return torch.bmm(a, b)
+    return torch.cat([torch.bmm(a[:, i:i + 1], b) for i in range(a.shape[1])], dim=1)
 
 
 def deinterleave_rope(weight: torch.Tensor, row_group: int, rope: int) -> torch.Tensor:
@@ -253,13 +269,13 @@ class MLAttention(nn.Module):
         kv_b = self._kv_b()
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
         # [H, T, N] @ [H, N, R] -> the queries in latent space
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+        q_latent = _heads_bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
         latent = self.backend.decode(q_latent, q_rope.contiguous(), cache, d.block_tables,
                                      d.seq_lens, q_rows, d.max_seq_len, meta.block_size,
-                                     self.scale)
+                                     self.scale, num_seqs=d.num_seqs)
         latent = latent.index_select(0, q_rows)  # [B, H, R]
         # [H, B, R] @ [H, R, V] -> each head's value
-        values = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        values = _heads_bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         out.index_copy_(0, rows, values)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:

@@ -234,8 +234,9 @@ class FusedMoE(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x + residual)), x + residual)``. On a one-row GPU step the add and
         norm run inside the router's gemv, which also leaves the normed row for the
-        experts: one launch fewer."""
-        if self.policy.one_row(x) and self.gate.dtype == x.dtype:
+        experts: one launch fewer (and a verification's rows, ``rows_as_alone``, the same
+        bits as their decode steps)."""
+        if self.policy.gemv_rows(x) and self.gate.dtype == x.dtype:
             h = torch.empty_like(x)
             logits, residual = self.norm_gemv(x, residual, norm.weight, norm.eps, self.gate,
                                               self.gate_bias, normed_out=h)
