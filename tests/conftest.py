@@ -21,6 +21,50 @@ except ImportError:
     pass
 
 
+def _gated_delta_references_by_device() -> None:
+    """transformers before 5.25 hands its Qwen3.5 / Qwen3-Next references'
+    gated-delta functions to flash-linear-attention whenever fla imports, CPU tensors too,
+    where its Triton kernels fail ("cpu tensor?"); 5.25 checks the inputs' device first.
+    On a CUDA machine with such a version, give CPU inputs the torch forms, as 5.25 does
+    (the modeling modules read this decorator when they are first imported: after here)."""
+    try:
+        import functools
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        import fla  # noqa: F401
+        import transformers.integrations as integrations
+        from transformers.integrations import hub_kernels
+    except Exception:
+        return
+    if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES"):
+        return  # it checks the device itself
+    fast = hub_kernels.use_kernel_func_from_hub_with_fallback
+
+    def by_device(func_name: str, package: str, internal_path=None):
+        pick = fast(func_name, package, internal_path)
+
+        def decorator(torch_function):
+            chosen = pick(torch_function)
+
+            @functools.wraps(torch_function)
+            def call(*args, **kwargs):
+                first = next((a for a in (*args, *kwargs.values())
+                              if isinstance(a, torch.Tensor)), None)
+                on_cuda = first is None or first.device.type == "cuda"
+                return (chosen if on_cuda else torch_function)(*args, **kwargs)
+            return call
+        return decorator
+
+    hub_kernels.use_kernel_func_from_hub_with_fallback = by_device
+    integrations.use_kernel_func_from_hub_with_fallback = by_device
+
+
+_gated_delta_references_by_device()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     from tiny_checkpoints import make_tiny_checkpoint

@@ -160,7 +160,7 @@ def test_speculative_drafts_roll_the_states_back(q8_file, tmp_path):
 
     prompts = [PROMPT[:40], PROMPT_NEXT[:33]]
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    plain = LLM(model=q8_file, max_model_len=256)
+    plain = LLM(model=q8_file, max_model_len=256, device="cpu")  # the torch-free worker
     try:
         want = plain.generate(prompts, greedy)
     finally:
@@ -169,7 +169,7 @@ def test_speculative_drafts_roll_the_states_back(q8_file, tmp_path):
     replay.write_text(json.dumps({"runs": [
         {"prompt": p, "output": [(t + (i % 3 == 2)) % 512 for i, t in enumerate(o.token_ids)]}
         for p, o in zip(prompts, want)]}))
-    spec = LLM(model=q8_file, max_model_len=256, speculative_method="replay",
+    spec = LLM(model=q8_file, max_model_len=256, device="cpu", speculative_method="replay",
                speculative_replay=str(replay), num_speculative_tokens=4)
     try:
         before = spec.engine_stats()
