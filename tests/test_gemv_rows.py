@@ -141,3 +141,22 @@ def test_several_rows_take_the_gemv_only_inside_a_verification():
         assert policy.gemv_rows(five) and not policy.gemv_rows(nine)
         assert not KernelPolicy(triton=True, batch_invariant=True).gemv_rows(five)
     assert not policy.gemv_rows(five)
+
+
+def test_a_verifications_routers_experts_and_absorbed_heads_compute_each_row_alone():
+    """Inside ``rows_as_alone`` (a verification's rows) up to eight tokens take the experts'
+    per-pair gemvs (outside, more than four take the grouped GEMM), and MLA's absorbing
+    per-head products run one row at a time: each row then has its decode step's bits."""
+    from pocketllm.workers.kernel_policy import ExpertsByTokens, rows_as_alone
+    from pocketllm.workers.layers import mla
+
+    experts = ExpertsByTokens(4, lambda x: "gemv", lambda x: "grouped", alone_tokens=8)
+    five, nine = rand(5, 16), rand(9, 16)
+    assert experts(five) == "grouped"
+    with rows_as_alone():
+        assert experts(five) == "gemv" and experts(nine) == "grouped"
+    heads, weights = rand(3, 5, 16), rand(3, 16, 8)
+    with rows_as_alone():
+        rows = mla._heads_bmm(heads, weights)
+    for i in range(5):
+        assert torch.equal(rows[:, i:i + 1], torch.bmm(heads[:, i:i + 1], weights))
