@@ -15,8 +15,8 @@ at full length.
 A new request starts where the drafter's recent acceptance over all requests is (an
 exponential average of every verified step's accepted / drafted): while drafts keep
 failing for everyone, a new request starts paused, then probes with one draft, instead
-of proposing ``k`` on its first two steps (the second is planned before the first's
-result) only to fail like the others.
+of proposing ``k`` at first (a worker's drafter is asked twice before the first
+verification's result) only to fail like the others.
 """
 
 from __future__ import annotations
