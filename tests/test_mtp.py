@@ -118,6 +118,43 @@ def test_greedy_text_is_the_same_with_mtp_drafts(family, device):
     assert drafted > 0
 
 
+@GPU
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])  # gated attention, MLA
+def test_the_layers_guesses_under_cuda_graphs_are_its_eager_guesses(family):
+    """A proposal's guesses after the first replay ``GuessGraphs`` (fed their tokens and
+    hidden states on the device): at each batch rung, the outputs and logits of the eager
+    layer at the same positions, tokens and hidden states."""
+    import torch
+
+    from pocketllm.proto.messages import SamplingSpec
+    from pocketllm.workers.step_rows import ScheduledSeq
+    from tiny_checkpoints import PlanDriver
+    from test_worker_parity import make_runner
+
+    runner = make_runner(_with_mtp(family), device="cuda", speculative_method="mtp")
+    proposer = runner.draft
+    assert proposer.graphs is not None and proposer.graphs.batch_sizes
+    driver = PlanDriver(runner)
+    for i, prompt in enumerate(PROMPTS * 2):
+        driver.add(f"r{i}", prompt, SamplingSpec(temperature=0.0, max_tokens=4), 4)
+    driver.step_once()  # the prompts: each request has its blocks
+    tables = [driver.reqs[f"r{i}"].blocks for i in range(4)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for b in proposer.graphs.batch_sizes:
+            seqs = [ScheduledSeq(tables[i], 5, 1, i) for i in range(b)]  # (in every prompt)
+            tokens = torch.arange(40, 40 + b, device="cuda")
+            hidden = torch.randn(b, proposer.hidden_size, generator=gen, device="cuda")
+            graphed = [t.clone() for t in proposer._guess(seqs, tokens, [5] * b, hidden)]
+            graphs, proposer.graphs = proposer.graphs, None
+            try:
+                eager = proposer._guess(seqs, tokens, [5] * b, hidden)
+            finally:
+                proposer.graphs = graphs
+            for got, want in zip(graphed, eager):
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_replayed_tokens_in_mtp_proposals_are_accepted_at_either_end(tmp_path):
     """``speculative_replay`` with ``mtp`` (the bench's ``--speculative-replay``): the layer
     proposes as always, its proposals carry the recorded output, so every draft is accepted

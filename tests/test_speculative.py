@@ -14,7 +14,7 @@ import pytest
 
 from pocketllm.config import EngineArgs
 from pocketllm.errors import InvalidRequestError
-from pocketllm.scheduler.drafter import COOLDOWN, Drafter
+from pocketllm.scheduler.drafter import COOLDOWN, MAX_START_PAUSE, Drafter
 from pocketllm.scheduler.ngram import NgramDrafter
 from speculation_checks import same
 from test_scheduler_harness import Driver, config, make_request, next_token
@@ -57,21 +57,27 @@ def test_drafts_shorten_as_they_fail_and_pause_when_none_is_accepted():
 
 
 def test_a_new_request_starts_from_the_drafters_recent_acceptance():
-    """While drafts fail for everyone, a new request starts paused and then probes with one
-    draft (not k on its first steps); once they are accepted again, a new one starts at
+    """While drafts fail for everyone, a new request starts paused for as long as the latest
+    failure paused (at most ``MAX_START_PAUSE`` steps) and then probes with one draft (not
+    k on its first steps); once drafts are accepted again, a new one starts at once, at
     the length the recent acceptance gives."""
     d = NgramDrafter(4)
     tokens = [1, 2, 3, 4, 5, 1, 2]
     assert not d.paused("a") and d.length("a") == 4  # nothing verified yet: k
     assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
-    for _ in range(8):  # 0.75 ** 8 = 0.1: under half a draft of 4
-        d.verified("a", 1, 0)
+    d.paused("x")  # another request, drafting
+    for rid in "ax":  # 0.75 ** 8 = 0.1: under half a draft of 4; each paused 4, 8, 16, 32
+        for _ in range(4):
+            d.verified(rid, 1, 0)
     assert d.paused("b")
-    assert all(d.propose("b", tokens, 10) == [] for _ in range(COOLDOWN))
+    assert sum(d.propose("b", tokens, 10) == [] for _ in range(40)) == 32
     assert d.propose("b", tokens, 10) == [3]
+    for _ in range(4):  # paused up to 512: a new request waits at most MAX_START_PAUSE
+        d.verified("x", 1, 0)
+    assert sum(d.propose("c", tokens, 100) == [] for _ in range(100)) == MAX_START_PAUSE
     for _ in range(3):  # accepted again: 1 - 0.9 * 0.75 ** 3 = 0.62
-        d.verified("b", 1, 1)
-    assert not d.paused("c") and d.propose("c", tokens, 10) == [3, 4]
+        d.verified("c", 1, 1)
+    assert not d.paused("e") and d.propose("e", tokens, 10) == [3, 4]
 
 
 

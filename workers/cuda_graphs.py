@@ -124,15 +124,19 @@ class DecodeGraphs:
     def batch_sizes(self) -> list[int]:
         return sorted(self.graphs)
 
+    def _metas(self, b: int) -> list:
+        """Each cache group's metadata of a step of ``b`` one-row sequences, over the
+        static buffers."""
+        return [StateMetadata(slice(0, b), slots[:b], ()) if state else
+                AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
+                    tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
+                    self.max_model_len, 1))
+                for slots, tables, state in zip(self.slots, self.tables, self.state_groups)]
+
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states before the final norm, logits) of a step of ``b`` sequences."""
-        metas = [StateMetadata(slice(0, b), slots[:b], ()) if state else
-                 AttentionMetadata(slots[:b], [], b, False, self.block_size, decode=PagedSeqs(
-                     tables[:b], self.seq_lens[:b], self.q_start[:b], self.q_lens[:b],
-                     self.max_model_len, 1))
-                 for slots, tables, state in zip(self.slots, self.tables, self.state_groups)]
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1,
-                            metas, self.kv_caches)
+                            self._metas(b), self.kv_caches)
         return hidden, self.model.compute_logits(hidden)
 
     def _capture(self, rungs: Sequence[int]) -> None:

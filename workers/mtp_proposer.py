@@ -19,7 +19,9 @@ eagerly after every step; when every step proposes, nothing waits.
 
 A request asked to propose then takes its last row's guess as the first draft, and the
 layer guesses on from its own output and that draft, one position further each time
-(its KV there is rewritten when the target computes those positions).
+(its KV there is rewritten when the target computes those positions). Each guess's token
+feeds the next on the device, and on a GPU each guess after the first replays a CUDA graph
+(``GuessGraphs``): the host waits once for a proposal's drafts, not once a guess.
 
 A prompt served from the prefix cache is not computed, so its layer KV is the one the
 request that computed those blocks wrote; at a block's last position that request's
@@ -35,6 +37,7 @@ import torch
 from pocketllm.config import EngineArgs
 from pocketllm.proto.messages import StepResult
 
+from .cuda_graphs import DecodeGraphs, ladder
 from .proposer import Proposer, verified_tokens
 from .step_rows import ScheduledSeq
 
@@ -67,6 +70,8 @@ class MTPProposer(Proposer):
                          target.cfg.head_dim, target.latent_cache_width)
         self.final_norm = target.norm  # the layer reads the target's normed hidden states
         self.waiting: dict[str, Waiting] = {}
+        self.k, self.hidden_size = args.num_speculative_tokens, target.cfg.hidden_size
+        self.graphs: Optional[GuessGraphs] = None  # (``capture``)
 
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
@@ -144,27 +149,84 @@ class MTPProposer(Proposer):
     def _propose(self, out: torch.Tensor, asked: list[tuple[str, int, int]],
                  positions: list[int], requests: dict) -> dict[str, list[int]]:
         """``asked``: (request, its row of ``out``, how many drafts); ``positions``: each
-        row's position t (its guess is token t + 2)."""
+        row's position t (its guess is token t + 2). Each guess feeds the next on the
+        device; the host waits once, for all of them."""
         drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in asked}
         tables = [requests[rid].block_ids[0] for rid, _, _ in asked]
         # a guess's successor writes the layer's KV at t + 1: within the request's blocks
         counts = [min(count, len(table) * self.block_size - t)
                   for (_, _, count), table, t in zip(asked, tables, positions)]
         live = [i for i, count in enumerate(counts) if count > 0]
-        h = out.index_select(0, self.ids([asked[i][1] for i in live])) if live else None
-        while live:
-            tokens = self.draw(self.mtp.logits(h), [requests[asked[i][0]].sampling for i in live],
-                               [positions[i] + 2 for i in live])
-            for i, token in zip(live, tokens):
-                drafts[asked[i][0]].append(token)
-            more = [j for j, i in enumerate(live) if len(drafts[asked[i][0]]) < counts[i]]
+        if not live:
+            return drafts
+        h = out.index_select(0, self.ids([asked[i][1] for i in live]))
+        logits = self.mtp.logits(h)
+        guessed = []  # per round: (its requests, their tokens on the device)
+        while True:
+            tokens = self.draw_on_device(logits, [requests[asked[i][0]].sampling for i in live],
+                                         [positions[i] + 2 for i in live])
+            guessed.append((live, tokens))
+            more = [j for j, i in enumerate(live) if counts[i] > len(guessed)]
             if not more:
                 break
+            if len(more) < len(live):
+                pick = self.ids(more)
+                tokens, h = tokens.index_select(0, pick), h.index_select(0, pick)
             live = [live[j] for j in more]
             for i in live:
                 positions[i] += 1
             seqs = [ScheduledSeq(tables[i], positions[i], 1, j) for j, i in enumerate(live)]
-            h = self.mtp(self.ids([tokens[j] for j in more]), self.ids([positions[i] for i in live]),
-                         max(positions[i] for i in live), h.index_select(0, self.ids(more)),
-                         self.metadata(seqs), self.kv.layer_caches[0])
+            h, logits = self._guess(seqs, tokens, [positions[i] for i in live], h)
+        host = iter(torch.cat([tokens for _, tokens in guessed]).tolist())
+        for round_live, _ in guessed:
+            for i in round_live:
+                drafts[asked[i][0]].append(next(host))
         return drafts
+
+    def _guess(self, seqs: list[ScheduledSeq], tokens: torch.Tensor, positions: list[int],
+               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's next guess for one row a sequence (a CUDA graph's where captured):
+        (its output, the logits of the token after)."""
+        rung = self.graphs.rung(len(seqs)) if self.graphs is not None else 0
+        if rung:
+            return self.graphs.guess(seqs, tokens, positions, hidden, rung)
+        h = self.mtp(tokens, self.ids(positions), max(positions), hidden, self.metadata(seqs),
+                     self.kv.layer_caches[0])
+        return h, self.mtp.logits(h)
+
+    def capture(self, max_batch: int, max_model_len: int) -> None:
+        """CUDA graphs for the guesses after a proposal's first (none when k = 1)."""
+        if self.k > 1:
+            self.graphs = GuessGraphs(self.mtp, self.kv.layer_caches, self.block_size,
+                                      max_model_len, self.kv.pad_blocks, self.device,
+                                      max_batch, self.hidden_size, self.dtype)
+
+
+class GuessGraphs(DecodeGraphs):
+    """The MTP layer's one-row guesses under CUDA graphs, one per batch rung: the layer's
+    input hidden states and its token are static buffers too (written on the device, from
+    the last guess), and each graph ends with the target's LM head."""
+
+    kind = "MTP guess"
+
+    def __init__(self, mtp, layer_caches: list, block_size: int, max_model_len: int,
+                 pad_blocks: list[int], device: torch.device, max_batch: int,
+                 hidden_size: int, dtype: torch.dtype):
+        width = ladder(max_batch)[-1]
+        self.hidden_in = torch.zeros(width, hidden_size, dtype=dtype, device=device)
+        self.rows = torch.arange(width, device=device)
+        super().__init__(mtp, layer_caches, block_size, max_model_len, pad_blocks, device,
+                         max_batch)
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(self.input_ids[:b], self.positions[:b], self.max_model_len - 1,
+                         self.hidden_in[:b], self._metas(b)[0], self.kv_caches[0])
+        return out, self.model.logits(out)
+
+    def guess(self, seqs: list[ScheduledSeq], tokens: torch.Tensor, positions: list[int],
+              hidden: torch.Tensor, rung: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's outputs, the logits) of ``seqs``, each fed its token on the device
+        and its hidden state, in the graph's buffers (the next replay overwrites them)."""
+        n = len(positions)
+        self.hidden_in[:n].copy_(hidden)
+        return self.run([seqs], [0] * n, positions, rung, (self.rows[:n], tokens))

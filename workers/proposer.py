@@ -108,9 +108,13 @@ class Proposer:
     def draw(self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
              ) -> list[int]:
         """Drafts of ``logits``' rows, at ``positions``, as the target would sample them."""
+        return self.draw_on_device(logits, specs, positions).tolist()
+
+    def draw_on_device(self, logits: torch.Tensor, specs: list[SamplingSpec],
+                       positions: list[int]) -> torch.Tensor:
+        """``draw``'s tokens [rows] where the logits are, not waited for."""
         specs = [msgspec.structs.replace(s, logprobs=None) for s in specs]
-        tokens, _ = self.sampler.draw(logits, specs, positions)
-        return tokens.tolist()
+        return self.sampler.draw(logits, specs, positions)[0]
 
     def metadata(self, seqs: list[ScheduledSeq]):
         """Attention metadata of ``seqs`` over this pool."""

@@ -16,7 +16,10 @@ A new request starts where the drafter's recent acceptance over all requests is 
 exponential average of every verified step's accepted / drafted): while drafts keep
 failing for everyone, a new request starts paused, then probes with one draft, instead
 of proposing ``k`` at first (a worker's drafter is asked twice before the first
-verification's result) only to fail like the others.
+verification's result) only to fail like the others. Its pause is the one the latest
+failed verification set (at most ``MAX_START_PAUSE`` steps), so a drafter useless to
+every request keeps probing rarely across requests, not from ``COOLDOWN`` again in each;
+a request whose drafts would be accepted loses at most that many steps of drafting.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Optional
 EMA = 0.5  # weight of the newest step in the acceptance average
 SHARED_EMA = 0.25  # ... in the drafter's average over all requests
 COOLDOWN = 4  # steps of the first pause
+MAX_START_PAUSE = 64  # the longest pause a new request starts with
 
 
 class Pace:
@@ -34,7 +38,7 @@ class Pace:
     def __init__(self, rate: float = 1.0, pause: int = 0) -> None:
         self.rate = rate  # acceptance average
         self.pause = pause  # steps left without drafts
-        self.next_pause = COOLDOWN
+        self.next_pause = max(COOLDOWN, 2 * pause)
 
 
 class Drafter:
@@ -44,14 +48,16 @@ class Drafter:
         self.k = k
         self._paces: dict[str, Pace] = {}
         self.recent = 1.0  # acceptance average over every request's verified steps
+        self.start_pause = COOLDOWN  # a new request's, while drafts fail for everyone
 
     def _pace(self, request_id: str) -> Pace:
-        """The request's pace; a new one's from ``recent``: paused when a single draft
-        would not be proposed at that rate."""
+        """The request's pace; a new one's from ``recent``: paused (``start_pause``) when a
+        single draft would not be proposed at that rate."""
         pace = self._paces.get(request_id)
         if pace is None:
             failing = round(self.k * self.recent) == 0
-            pace = self._paces[request_id] = Pace(self.recent, COOLDOWN if failing else 0)
+            pace = self._paces[request_id] = Pace(self.recent,
+                                                  self.start_pause if failing else 0)
         return pace
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
@@ -96,9 +102,10 @@ class Drafter:
         if not accepted:
             pace.pause, pace.next_pause = pace.next_pause, 2 * pace.next_pause
             pace.rate = 1.0 / self.k  # after the pause, probe with one draft
+            self.start_pause = min(pace.pause, MAX_START_PAUSE)
             return
         pace.rate = (1 - EMA) * pace.rate + EMA * accepted / drafted
-        pace.next_pause = COOLDOWN
+        pace.next_pause = self.start_pause = COOLDOWN
 
     def forget(self, request_id: str) -> None:
         self._paces.pop(request_id, None)
