@@ -71,6 +71,28 @@ def test_verify_rounds_give_each_sequence_its_rows_slots_and_snapshots():
     assert not graphs.rounds[1][:, :, 4:].any()  # past the rung: untouched
 
 
+def test_a_verification_replays_the_fewest_rows_that_hold_its_longest_sequence():
+    """A hybrid model's verify graphs come in two row counts (``VerifyGraphSet``): a probe
+    of one draft replays the two-row graphs (two rounds of each linear-attention layer),
+    a longer proposal the k + 1-row ones; a batch past every rung runs eagerly."""
+    from pocketllm.workers.step_rows import ScheduledSeq
+    from pocketllm.workers.verify_graphs import VerifyGraphs, VerifyGraphSet
+
+    def graphs(rows: int, rungs: list[int]) -> VerifyGraphs:
+        g = VerifyGraphs.__new__(VerifyGraphs)  # no capture on the CPU
+        g.query_rows, g.graphs = rows, dict.fromkeys(rungs)
+        return g
+
+    two, five = graphs(2, [1, 2, 4]), graphs(5, [1, 2, 4])
+    ladder = VerifyGraphSet([five, two])
+    probe, longer = ScheduledSeq([4], 10, 2, 0), ScheduledSeq([5], 20, 4, 2)
+    assert ladder.fits([probe]) == (two, 1)
+    assert ladder.fits([probe, longer, probe]) == (five, 4)
+    assert ladder.fits([probe] * 5) == (None, 0)
+    assert ladder.fits([ScheduledSeq([4], 10, 6, 0)]) == (None, 0)  # past k + 1 rows
+    assert ladder.max_rows == 20
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_greedy_matches_cpu_with_graphs_on_and_off(family, tmp_path):

@@ -226,8 +226,7 @@ class ModelRunner:
             num_speculative_tokens=(self.args.num_speculative_tokens
                                     if self.args.speculative_method else 0),
             # a verification step past the verify graphs' rows would run eagerly (slowly)
-            speculative_max_rows=(self.verify_graphs.batch_sizes[-1] * self.verify_graphs.query_rows
-                                  if self.verify_graphs and self.verify_graphs.batch_sizes else 0))
+            speculative_max_rows=self.verify_graphs.max_rows if self.verify_graphs else 0)
 
     def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Queue a step's forward and sampling on the device without waiting for them, so
@@ -339,9 +338,9 @@ class ModelRunner:
         rung = 0 if plan.state_snapshots else self._graph_rung(seqs[0], len(samplers))
         graphs = self.graphs
         if not rung:
-            graphs, rung = self.verify_graphs, self._verify_rung(plan, rows)
+            graphs, rung = self._verify_rung(plan, rows)
         if rung:
-            keep = {"snapshots": snapshots} if graphs is self.verify_graphs else {}
+            keep = {"snapshots": snapshots} if graphs is not self.graphs else {}
             hidden, logits = graphs.run(seqs, input_ids, positions, rung, pending, **keep)
             # (the graph's buffer is the next step's too: a copy)
             return self._sample(plan, rows, logits, "graph", self._kept(rows, hidden.clone))
@@ -436,13 +435,13 @@ class ModelRunner:
         return (bool(plan.draft_token_ids) and len(rows.samplers) == len(rows.input_ids)
                 and getattr(self.backend, "rows_as_decodes", False))
 
-    def _verify_rung(self, plan: StepPlan, rows: StepRows) -> int:
-        """The captured batch size for a step of decodes with drafts, every row sampled;
-        0: eager."""
+    def _verify_rung(self, plan: StepPlan, rows: StepRows) -> tuple:
+        """(the verify graphs, the captured batch size) for a step of decodes with drafts,
+        every row sampled; (None, 0): eager."""
         if self.verify_graphs is None or not plan.draft_token_ids:
-            return 0
+            return None, 0
         if len(rows.samplers) != len(rows.input_ids):
-            return 0
+            return None, 0
         return self.verify_graphs.fits(rows.seqs[0])
 
     def _pending_inputs(self, pending_rows: list[tuple[int, str]]

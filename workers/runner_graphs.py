@@ -43,7 +43,7 @@ def capture_graphs(runner):
 def _capture(r, args):
     from .cuda_graphs import DecodeGraphs
     from .piecewise_graphs import MixedGraphs
-    from .verify_graphs import VerifyGraphs
+    from .verify_graphs import VerifyGraphs, VerifyGraphSet
 
     decode = DecodeGraphs(
         r.model, r.kv_caches, r.block_size, r.max_model_len, r.kv.pad_blocks, r.device,
@@ -63,9 +63,12 @@ def _capture(r, args):
     max_batch = min(SPECULATIVE_MAX_BATCH, args.max_num_seqs)
     # (an attention backend that reads a sequence's rows as decodes: the Triton kernels')
     if args.speculative_method is not None and getattr(r.backend, "rows_as_decodes", False):
-        verify = VerifyGraphs(r.model, r.kv_caches, r.block_size, r.max_model_len,
-                              r.kv.pad_blocks, r.device, max_batch,
-                              args.num_speculative_tokens + 1, r.state_groups)
+        rows = {args.num_speculative_tokens + 1}
+        if any(r.state_groups):  # a probe's two rounds, not k + 1 (verify_graphs.py)
+            rows.add(2)
+        verify = VerifyGraphSet([VerifyGraphs(r.model, r.kv_caches, r.block_size,
+                                              r.max_model_len, r.kv.pad_blocks, r.device,
+                                              max_batch, n, r.state_groups) for n in rows])
     if r.draft is not None:
         r.draft.capture(max_batch, r.max_model_len)
     return decode, mixed, verify

@@ -25,6 +25,9 @@ keeps (``StateMetadata.snapshots``: a rejected draft's state is rolled back to o
 row, state slot and snapshot slot each sequence has in each round are buffers
 (``rounds``) written before a replay: a sequence with fewer rows, or none (padding),
 points its rounds past its rows at the step's last row (then padding) and the spare slot.
+Those rounds run whether a sequence has rows in them or not, so such a model also has
+graphs of two rows a sequence (``VerifyGraphSet``): a probe of one draft, the step an
+adapting drafter takes most when its drafts fail, replays two rounds, not k + 1.
 """
 
 from __future__ import annotations
@@ -133,3 +136,26 @@ class VerifyGraphs(DecodeGraphs):
                 table[2 * rows * rung + at] = keep.get(s.row + j, spare)
         host = torch.frombuffer(table, dtype=torch.long).view(3, rows, rung)
         self.rounds[g][:, :, :rung].copy_(host, non_blocking=True)
+
+
+class VerifyGraphSet:
+    """The verify graphs of each row count a sequence may take, fewest rows first; a step
+    replays the first whose rows hold its longest sequence's."""
+
+    def __init__(self, graphs: Sequence[VerifyGraphs]):
+        self.graphs = sorted(graphs, key=lambda g: g.query_rows)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a replay computes (its largest rung's)."""
+        g = self.graphs[-1]
+        return g.batch_sizes[-1] * g.query_rows if g.batch_sizes else 0
+
+    def fits(self, seqs: Sequence[ScheduledSeq]) -> tuple[Optional[VerifyGraphs], int]:
+        """(the graphs, the rung) a step of these sequences replays ((None, 0): none)."""
+        rows = max(s.num_tokens for s in seqs)
+        for graphs in self.graphs:
+            if graphs.query_rows >= rows:
+                rung = graphs.fits(seqs)
+                return (graphs, rung) if rung else (None, 0)
+        return None, 0
