@@ -151,7 +151,11 @@ def hf_mtp_logits(path: str, token_ids) -> "torch.Tensor":
         positions = torch.arange(n).unsqueeze(0)  # x_t sits at h_t's position, t
         # (DeepSeek-V3: yarn's cos/sin scaling here, its softmax mscale in the layer, and
         # the interleaved rope dims the layer's own business: the raw weights go in as is)
-        cos_sin = model.model.rotary_emb(x, positions)
+        # (Qwen3.5's rotary takes a position stream per rope section; transformers before
+        # 5.25 does not broadcast one to three)
+        rotary = model.model.rotary_emb
+        cos_sin = rotary(x, positions.expand(3, -1, -1) if hasattr(rotary, "mrope_section")
+                         else positions)
         # Eager attention adds the mask to the scores: 0 on and below the diagonal.
         mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
         y = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)

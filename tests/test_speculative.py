@@ -65,15 +65,15 @@ def test_a_new_request_starts_from_the_drafters_recent_acceptance():
     tokens = [1, 2, 3, 4, 5, 1, 2]
     assert not d.paused("a") and d.length("a") == 4  # nothing verified yet: k
     assert d.propose("a", tokens, 10) == [3, 4, 5, 1]
-    d.paused("x")  # another request, drafting
-    for rid in "ax":  # 0.75 ** 8 = 0.1: under half a draft of 4; each paused 4, 8, 16, 32
-        for _ in range(4):
+    for rid in "awxy":  # 0.75 ** 8 = 0.1: under half a draft of 4; each paused 4, then 8
+        d.paused(rid)
+        for _ in range(2):
             d.verified(rid, 1, 0)
     assert d.paused("b")
-    assert sum(d.propose("b", tokens, 10) == [] for _ in range(40)) == 32
+    assert sum(d.propose("b", tokens, 10) == [] for _ in range(40)) == 8
     assert d.propose("b", tokens, 10) == [3]
-    for _ in range(4):  # paused up to 512: a new request waits at most MAX_START_PAUSE
-        d.verified("x", 1, 0)
+    for _ in range(3):  # paused up to 64: a new request waits at most MAX_START_PAUSE
+        d.verified("y", 1, 0)
     assert sum(d.propose("c", tokens, 100) == [] for _ in range(100)) == MAX_START_PAUSE
     for _ in range(3):  # accepted again: 1 - 0.9 * 0.75 ** 3 = 0.62
         d.verified("c", 1, 1)

@@ -29,7 +29,7 @@ from typing import Optional
 EMA = 0.5  # weight of the newest step in the acceptance average
 SHARED_EMA = 0.25  # ... in the drafter's average over all requests
 COOLDOWN = 4  # steps of the first pause
-MAX_START_PAUSE = 64  # the longest pause a new request starts with
+MAX_START_PAUSE = 16  # the longest pause a new request starts with
 
 
 class Pace:
