@@ -73,8 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None,
                    help="the draft model of --speculative-method draft (a path, a shipped "
                         "shape with --load-format dummy, or a Hugging Face id)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="most draft tokens a request verifies in one step (default 4)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most draft tokens a request verifies in one step (default 4; "
+                        "only with --speculative-method)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) | fp8: e4m3 keys and values with a scale per "
                         "position and head, about half the bytes (a GPU with FP8 support)")

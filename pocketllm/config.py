@@ -32,6 +32,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # recorded output read from ``speculative_replay``.
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "replay")
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_SPECULATIVE_TOKENS = 4
 # The largest batch of decodes that drafts at all: past it a step is better spent on more
 # requests than on more tokens of a few (the scheduler's default; the GPU worker's verify
 # graphs stop there).
@@ -70,7 +71,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.90  # share of free device memory for KV on CUDA
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     speculative_method: Optional[str] = None  # SPECULATIVE_METHODS; None: no speculation
-    num_speculative_tokens: int = 4  # most drafts a request verifies in one step
+    # most drafts a request verifies in one step (None: DEFAULT_SPECULATIVE_TOKENS where
+    # speculating; without a method it would change nothing, so it is refused)
+    num_speculative_tokens: Optional[int] = None
     # "replay"'s file, or the tokens put in the worker drafter's proposals (scheduler/replay.py)
     speculative_replay: Optional[str] = None
     # "draft"'s model: a local path, a shipped shape (dummy weights) or a Hugging Face id
@@ -164,7 +167,14 @@ class EngineArgs:
         if self.speculative_model is not None and (
                 not isinstance(self.speculative_model, str) or not self.speculative_model):
             raise InvalidRequestError("speculative_model must name a model", "speculative_model")
-        if (isinstance(self.num_speculative_tokens, bool)
+        if self.speculative_method is None:
+            if self.num_speculative_tokens is not None:
+                raise InvalidRequestError("num_speculative_tokens without speculative_method "
+                                          "would change nothing: no request drafts",
+                                          "num_speculative_tokens")
+        elif self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
+        elif (isinstance(self.num_speculative_tokens, bool)
                 or not isinstance(self.num_speculative_tokens, int)
                 or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise InvalidRequestError(f"num_speculative_tokens must be an integer in 1.."

@@ -18,7 +18,7 @@ def draft_model_info(args: EngineArgs, info: ModelInfo) -> ModelInfo:
     vocabulary is the target's token for token: its drafts are token ids."""
     draft_args = dataclasses.replace(
         args, model=args.speculative_model, speculative_method=None, speculative_model=None,
-        tokenizer=None, revision=None, chat_template=None, quantization=None,
+        num_speculative_tokens=None, tokenizer=None, revision=None, chat_template=None, quantization=None,
         max_model_len=info.max_model_len)
     draft = load_model_info(draft_args)
     why = _vocabulary_differs(info, draft)

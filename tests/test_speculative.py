@@ -350,6 +350,23 @@ def test_engine_args_refusals():
         EngineArgs(speculative_method="ngram", speculative_replay="runs.json")
 
 
+def test_a_draft_count_without_a_method_is_refused():
+    """``num_speculative_tokens`` changes nothing where nothing drafts, so it is refused
+    there, from the library and from the command line, not ignored; with a method it
+    defaults to 4."""
+    from pocketllm.cli import build_parser, engine_args_from
+
+    assert EngineArgs(speculative_method="ngram").num_speculative_tokens == 4
+    assert EngineArgs().num_speculative_tokens is None
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens without"):
+        EngineArgs(num_speculative_tokens=2)
+    parse = build_parser().parse_args
+    assert engine_args_from(parse(["serve", "--speculative-method", "ngram",
+                                   "--num-speculative-tokens", "2"])).num_speculative_tokens == 2
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens without"):
+        engine_args_from(parse(["serve", "--num-speculative-tokens", "2"]))
+
+
 def test_server_n_choices_and_metrics_with_speculation(default_model_path):
     """n > 1 over HTTP: each greedy choice is the same with n-gram speculation as without,
     and /metrics counts the drafts. (Seeded sampling is compared on one request above: the
