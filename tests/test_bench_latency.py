@@ -186,3 +186,27 @@ def test_llama_cpp_end_to_end_on_the_embedded_default(capsys, default_model_path
     load_s, ttft_ms, prefill, decode = map(float, peer.split()[1:])
     assert load_s > 0 and ttft_ms > 0 and prefill > 0 and decode > 0
     assert any(line.startswith("pocketllm/llama.cpp ") for line in lines)
+
+
+def test_a_replay_without_a_method_takes_the_draft_count(monkeypatch, capsys):
+    """`--speculative-replay full --num-speculative-tokens 2` with no
+    `--speculative-method`: the replay drafter's engine drafts 2 a step, and the engine
+    without speculation is not handed a draft count it would refuse."""
+    engines = []
+
+    def fake_ours(args, prompt_ids, prompt, output_len, runs, warmup, batches=(),
+                  input_len=None, record=None):
+        engines.append((args.speculative_method, args.num_speculative_tokens))
+        ids = list(range(2, 14))
+        if record is not None:
+            record.append((ids, list(range(20, 20 + output_len))))
+        return LatencyResult("pocketllm", 5.0, 0.1, 20.0, runs, device="cpu",
+                             prompt_tokens=len(ids)), ids
+
+    monkeypatch.setattr(latency, "run_pocketllm", fake_ours)
+    monkeypatch.setattr(latency, "roofline", lambda result: "roofline: -")
+    assert cli.main(["bench", "latency", "--speculative-replay", "full",
+                     "--num-speculative-tokens", "2", "--input-len", "12",
+                     "--output-len", "16"]) == 0
+    assert engines == [(None, None), ("replay", 2)]
+    assert "k = 2" in capsys.readouterr().out

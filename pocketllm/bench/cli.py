@@ -21,6 +21,9 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     for flag, value in (("--input-len", ns.input_len), ("--threads", ns.threads)):
         if value is not None and value < 1:
             raise SystemExit(f"{flag} must be at least 1")
+    k = None  # the replay drafter's draft count: no --speculative-method names it
+    if ns.replay_acceptance and ns.speculative_method is None:
+        k, ns.num_speculative_tokens = ns.num_speculative_tokens, None
     args = engine_args_from(ns)
     info = load_model_info(args)
     check_prompt(info, ns.prompt)
@@ -42,7 +45,8 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
                              "a --speculative-method only of the worker's drafters (draft, "
                              "mtp), whose proposals then carry the replayed tokens")
         print(speculative_replay(args, ns.prompt, ns.input_len, ns.output_len, ns.runs,
-                                 ns.warmup, ns.replay_acceptance, info.vocab_size, threads))
+                                 ns.warmup, ns.replay_acceptance, info.vocab_size, threads,
+                                 num_speculative_tokens=k))
         return 0
     ours, prompt_ids = run_pocketllm(args, None, ns.prompt, ns.output_len, ns.runs, ns.warmup,
                                      batches, input_len=ns.input_len)

@@ -97,13 +97,14 @@ def run_pocketllm(args: EngineArgs, prompt_ids: list[int] | None, prompt: str | 
 
 def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | None,
                        output_len: int, runs: int, warmup: int, accept: str, vocab_size: int,
-                       threads: int) -> str:
+                       threads: int, num_speculative_tokens: int | None = None) -> str:
     """``bench latency --speculative-replay``: batch-1 decode without speculation, recording
     the greedy output, then with the replay drafter proposing it (``accept="full"``) or a
     copy no draft of which is accepted (``"none"``): speculation's cost at either end of
     acceptance. With ``args.speculative_method`` "draft" or "mtp" that drafter proposes, and
     its proposals carry the replayed tokens (``scheduler/worker_drafts.py``): its own cost
-    at either end. Returns the report."""
+    at either end; ``num_speculative_tokens``: the replay drafter's (None: the default).
+    Returns the report."""
     import dataclasses
     import os
 
@@ -116,7 +117,9 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
     path = replay_file(record, accept, vocab_size)
     try:
         spec_args = dataclasses.replace(args, speculative_method=method or "replay",
-                                        speculative_replay=path)
+                                        speculative_replay=path,
+                                        num_speculative_tokens=(num_speculative_tokens
+                                                                or args.num_speculative_tokens))
         ours, _ = run_pocketllm(spec_args, prompt_ids, None, output_len, runs, warmup)
     finally:
         os.unlink(path)
@@ -124,7 +127,7 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
     inside = f", inside the {method} drafter's proposals" if method else ""
     return "\n".join([
         f"prompt: {len(prompt_ids)} tokens; drafts: the greedy output replayed ({accept} "
-        f"acceptance{inside}), k = {args.num_speculative_tokens}",
+        f"acceptance{inside}), k = {spec_args.num_speculative_tokens}",
         report([ours, plain], output_len, threads=threads if ours.device == "cpu" else None),
         roofline(ours)])
 
