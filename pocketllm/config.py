@@ -258,6 +258,14 @@ class EngineArgs:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def without_speculation(self, **changes: Any) -> "EngineArgs":
+        """These settings with every speculative one dropped, and ``changes``: an engine
+        derived from a speculating one that drafts nothing itself (a draft model's own
+        settings, a benchmark's engine without speculation)."""
+        return dataclasses.replace(self, speculative_method=None, speculative_model=None,
+                                   speculative_replay=None, num_speculative_tokens=None,
+                                   **changes)
+
 
 def _choice(name: str, value: Any, allowed: tuple, exc: type = InvalidRequestError) -> None:
     if value not in allowed:

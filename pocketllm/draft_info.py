@@ -4,7 +4,6 @@ the target's vocabulary."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from .config import EngineArgs
@@ -16,10 +15,9 @@ from .tokenizer.tokenizer import load_tokenizer
 def draft_model_info(args: EngineArgs, info: ModelInfo) -> ModelInfo:
     """Resolved with the target's load format and context length, and refused unless its
     vocabulary is the target's token for token: its drafts are token ids."""
-    draft_args = dataclasses.replace(
-        args, model=args.speculative_model, speculative_method=None, speculative_model=None,
-        num_speculative_tokens=None, tokenizer=None, revision=None, chat_template=None, quantization=None,
-        max_model_len=info.max_model_len)
+    draft_args = args.without_speculation(
+        model=args.speculative_model, tokenizer=None, revision=None, chat_template=None,
+        quantization=None, max_model_len=info.max_model_len)
     draft = load_model_info(draft_args)
     why = _vocabulary_differs(info, draft)
     if why:

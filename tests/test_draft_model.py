@@ -149,6 +149,26 @@ def test_greedy_text_is_the_same_with_a_draft_model(family, device):
             assert accepted == drafted
 
 
+def test_the_bench_replays_inside_the_draft_models_proposals():
+    """``bench latency --speculative-method draft --speculative-replay none``: the draft
+    model's own settings drop the replay with the rest of the speculative ones
+    (``EngineArgs.without_speculation``), it proposes, and its proposals carry the moved
+    recording, none of which is accepted."""
+    import re
+
+    from pocketllm.bench.latency import speculative_replay
+    from pocketllm.config import EngineArgs
+    from tiny_checkpoints import VOCAB_SIZE
+
+    args = EngineArgs(model=_tiny(), dtype="float32", device="cpu", max_model_len=256,
+                      speculative_method="draft",
+                      speculative_model=_tiny("llama", num_hidden_layers=1))
+    report = speculative_replay(args, None, 12, 16, 1, 0, "none", VOCAB_SIZE, 1)
+    assert "inside the draft drafter's proposals" in report
+    verified, accepted = map(int, re.search(r"(\d+) verified, (\d+) accepted", report).groups())
+    assert verified > 0 and accepted == 0, report
+
+
 def test_sampled_text_is_the_same_seed_by_seed_and_coupled_drafts_are_accepted():
     """Seeded sampling: the same tokens with the draft model as without, seed by seed;
     the target as its own draft samples each draft with the target's uniform at that

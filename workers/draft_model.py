@@ -12,7 +12,6 @@ where the target accepted them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -182,9 +181,7 @@ def draft_model(runner, info: ModelInfo, args: EngineArgs) -> Optional[DraftMode
     if info.draft is None:
         raise UnsupportedFeatureError("speculative_method='draft' without the draft model's "
                                       "info (the supervisor resolves it: draft_info.py)", "speculative_model")
-    draft_args = dataclasses.replace(args, model=args.speculative_model, quantization=None,
-                                     speculative_method=None, speculative_model=None,
-                                     num_speculative_tokens=None)
+    draft_args = args.without_speculation(model=args.speculative_model, quantization=None)
     draft = DraftModel(runner, ModelInfo(**info.draft), draft_args)
     logger.info("draft model %s (%s, %d layers) proposes up to %d tokens a step",
                 info.draft["path"], info.draft["architecture"], draft.num_layers,

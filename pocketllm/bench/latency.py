@@ -110,8 +110,7 @@ def speculative_replay(args: EngineArgs, prompt: str | None, input_len: int | No
 
     record: list = []
     method = args.speculative_method  # None (the replay drafter), "draft" or "mtp"
-    plain_args = dataclasses.replace(args, speculative_method=None, speculative_model=None,
-                                     num_speculative_tokens=None)
+    plain_args = args.without_speculation()
     plain, prompt_ids = run_pocketllm(plain_args, None, prompt, output_len, runs, warmup,
                                       input_len=input_len, record=record)
     path = replay_file(record, accept, vocab_size)
