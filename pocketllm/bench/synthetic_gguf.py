@@ -1,7 +1,9 @@
-"""A Qwen3-MoE or Qwen3.5 GGUF of a shipped (or any) config's shape, filled with random
-Q4_K_M blocks, so that `bench latency --peer llama.cpp` can compare the two engines on a
-model nobody has to download: the same file, read by both.
+"""A Llama, Qwen3-MoE or Qwen3.5 GGUF of a shipped (or any) config's shape, filled with
+random Q4_K_M blocks, so that `bench latency --peer llama.cpp` (or llama.cpp's own
+`llama-bench`, on a GPU) can compare the two engines on a model nobody has to download:
+the same file, read by both.
 
+    python -m pocketllm.bench.synthetic_gguf llama-3-8b OUT.gguf --tokenizer-from DONOR.gguf
     python -m pocketllm.bench.synthetic_gguf qwen3-30b-a3b OUT.gguf --tokenizer-from DONOR.gguf
     python -m pocketllm.bench.synthetic_gguf qwen3.5-0.8b OUT.gguf --tokenizer-from DONOR.gguf
 
@@ -56,6 +58,32 @@ def _plan(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, .
                  (b + "ffn_up_exps.weight", q4, (experts, inter, h)),
                  (b + "ffn_down_exps.weight", more, (experts, h, inter))]
     return plan + [("output_norm.weight", None, (h,)), ("output.weight", q6, (vocab, h))]
+
+
+def _plan_llama(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, ...]]]:
+    """(GGUF name, GGML type or None for F32, HF-order shape) of every tensor of a dense
+    Llama (llama.cpp's ``llama``)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ..workers.loader.dummy_blocks import _uses_more_bits
+
+    h, vocab, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q_rows, kv_rows = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    q4, q6 = int(Q.Q4_K), int(Q.Q6_K)
+    plan = [("token_embd.weight", q4, (vocab, h))]
+    for i in range(layers):
+        more = q6 if _uses_more_bits(i, layers) else q4
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", None, (h,)), (b + "attn_q.weight", q4, (q_rows, h)),
+                 (b + "attn_k.weight", q4, (kv_rows, h)), (b + "attn_v.weight", more, (kv_rows, h)),
+                 (b + "attn_output.weight", q4, (h, q_rows)), (b + "ffn_norm.weight", None, (h,)),
+                 (b + "ffn_gate.weight", q4, (inter, h)), (b + "ffn_up.weight", q4, (inter, h)),
+                 (b + "ffn_down.weight", more, (h, inter))]
+    plan.append(("output_norm.weight", None, (h,)))
+    if not cfg.get("tie_word_embeddings", False):
+        plan.append(("output.weight", q6, (vocab, h)))
+    return plan
 
 
 def _plan_qwen35(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, ...]]]:
@@ -145,6 +173,10 @@ def _tokenizer(writer, donor: str, vocab: int) -> None:
             getattr(writer, f"add_{key}")(int(meta[f"tokenizer.ggml.{key}"]))
 
 
+# the configs' model_type -> llama.cpp's architecture name
+ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35"}
+
+
 def write_synthetic_gguf(cfg: dict, out: str, donor: str, layers: Optional[int] = None,
                          seed: int = 0) -> int:
     """Write the file; returns its tensor bytes."""
@@ -154,10 +186,13 @@ def write_synthetic_gguf(cfg: dict, out: str, donor: str, layers: Optional[int] 
     from ..workers.loader.gguf_quants import GGML_TYPES
 
     model_type = cfg.get("model_type")
-    if model_type not in ("qwen3_moe", "qwen3_5_text"):
-        raise SystemExit(f"only qwen3_moe and qwen3_5_text configs are written, got {model_type!r}")
+    arch = ARCHS.get(model_type)
+    if arch is None:
+        raise SystemExit(f"only {', '.join(ARCHS)} configs are written, got {model_type!r}")
+    if cfg.get("rope_scaling"):  # llama.cpp would want its rope_freqs tensor
+        raise SystemExit("configs with rope scaling are not written")
     layers = layers or cfg["num_hidden_layers"]
-    w = gguf.GGUFWriter(out, "qwen3moe" if model_type == "qwen3_moe" else "qwen35")
+    w = gguf.GGUFWriter(out, arch)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(layers)
@@ -167,7 +202,12 @@ def write_synthetic_gguf(cfg: dict, out: str, donor: str, layers: Optional[int] 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if model_type == "qwen3_moe":
+    if model_type == "llama":
+        w.add_rope_freq_base(cfg.get("rope_theta", 1e4))
+        w.add_rope_dimension_count(head_dim)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        plan = _plan_llama(cfg, layers)
+    elif model_type == "qwen3_moe":
         w.add_rope_freq_base(cfg.get("rope_theta", 1e6))
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_count(cfg["num_experts"])
@@ -214,8 +254,8 @@ def write_synthetic_gguf(cfg: dict, out: str, donor: str, layers: Optional[int] 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pocketllm.bench.synthetic_gguf",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="a shipped config's name (qwen3-30b-a3b, qwen3.5-0.8b, "
-                                  "qwen3.5-9b) or a config.json")
+    p.add_argument("config", help="a shipped config's name (llama-3-8b, llama-3-70b, "
+                                  "qwen3-30b-a3b, qwen3.5-0.8b, qwen3.5-9b) or a config.json")
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--tokenizer-from", required=True, metavar="GGUF",
                    help="a GGUF file whose tokenizer the new file borrows")
