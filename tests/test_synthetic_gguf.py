@@ -67,3 +67,7 @@ def test_configs_the_writer_cannot_express_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="rope scaling"):
         write_synthetic_gguf(dict(TINY_LLAMA, rope_scaling={"rope_type": "llama3"}),
                              str(tmp_path / "x.gguf"), "unused.gguf")
+    for layers in (0, -1, 3):
+        with pytest.raises(SystemExit, match="--layers takes 1 to 2"):
+            write_synthetic_gguf(TINY_LLAMA, str(tmp_path / "x.gguf"), "unused.gguf", layers)
+    assert not os.path.exists(tmp_path / "x.gguf")  # refused before a byte is written

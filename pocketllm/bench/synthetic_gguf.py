@@ -191,6 +191,8 @@ def write_synthetic_gguf(cfg: dict, out: str, donor: str, layers: Optional[int] 
         raise SystemExit(f"only {', '.join(ARCHS)} configs are written, got {model_type!r}")
     if cfg.get("rope_scaling"):  # llama.cpp would want its rope_freqs tensor
         raise SystemExit("configs with rope scaling are not written")
+    if layers is not None and not 1 <= layers <= cfg["num_hidden_layers"]:
+        raise SystemExit(f"--layers takes 1 to {cfg['num_hidden_layers']}, got {layers}")
     layers = layers or cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(out, arch)
     w.add_context_length(cfg["max_position_embeddings"])
