@@ -34,14 +34,19 @@ import numpy as np
 from ..model_info import shipped_config_dir
 
 
-def _plan(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, ...]]]:
-    """(GGUF name, GGML type or None for F32, HF-order shape) of every tensor."""
+Plan = list[tuple[str, Optional[int], tuple[int, ...]]]
+
+
+def _plan_gqa(cfg: dict, layers: int, qk_norm: bool, ffn) -> Plan:
+    """(GGUF name, GGML type or None for F32, HF-order shape) of every tensor of a model of
+    Llama's layout: per layer a grouped-query attention (with per-head q/k norms if
+    ``qk_norm``) and the FFN tensors ``ffn(prefix, q4, more)`` names, where ``more`` is
+    the type of the tensors llama.cpp's Q4_K_M gives more bits in that layer."""
     from gguf import GGMLQuantizationType as Q
 
     from ..workers.loader.dummy_blocks import _uses_more_bits
 
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q_rows, kv_rows = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     q4, q6 = int(Q.Q4_K), int(Q.Q6_K)
@@ -51,42 +56,35 @@ def _plan(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, .
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", None, (h,)), (b + "attn_q.weight", q4, (q_rows, h)),
                  (b + "attn_k.weight", q4, (kv_rows, h)), (b + "attn_v.weight", more, (kv_rows, h)),
-                 (b + "attn_output.weight", q4, (h, q_rows)),
-                 (b + "attn_q_norm.weight", None, (d,)), (b + "attn_k_norm.weight", None, (d,)),
-                 (b + "ffn_norm.weight", None, (h,)), (b + "ffn_gate_inp.weight", None, (experts, h)),
-                 (b + "ffn_gate_exps.weight", q4, (experts, inter, h)),
-                 (b + "ffn_up_exps.weight", q4, (experts, inter, h)),
-                 (b + "ffn_down_exps.weight", more, (experts, h, inter))]
-    return plan + [("output_norm.weight", None, (h,)), ("output.weight", q6, (vocab, h))]
-
-
-def _plan_llama(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, ...]]]:
-    """(GGUF name, GGML type or None for F32, HF-order shape) of every tensor of a dense
-    Llama (llama.cpp's ``llama``)."""
-    from gguf import GGMLQuantizationType as Q
-
-    from ..workers.loader.dummy_blocks import _uses_more_bits
-
-    h, vocab, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q_rows, kv_rows = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    q4, q6 = int(Q.Q4_K), int(Q.Q6_K)
-    plan = [("token_embd.weight", q4, (vocab, h))]
-    for i in range(layers):
-        more = q6 if _uses_more_bits(i, layers) else q4
-        b = f"blk.{i}."
-        plan += [(b + "attn_norm.weight", None, (h,)), (b + "attn_q.weight", q4, (q_rows, h)),
-                 (b + "attn_k.weight", q4, (kv_rows, h)), (b + "attn_v.weight", more, (kv_rows, h)),
-                 (b + "attn_output.weight", q4, (h, q_rows)), (b + "ffn_norm.weight", None, (h,)),
-                 (b + "ffn_gate.weight", q4, (inter, h)), (b + "ffn_up.weight", q4, (inter, h)),
-                 (b + "ffn_down.weight", more, (h, inter))]
+                 (b + "attn_output.weight", q4, (h, q_rows))]
+        if qk_norm:
+            plan += [(b + "attn_q_norm.weight", None, (d,)), (b + "attn_k_norm.weight", None, (d,))]
+        plan += [(b + "ffn_norm.weight", None, (h,))] + ffn(b, q4, more)
     plan.append(("output_norm.weight", None, (h,)))
     if not cfg.get("tie_word_embeddings", False):
         plan.append(("output.weight", q6, (vocab, h)))
     return plan
 
 
-def _plan_qwen35(cfg: dict, layers: int) -> list[tuple[str, Optional[int], tuple[int, ...]]]:
+def _plan(cfg: dict, layers: int) -> Plan:
+    """Every tensor of a Qwen3-MoE model (llama.cpp's ``qwen3moe``)."""
+    h, experts, inter = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    return _plan_gqa(cfg, layers, True, lambda b, q4, more: [
+        (b + "ffn_gate_inp.weight", None, (experts, h)),
+        (b + "ffn_gate_exps.weight", q4, (experts, inter, h)),
+        (b + "ffn_up_exps.weight", q4, (experts, inter, h)),
+        (b + "ffn_down_exps.weight", more, (experts, h, inter))])
+
+
+def _plan_llama(cfg: dict, layers: int) -> Plan:
+    """Every tensor of a dense Llama (llama.cpp's ``llama``)."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    return _plan_gqa(cfg, layers, False, lambda b, q4, more: [
+        (b + "ffn_gate.weight", q4, (inter, h)), (b + "ffn_up.weight", q4, (inter, h)),
+        (b + "ffn_down.weight", more, (h, inter))])
+
+
+def _plan_qwen35(cfg: dict, layers: int) -> Plan:
     """(GGUF name, GGML type or None for F32, HF-order shape) of every tensor of a dense
     Qwen3.5 text model, as llama.cpp's converter names them."""
     from gguf import GGMLQuantizationType as Q
