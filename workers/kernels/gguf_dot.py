@@ -442,8 +442,10 @@ def q6_k_dot(xq, blocks, n, k, out, config=None):
 
 
 # (rows a program, super-blocks of each a loop step, warps): the fastest on an H100 over
-# Llama-3-8B's qkv and gate_up (.devrun/bench_dot.py, docs/benchmarks.md, session 28)
-Q4_K_CONFIG = (2, 4, 1)
+# Llama-3-8B's qkv and gate_up (.devrun/bench_dot.py, docs/benchmarks.md, session 28); for
+# products of at most 4,096 rows (o, down), one row a program and eight super-blocks a step
+# (``bench_gguf --tune``, session 39: down 19.2 us against 22.1, o 9.2 against 10.2)
+Q4_K_CONFIG, Q4_K_NARROW_CONFIG = (2, 4, 1), (1, 8, 1)
 
 
 def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.Tensor,
@@ -451,7 +453,7 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
     """``quantize_rows``' x [M, k] @ W.T for W [n, k] of Q4_K ``blocks`` -> ``out`` [M, n]."""
     _check(blocks, Q4_K, n, k)
     q, d, s = xq
-    block_n, sb, warps = config or Q4_K_CONFIG
+    block_n, sb, warps = config or (Q4_K_NARROW_CONFIG if n <= 4096 else Q4_K_CONFIG)
     words = blocks.view(torch.int32)
     _q4_k_dot_kernel[(triton.cdiv(n, block_n), q.shape[0])](
         q.view(torch.int32), d, s, words, out, n, k, words.shape[1], out.stride(0),
