@@ -16,7 +16,7 @@ from pocketllm.workers.kernels import gguf_gemv  # noqa: E402
 from pocketllm.workers.loader.dummy_blocks import SCALE_FIELDS, random_block_tensor  # noqa: E402
 from pocketllm.workers.loader.gguf_quants import GGML_TYPES  # noqa: E402
 
-TYPES = sorted(gguf_gemv.FORMATS)  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
+TYPES = sorted(gguf_gemv.BLOCKS)  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
 CUDA = DEVICE.type == "cuda"
 
 
@@ -141,20 +141,56 @@ def test_integer_dots_are_exact_on_int8_activations(ggml_type, m, config):
 
 
 @pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [None, (1, 1, 1), (4, 4, 2)])
+def test_q6_k_planes_give_the_file_layouts_bits(m, config):
+    """Q6_K rows repacked into planes (``q6_k_planes``: the same bytes, each plane 4-byte
+    aligned) give the file layout's products: the dequantization bit for bit, the integer
+    dots and the float gemv up to the order of their float32 sums (compiled, the planes'
+    kernels add a row's groups in another order)."""
+    n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
+    blocks, _ = random_blocks(gguf_gemv.Q6_K, n, k, seed=11)
+    b = torch.from_numpy(blocks).to(DEVICE)
+    planes = gguf_gemv.q6_k_planes(b, k)
+    assert planes.shape == b.shape and not torch.equal(planes, b)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    xq = K.gguf_dot.quantize_rows(x)
+    out = lambda: torch.empty(m, n, device=DEVICE)  # noqa: E731
+    got = K.gguf_dot.q6_k_planes_dot(xq, planes, n, k, out(), config=config)
+    want = K.gguf_dot.q6_k_dot(xq, b, n, k, out(), config=config)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    gemv_config = config and config[:2] + (config[2],)
+    # the float gemv: the same products, added in the order its compiled layout takes
+    torch.testing.assert_close(
+        gguf_gemv.block_gemv(x, planes, gguf_gemv.Q6_K_PLANES, n, k, config=gemv_config),
+        gguf_gemv.block_gemv(x, b, gguf_gemv.Q6_K, n, k, config=gemv_config), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gguf_gemv.dequantize(planes, gguf_gemv.Q6_K_PLANES, n, k, torch.float32),
+                       gguf_gemv.dequantize(b, gguf_gemv.Q6_K, n, k, torch.float32))
+    with pytest.raises(ValueError, match="multiple of 512"):
+        K.gguf_dot.q6_k_planes_dot(xq, planes[:, :210], n, 256, out())
+
+
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("config", [None, (1, 1, 1), (16, 4, 4)])
 def test_split_q8_0_rows_give_the_q8_0_dots_bits(m, config):
     """Q8_0 rows repacked as codes then scales (``q8_0_split``: the same bytes, aligned
-    for word reads) multiply as the file's blocks do, bit for bit."""
+    for word reads) multiply as the file's blocks do, bit for bit at the same config (the
+    float gemv and the dequantization at any)."""
     n, k = (13, 512) if not CUDA else (4096 + 13, 4096)
     blocks, _ = random_blocks(gguf_gemv.Q8_0, n, k, seed=9)
     b = torch.from_numpy(blocks).to(DEVICE)
-    split = K.gguf_dot.q8_0_split(b, n, k)
+    split = gguf_gemv.q8_0_split(b, k)
     assert split.shape == b.shape
+    config = config or K.gguf_dot.Q8_0_SPLIT_CONFIG
     xq = K.gguf_dot.quantize_rows(torch.randn(m, k, generator=torch.Generator().manual_seed(4))
                                   .to(DEVICE))
     want = K.gguf_dot.q8_0_dot(xq, b, n, k, torch.empty(m, n, device=DEVICE), config=config)
     got = K.gguf_dot.q8_0_split_dot(xq, split, n, k, torch.empty(m, n, device=DEVICE),
                                     config=config)
     assert torch.equal(got, want)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert torch.equal(gguf_gemv.block_gemv(x, split, gguf_gemv.Q8_0_SPLIT, n, k),
+                       gguf_gemv.block_gemv(x, b, gguf_gemv.Q8_0, n, k))
+    assert torch.equal(gguf_gemv.dequantize(split, gguf_gemv.Q8_0_SPLIT, n, k, torch.float32),
+                       gguf_gemv.dequantize(b, gguf_gemv.Q8_0, n, k, torch.float32))
     with pytest.raises(ValueError, match="multiple of 64"):
-        K.gguf_dot.q8_0_split(b[:, :34], n, 32)
+        gguf_gemv.q8_0_split(b[:, :34], 32)

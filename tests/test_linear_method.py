@@ -18,7 +18,8 @@ from torch import nn  # noqa: E402
 from pocketllm.errors import CheckpointError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.workers.distributed import SINGLE, TPGroup  # noqa: E402
 from pocketllm.workers.kernel_policy import KernelPolicy  # noqa: E402
-from pocketllm.workers.kernels.gguf_gemv import IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: E402
+from pocketllm.workers.kernels.gguf_gemv import (IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K, Q6_K_PLANES,  # noqa: E402
+                                                 Q8_0, Q8_0_SPLIT, REPACKED)
 from pocketllm.workers.layers import linear, linear_method  # noqa: E402
 from pocketllm.workers.layers.linear import (ColumnParallelLinear, LMHead, RowParallelLinear,  # noqa: E402
                                               Shard, even_shard)
@@ -152,7 +153,7 @@ def test_each_part_loads_into_its_rows_of_its_types_buffer():
     assert k.checkpoint_shape == (32, H) and k.shape == (32, 144)
     # a type between two of another keeps them apart: three buffers
     model = built(dict(TYPES, **{"attn.k_proj.weight": Q8_0}))
-    assert model.qkv.block_types == [Q4_K, Q8_0, Q6_K]
+    assert model.qkv.block_types == [Q4_K, Q8_0_SPLIT, Q6_K]
     assert [b.shape for b in model.qkv.blocks] == [(64, 144), (32, 272), (32, 210)]
 
 
@@ -240,7 +241,7 @@ def test_q5_k_q4_0_and_iq4_xs_layers_multiply_as_their_dequantized_weights(rows,
     tensors = checkpoint(types)
     model = built(types)
     assert model.qkv.method is linear_method.GGUF_BLOCKS
-    assert model.qkv.block_types == [Q8_0, Q5_K, Q4_0] and not model.qkv.fuses(torch.ones(1, H))
+    assert model.qkv.block_types == [Q8_0_SPLIT, Q5_K, Q4_0] and not model.qkv.fuses(torch.ones(1, H))
     load(model, tensors)
     dense = {name: torch.from_numpy(w.read()).to(DEVICE) for name, w in tensors.items()}
     qkv = torch.cat([dense[f"attn.{p}_proj.weight"] for p in "qkv"])
@@ -275,6 +276,26 @@ def test_a_row_parallel_split_inside_a_block_is_refused_by_name():
     model = built(types, tp=TPGroup(1, 8))
     with pytest.raises(UnsupportedFeatureError, match="input features \\[64, 128\\) do not fall"):
         load(model, checkpoint(types))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9])
+@pytest.mark.parametrize("down_type, held", [(Q6_K, Q6_K_PLANES), (Q8_0, Q8_0_SPLIT)])
+def test_q6_k_and_q8_0_rows_are_held_in_their_word_layouts(rows, down_type, held, dots):
+    """A Q6_K down projection of 512 input features is held as planes, a Q8_0 one as split
+    codes and scales (their bytes repacked as they land), Q6_K v of 256 as the file's
+    blocks; each multiplies as its dequantized weights, through the dots, the float gemv
+    and the dequantizing path."""
+    types = dict(TYPES, **{"mlp.down_proj.weight": down_type})
+    tensors = checkpoint(types)
+    model = built(types)
+    assert model.down.block_types == [held] and model.qkv.block_types == [Q4_K, Q6_K]
+    load(model, tensors)
+    w = tensors["mlp.down_proj.weight"]
+    repack = REPACKED[held][2]
+    assert torch.equal(model.down.blocks[0].cpu(), repack(torch.from_numpy(w.blocks), INTER))
+    dense = torch.from_numpy(w.read()).to(DEVICE)
+    x = int8_exact_rows(rows, INTER, seed=2)
+    torch.testing.assert_close(model.down(x), x @ dense.T, atol=1e-4, rtol=1e-4)
 
 
 def test_dummy_blocks_are_drawn_into_block_layers():

@@ -64,7 +64,7 @@ def measure(name: str, ggml_type: int, proj: str, n: int, k: int, tune: bool) ->
     if dot is not None:
         row["dot_us"] = timed(dots())
     if ggml_type == gguf_dot.Q8_0:  # the same bytes repacked for word reads (q8_0_split)
-        split = {id(b): gguf_dot.q8_0_split(b, n, k) for b in chain}
+        split = {id(b): gguf_gemv.q8_0_split(b, k) for b in chain}
         def split_dots(config=None):
             return lambda b: gguf_dot.q8_0_split_dot(gguf_dot.quantize_rows(x), split[id(b)],
                                                      n, k, out, config=config)

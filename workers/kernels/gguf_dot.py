@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _check
+from .gguf_gemv import Q4_0, Q4_K, Q5_K, Q6_K, Q6_K_PLANES, Q8_0, Q8_0_SPLIT, _check
 from .fixed_sum import lane_sum
 from .int8_blocks import store_int8_blocks
 from .pdl import launch_options, wait_for_prior
@@ -83,6 +83,15 @@ def _word(W16, at, mask):
 
 
 @triton.jit
+def _load(ptr, mask, EVEN: tl.constexpr):
+    """``ptr``'s values; masked (0 where ``mask`` is false) unless EVEN (every lane live)."""
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
 def _quantize_kernel(X, Q, D, S, K, stride_x, BLOCKS: tl.constexpr):
     """Program (row, BLOCKS blocks of 32): each block's amax / 127, its int8 codes
     (rounded to nearest even) and its float sum (``int8_blocks``)."""
@@ -111,10 +120,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 @triton.jit
 def _k4_scales(w1, w2, w3, h: tl.constexpr):
-    """Sub-blocks 2r + h's (r = 0..3) 6-bit scales and mins from a super-block's words
-    1-3 (bytes 4-15; w [BN, SB, 1]) -> float32 [BN, SB, 4] each: sub-block s < 4 is the
-    low six bits of bytes 4 + s and 8 + s; s >= 4 a nibble of byte 8 + s topped by the
-    two high bits of bytes s and 4 + s."""
+    """Sub-blocks 2r + h's (r = 0..3, the last axis) 6-bit scales and mins from a
+    super-block's words 1-3 (bytes 4-15; w [BN, SB, 1] or [BN, SB, 4]) -> float32
+    [BN, SB, 4] each: sub-block s < 4 is the low six bits of bytes 4 + s and 8 + s; s >= 4
+    a nibble of byte 8 + s topped by the two high bits of bytes s and 4 + s."""
     s = 2 * tl.arange(0, 4)[None, None, :] + h
     shift = 8 * (s % 4)
     a, b, c = (w1 >> shift) & 255, (w2 >> shift) & 255, (w3 >> shift) & 255
@@ -127,50 +136,48 @@ def _k4_scales(w1, w2, w3, h: tl.constexpr):
 @triton.jit
 def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
                      BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, EVEN: tl.constexpr):
     """Program: BLOCK_N rows, SB super-blocks of each a loop step. A super-block is 36
     words: d and dmin (fp16), three of 6-bit scales and mins, then four runs of eight
-    words of nibbles (run r's low nibbles: sub-block 2r; high: 2r + 1)."""
+    words of nibbles (run r's low nibbles: sub-block 2r; high: 2r + 1). A thread owns one
+    (row, super-block, run): the run's two halves load as two 4-word vectors of one layout,
+    so both sub-blocks' integer dots are chains inside the thread and no lanes exchange
+    values until the row's final sum (on an H100 ~3.4 instructions a weight byte, against
+    ~7.3 when a run's words spread over two lanes). The high nibbles are dotted in place
+    (16 times their value). EVEN: rows and super-blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
-    r = tl.arange(0, 4)[None, None, :, None]  # run
-    j = tl.arange(0, 8)[None, None, None, :]  # word of the run
-    row_w = W + rows.to(tl.int64)[:, None] * row_words  # [BN, 1]
-    acc = tl.zeros([BLOCK_N, SB], dtype=tl.float32)
-    xq = XQ + m * (K // 4)
+    r = tl.arange(0, 4)[None, None, :]  # run
+    w = tl.arange(0, 4)[None, None, None, :]  # word of a half-run
+    row_w = W + rows.to(tl.int64)[:, None, None] * row_words  # [BN, 1, 1]
+    acc = tl.zeros([BLOCK_N, SB, 4], dtype=tl.float32)
     for sb0 in range(0, K // 256, SB):
-        sb = sb0 + tl.arange(0, SB)[None, :]  # [1, SB]
-        sb_ok = sb < K // 256
-        live = ok[:, None] & sb_ok  # [BN, SB]
-        blk = row_w + sb * 36  # [BN, SB] word pointers
-        head = tl.load(blk, mask=live, other=0)
-        d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        w1 = tl.load(blk + 1, mask=live, other=0)[:, :, None]
-        w2 = tl.load(blk + 2, mask=live, other=0)[:, :, None]
-        w3 = tl.load(blk + 3, mask=live, other=0)[:, :, None]
-        q = tl.load(blk[:, :, None, None] + 4 + r * 8 + j, mask=live[:, :, None, None],
-                    other=0)  # [BN, SB, 4, 8]
-        at = sb[:, :, None, None] * 64 + r * 16 + j  # run r's low sub-block's x words
-        x_lo = tl.load(xq + at, mask=sb_ok[:, :, None, None], other=0)
-        x_hi = tl.load(xq + at + 8, mask=sb_ok[:, :, None, None], other=0)
-        dot_lo = tl.sum(_dp4a(q & 0x0F0F0F0F, x_lo, 0, EMULATE), 3).to(tl.float32)
-        dot_hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, x_hi, 0, EMULATE), 3).to(tl.float32)
-        sub = m * (K // 32) + sb[:, :, None] * 8 + 2 * tl.arange(0, 4)[None, None, :]
-        x_ok = sb_ok[:, :, None]
-        dx_lo = tl.load(XD + sub, mask=x_ok, other=0.0)
-        dx_hi = tl.load(XD + sub + 1, mask=x_ok, other=0.0)
-        sx_lo = tl.load(XS + sub, mask=x_ok, other=0.0)
-        sx_hi = tl.load(XS + sub + 1, mask=x_ok, other=0.0)
+        sb = sb0 + tl.arange(0, SB)[None, :, None]  # [1, SB, 1]
+        live = (rows < N)[:, None, None] & (sb < K // 256) & (r < 4)  # [BN, SB, 4]
+        l4 = live[:, :, :, None]
+        blk = row_w + sb * 36 + 0 * r  # each run's super-block
+        q = blk[:, :, :, None] + 4 + 8 * r[:, :, :, None] + w
+        qa, qb = _load(q, l4, EVEN), _load(q + 4, l4, EVEN)
+        # x in the weights' tile shape (repeated over rows): loads, not lane shuffles
+        x = XQ + m * (K // 4) + (0 * rows[:, None, None] + sb * 64 + 16 * r)[:, :, :, None] + w
+        lo = _dp4a(qb & 0x0F0F0F0F, _load(x + 4, l4, EVEN),
+                   _dp4a(qa & 0x0F0F0F0F, _load(x, l4, EVEN), 0, EMULATE), EMULATE)
+        hi = _dp4a(qb & -0x0F0F0F10, _load(x + 12, l4, EVEN),  # -0x0F0F0F10: 0xF0F0F0F0
+                   _dp4a(qa & -0x0F0F0F10, _load(x + 8, l4, EVEN), 0, EMULATE), EMULATE)
+        head = _load(blk, live, EVEN)
+        w1, w2, w3 = _load(blk + 1, live, EVEN), _load(blk + 2, live, EVEN), _load(blk + 3, live, EVEN)
         sc_lo, mn_lo = _k4_scales(w1, w2, w3, 0)
         sc_hi, mn_hi = _k4_scales(w1, w2, w3, 1)
-        sums = tl.sum(sc_lo * dx_lo * dot_lo + sc_hi * dx_hi * dot_hi, 2)
-        mins = tl.sum(mn_lo * sx_lo + mn_hi * sx_hi, 2)
-        acc += d * sums - dmin * mins
-    y = tl.sum(acc, 1)
-    tl.store(Y + m * stride_y + rows, y.to(Y.dtype.element_ty), mask=ok)
+        sub = XD + m * (K // 32) + 0 * rows[:, None, None] + sb * 8 + 2 * r  # x block 2r
+        sums = XS + m * (K // 32) + 0 * rows[:, None, None] + sb * 8 + 2 * r
+        acc += _f16(head) * (sc_lo * _load(sub, live, EVEN) * tl.sum(lo, 3).to(tl.float32)
+                             + sc_hi * _load(sub + 1, live, EVEN)
+                             * (tl.sum(hi, 3).to(tl.float32) * 0.0625)) \
+            - _f16(head >> 16) * (mn_lo * _load(sums, live, EVEN)
+                                  + mn_hi * _load(sums + 1, live, EVEN))
+    y = tl.sum(tl.sum(acc, 2), 1)
+    tl.store(Y + m * stride_y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
@@ -204,32 +211,34 @@ def _q8_0_dot_kernel(XQ, XD, W16, Y, N, K, row_halves, stride_y,
 @triton.jit
 def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
                            BLOCK_N: tl.constexpr, NB: tl.constexpr, EMULATE: tl.constexpr,
-                           PDL: tl.constexpr):
-    """``_q8_0_dot_kernel`` on Q8_0 rows repacked by ``q8_0_split``: a row's K int8 codes,
-    then its K/32 fp16 scales. The codes are read as aligned int32 words (the file's
-    34-byte blocks allow only int16 reads); the sums are the same, in the same order (the
-    blocks' lanes added by ``lane_sum`` in both, whatever each compiled layout)."""
+                           PDL: tl.constexpr, EVEN: tl.constexpr):
+    """``_q8_0_dot_kernel`` on rows in ``Q8_0_SPLIT``'s layout: a row's K int8 codes, then
+    its K/32 fp16 scales. A lane owns a block: its 32 codes load as two aligned 4-word
+    vectors of one layout (the file's 34-byte blocks allow only 2-byte reads), its dot a
+    dp4a chain inside the thread (on an H100 ~1 instruction a weight byte, against ~4.2).
+    The sums are the file kernel's, in the same order (the blocks' lanes added by
+    ``lane_sum`` in both). EVEN: rows and blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
-    j = tl.arange(0, 8)[None, None, :]
+    w = tl.arange(0, 4)[None, None, :]
     row_w = rows.to(tl.int64)[:, None] * row_words  # [BN, 1], in int32
     row_d = rows.to(tl.int64)[:, None] * (2 * row_words) + K // 2  # the scales, in int16
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     for b0 in range(0, K // 32, NB):
         b = b0 + tl.arange(0, NB)[None, :]
-        b_ok = b < K // 32
-        live = ok[:, None] & b_ok
-        d = _f16(tl.load(D16 + row_d + b, mask=live, other=0))
-        w = tl.load(W32 + row_w[:, :, None] + b[:, :, None] * 8 + j, mask=live[:, :, None],
-                    other=0)
-        x = tl.load(XQ + m * (K // 4) + b[:, :, None] * 8 + j, mask=b_ok[:, :, None], other=0)
-        dot = tl.sum(_dp4a(w, x, 0, EMULATE, True), 2).to(tl.float32)
-        dx = tl.load(XD + m * (K // 32) + b, mask=b_ok, other=0.0)
-        acc += d * dx * dot
+        live = (rows < N)[:, None] & (b < K // 32)
+        l3 = live[:, :, None]
+        q = W32 + (row_w + b * 8)[:, :, None] + w
+        # x in the weights' tile shape (repeated over rows): loads, not lane shuffles
+        x = XQ + m * (K // 4) + (0 * row_w + b * 8)[:, :, None] + w
+        dot = tl.sum(_dp4a(_load(q + 4, l3, EVEN), _load(x + 4, l3, EVEN),
+                           _dp4a(_load(q, l3, EVEN), _load(x, l3, EVEN), 0, EMULATE, True),
+                           EMULATE, True), 2)
+        d = _f16(_load(D16 + row_d + b, live, EVEN))
+        acc += d * _load(XD + m * (K // 32) + 0 * row_w + b, live, EVEN) * dot.to(tl.float32)
     tl.store(Y + m * stride_y + rows, lane_sum(acc, BLOCK_N, NB).to(Y.dtype.element_ty),
-             mask=ok)
+             mask=rows < N)
 
 
 @triton.jit
@@ -358,6 +367,65 @@ def _q6_k_dot_kernel(XQ, XD, W16, W8, Y, N, K, row_halves, stride_y,
     tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _group_dot(u, x, EMULATE: tl.constexpr):
+    """(sum u x, sum x) of a thread's 4 words (axis 4) of one group of 16 Q6_K weights."""
+    return (tl.sum(_dp4a(u, x, 0, EMULATE), 4),
+            tl.sum(_dp4a(x * 0 + 0x01010101, x, 0, EMULATE), 4))
+
+
+@triton.jit
+def _q6_k_planes_dot_kernel(XQ, XD, W16, W8, W32, Y, N, K, row_halves, stride_y,
+                            BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr,
+                            PDL: tl.constexpr, EVEN: tl.constexpr):
+    """``_q6_k_dot_kernel`` on rows in ``Q6_K_PLANES``' layout (the ql, qh, scales and d of
+    all super-blocks, each plane 4-byte aligned). A thread owns one (row, super-block, half
+    h, run L) unit, l = 16 L .. 16 L + 15: four words each of ql[l], ql[l + 32] and qh[l],
+    the 64 weights 128 h + 32 t + l (t = 0..3: ql[l]'s and ql[l + 32]'s low, then high
+    nibbles, topped by qh's bit pairs 2t), four groups of 16 with scales sc[8 h + L + 2 t].
+    Each group's integer dot is a chain inside the thread: no lane exchanges until the
+    row's final sum (on an H100 ~3.3 instructions a weight byte against the file layout's
+    ~9). EVEN: rows and super-blocks tile exactly, nothing masked."""
+    wait_for_prior(PDL)
+    pid, m = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.arange(0, 2)[None, None, :, None]
+    L = tl.arange(0, 2)[None, None, None, :]
+    w = tl.arange(0, 4)[None, None, None, None, :]
+    row_h = rows.to(tl.int64)[:, None, None, None] * row_halves  # in int16
+    acc = tl.zeros([BLOCK_N, SB, 2, 2], dtype=tl.float32)
+    for sb0 in range(0, K // 256, SB):
+        sb = sb0 + tl.arange(0, SB)[None, :, None, None]
+        live = (rows < N)[:, None, None, None] & (sb < K // 256) & (h < 2) & (L < 2)
+        l5 = live[:, :, :, :, None]
+        ql = W32 + (row_h // 2 + sb * 32 + 16 * h + 4 * L)[:, :, :, :, None] + w
+        qa, qb = _load(ql, l5, EVEN), _load(ql + 8, l5, EVEN)
+        qh = _load(W32 + (row_h // 2 + K // 8 + sb * 16 + 8 * h + 4 * L)[:, :, :, :, None] + w,
+                   l5, EVEN)
+        # x in the weights' tile shape (repeated over rows): loads, not lane shuffles
+        x = XQ + m * (K // 4) + (0 * row_h + sb * 64 + 32 * h + 4 * L)[:, :, :, :, None] + w
+        d0, s0 = _group_dot((qa & 0x0F0F0F0F) | ((qh << 4) & 0x30303030), _load(x, l5, EVEN), EMULATE)
+        d1, s1 = _group_dot((qb & 0x0F0F0F0F) | ((qh << 2) & 0x30303030), _load(x + 8, l5, EVEN),
+                            EMULATE)
+        d2, s2 = _group_dot(((qa >> 4) & 0x0F0F0F0F) | (qh & 0x30303030), _load(x + 16, l5, EVEN),
+                            EMULATE)
+        d3, s3 = _group_dot(((qb >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030),
+                            _load(x + 24, l5, EVEN), EMULATE)
+        d = _f16(_load(W16 + row_h + 13 * (K // 32) + sb + 0 * (h + L), live, EVEN))
+        sc = W8 + 2 * row_h + 3 * (K // 4) + sb * 16 + 8 * h + L  # sc[8 h + L + 2 t]
+        dx = XD + m * (K // 32) + 0 * row_h + sb * 8 + 4 * h + 0 * L  # x block 4 h + t
+        acc += d * (_load(sc, live, EVEN).to(tl.float32) * _load(dx, live, EVEN)
+                    * (d0 - 32 * s0).to(tl.float32)
+                    + _load(sc + 2, live, EVEN).to(tl.float32) * _load(dx + 1, live, EVEN)
+                    * (d1 - 32 * s1).to(tl.float32)
+                    + _load(sc + 4, live, EVEN).to(tl.float32) * _load(dx + 2, live, EVEN)
+                    * (d2 - 32 * s2).to(tl.float32)
+                    + _load(sc + 6, live, EVEN).to(tl.float32) * _load(dx + 3, live, EVEN)
+                    * (d3 - 32 * s3).to(tl.float32))
+    y = tl.sum(tl.sum(tl.sum(acc, 3), 2), 1)
+    tl.store(Y + m * stride_y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+
+
 def _blocks_as(blocks: torch.Tensor, ggml_type: int, n: int, k: int, dtype: torch.dtype
                ) -> torch.Tensor:
     """``blocks`` (uint8 [n, row_bytes] of ``ggml_type``) viewed as ``dtype`` units."""
@@ -370,14 +438,19 @@ def _blocks_as(blocks: torch.Tensor, ggml_type: int, n: int, k: int, dtype: torc
     return blocks.view(dtype)
 
 
+def _even(n: int, k: int, config, per: int = 256) -> bool:
+    """Whether ``config``'s programs tile n rows of k // per (super-)blocks exactly."""
+    return n % config[0] == 0 and (k // per) % config[1] == 0
+
+
 def _launch(kernel, xq, words: torch.Tensor, out: torch.Tensor, n: int, k: int, config,
-            *weights) -> torch.Tensor:
+            *weights, **constexprs) -> torch.Tensor:
     """One program per ``config[0]`` rows and row of x; ``weights``: the kernel's block
     pointers (``words`` first, whose row length in its units the kernel takes)."""
     block_n, depth, warps = config
     kernel[(triton.cdiv(n, block_n), xq[0].shape[0])](
         *xq, *weights, out, n, k, words.shape[1], out.stride(0), block_n, depth, EMULATE,
-        num_warps=warps, **launch_options(out.device))
+        num_warps=warps, **constexprs, **launch_options(out.device))
     return out
 
 
@@ -385,7 +458,11 @@ def _launch(kernel, xq, words: torch.Tensor, out: torch.Tensor, n: int, k: int, 
 # fastest on an H100 over Llama-3-8B's four projection shapes (``bench_gguf --tune``,
 # docs/benchmarks.md, session 29; Q6_K's qkv alone preferred two rows, by 1%)
 Q8_0_CONFIG = (1, 16, 1)
+Q8_0_SPLIT_CONFIG = (1, 64, 1)  # two blocks a lane
 Q6_K_CONFIG = (1, 2, 1)
+# Q6_K planes: one row a program, a unit per lane (BLOCK_N * SB * 4 = 32 lanes a warp, so
+# no lane holds a partial unit)
+Q6_K_PLANES_CONFIG = (1, 8, 1)
 
 
 def q8_0_dot(xq, blocks, n, k, out, config=None):
@@ -396,25 +473,15 @@ def q8_0_dot(xq, blocks, n, k, out, config=None):
                    config or Q8_0_CONFIG, w)
 
 
-def q8_0_split(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Q8_0 ``blocks`` [n, row_bytes] repacked in the same bytes: each row's codes, then
-    its fp16 scales (``q8_0_split_dot``'s layout; k a multiple of 64, so rows stay
-    4-byte aligned)."""
-    _blocks_as(blocks, Q8_0, n, k, torch.uint8)
-    if k % 64:
-        raise ValueError(f"the split Q8_0 layout needs rows of a multiple of 64 weights, got {k}")
-    b = blocks.view(n, k // 32, 34)
-    return torch.cat([b[:, :, 2:].reshape(n, k), b[:, :, :2].reshape(n, k // 16)], dim=1)
-
-
 def q8_0_split_dot(xq, split, n, k, out, config=None):
-    """As ``q8_0_dot``, for rows repacked by ``q8_0_split``."""
+    """As ``q8_0_dot``, for rows repacked by ``gguf_gemv.q8_0_split``."""
     q, d, _ = xq
     if k % 64 or tuple(split.shape) != (n, k // 32 * 34) or split.dtype != torch.uint8:
         raise ValueError(f"{tuple(split.shape)} {split.dtype} is no split Q8_0 [{n}, {k}] matrix")
     w = split.view(torch.int32)
-    return _launch(_q8_0_split_dot_kernel, (q.view(torch.int32), d), w, out, n, k,
-                   config or Q8_0_CONFIG, w, split.view(torch.int16))
+    config = config or Q8_0_SPLIT_CONFIG
+    return _launch(_q8_0_split_dot_kernel, (q.view(torch.int32), d), w, out, n, k, config,
+                   w, split.view(torch.int16), EVEN=_even(n, k, config, 32))
 
 
 def q4_0_dot(xq, blocks, n, k, out, config=None):
@@ -441,10 +508,22 @@ def q6_k_dot(xq, blocks, n, k, out, config=None):
                    config or Q6_K_CONFIG, w, blocks.view(torch.int8))
 
 
-# (rows a program, super-blocks of each a loop step, warps): the fastest on an H100 over
-# Llama-3-8B's qkv and gate_up (.devrun/bench_dot.py, docs/benchmarks.md, session 28); for
-# products of at most 4,096 rows (o, down), one row a program and eight super-blocks a step
-# (``bench_gguf --tune``, session 39: down 19.2 us against 22.1, o 9.2 against 10.2)
+def q6_k_planes_dot(xq, blocks, n, k, out, config=None):
+    """As ``q6_k_dot``, for rows repacked by ``gguf_gemv.q6_k_planes`` (k a multiple of
+    512, so that every plane is 4-byte aligned)."""
+    q, d, _ = xq
+    if k % 512:
+        raise ValueError(f"Q6_K planes need rows of a multiple of 512 weights, got {k}")
+    w = _blocks_as(blocks, Q6_K, n, k, torch.int16)
+    config = config or Q6_K_PLANES_CONFIG
+    return _launch(_q6_k_planes_dot_kernel, (q.view(torch.int32), d), w, out, n, k, config,
+                   w, blocks.view(torch.int8), blocks.view(torch.int32),
+                   EVEN=_even(n, k, config))
+
+
+# (rows a program, super-blocks of each a loop step, warps), a (row, super-block, run) per
+# lane: two rows a program for qkv and gate_up, one for the products of at most 4,096
+# rows (o, down: twice the programs)
 Q4_K_CONFIG, Q4_K_NARROW_CONFIG = (2, 4, 1), (1, 8, 1)
 
 
@@ -453,12 +532,10 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
     """``quantize_rows``' x [M, k] @ W.T for W [n, k] of Q4_K ``blocks`` -> ``out`` [M, n]."""
     _check(blocks, Q4_K, n, k)
     q, d, s = xq
-    block_n, sb, warps = config or (Q4_K_NARROW_CONFIG if n <= 4096 else Q4_K_CONFIG)
+    config = config or (Q4_K_NARROW_CONFIG if n <= 4096 else Q4_K_CONFIG)
     words = blocks.view(torch.int32)
-    _q4_k_dot_kernel[(triton.cdiv(n, block_n), q.shape[0])](
-        q.view(torch.int32), d, s, words, out, n, k, words.shape[1], out.stride(0),
-        BLOCK_N=block_n, SB=sb, EMULATE=EMULATE, num_warps=warps, **launch_options(out.device))
-    return out
+    return _launch(_q4_k_dot_kernel, (q.view(torch.int32), d, s), words, out, n, k, config,
+                   words, EVEN=_even(n, k, config))
 
 
 # ggml type -> its integer-dot product (the signature of ``q4_k_dot``): every kernel here,
@@ -466,4 +543,5 @@ def q4_k_dot(xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], blocks: torch.
 # beat the float block gemv). Q4_0's dots are not taken: on an H100 they were slower than
 # its float block gemv at two of Llama-3-8B's four shapes (session 34).
 KERNELS = {Q4_K: q4_k_dot, Q8_0: q8_0_dot, Q4_0: q4_0_dot, Q5_K: q5_k_dot, Q6_K: q6_k_dot}
-DOTS = {Q4_K: q4_k_dot, Q5_K: q5_k_dot, Q6_K: q6_k_dot, Q8_0: q8_0_dot}
+DOTS = {Q4_K: q4_k_dot, Q5_K: q5_k_dot, Q6_K: q6_k_dot, Q8_0: q8_0_dot,
+        Q6_K_PLANES: q6_k_planes_dot, Q8_0_SPLIT: q8_0_split_dot}

@@ -28,6 +28,12 @@ Layouts (``loader/gguf_quants.py`` decodes the same bytes in numpy, the referenc
   scales[16] (one per 16 weights), f16 d; w = d * scale * (q - 32). Each half of 128
   weights reads ql[64 h:64 h + 64] (low nibbles: weights 0-63, high: 64-127) and
   qh[32 h:32 h + 32] (bits 2j..2j+1: weights 32j..32j+31).
+- ``Q6_K_PLANES``: Q6_K rows repacked at load (``q6_k_planes``) into planes: a row's ql
+  of every super-block, then its qh, scales and d; the same bytes. A file's 210-byte
+  super-blocks allow only 2-byte reads; in planes (K a multiple of 512) every plane is
+  4-byte aligned, so the integer dots read words (docs/gpu_kernels.md).
+- ``Q8_0_SPLIT``: Q8_0 rows repacked at load (``q8_0_split``): a row's K int8 codes, then
+  its K/32 fp16 scales; the same bytes, the codes 4-byte aligned (K a multiple of 64).
 """
 
 from __future__ import annotations
@@ -42,12 +48,14 @@ from pocketllm.errors import UnsupportedFeatureError
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 # ggml type -> (weights per block, bytes per block): the types these kernels read
+# no ggml types: layouts of Q6_K's and Q8_0's bytes the GPU path holds (``REPACKED``)
+Q6_K_PLANES, Q8_0_SPLIT = "q6_k_planes", "q8_0_split"
 FORMATS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-           IQ4_XS: (256, 136)}
+           IQ4_XS: (256, 136), Q6_K_PLANES: (256, 210), Q8_0_SPLIT: (32, 34)}
 # the ones the GPU path keeps as blocks (``KernelPolicy.linear_method``): those whose
 # kernels also ran compiled on a GPU, checked and timed there (all six since session 34:
 # docs/benchmarks.md); another type's file dequantizes at load, saying so
-BLOCKS = dict(FORMATS)
+BLOCKS = {t: f for t, f in FORMATS.items() if t not in (Q6_K_PLANES, Q8_0_SPLIT)}
 # IQ4_XS's (and IQ4_NL's) 16 levels a nibble picks (ggml's kvalues_iq4nl)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _levels: dict = {}  # device -> IQ4_LEVELS as a float32 tensor there
@@ -62,10 +70,22 @@ def _f16_at(ptrs, mask):
 
 
 @triton.jit
+def _block32_fields(row_ptr, blk, K, BYTES: tl.constexpr, SPLIT: tl.constexpr):
+    """Byte pointers to block ``blk``'s codes and fp16 d in rows at ``row_ptr``: in the
+    file's blocks (d, then the codes), or (SPLIT, ``q8_0_split``) in a row's codes of all
+    its blocks, then all its d."""
+    if SPLIT:
+        return row_ptr + blk * 32, row_ptr + K + blk * 2
+    else:
+        return row_ptr + blk * BYTES + 2, row_ptr + blk * BYTES
+
+
+@triton.jit
 def _q8_0_q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.constexpr,
-                      CODES: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr):
+                      CODES: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
+                      SPLIT: tl.constexpr = False):
     """Blocks of 32 (an fp16 d, then CODES bytes of codes: Q8_0's 32 int8, Q4_0's 16 bytes
-    of nibbles, each less 8), DEPTH of them a loop step."""
+    of nibbles, each less 8), DEPTH of them a loop step; SPLIT: ``Q8_0_SPLIT`` rows."""
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
@@ -76,7 +96,8 @@ def _q8_0_q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.co
     for b0 in range(0, K // 32, DEPTH):
         blk = b0 + g
         live = (blk < K // 32) & ok[:, None, None]
-        q = tl.load(base + blk * BYTES + 2 + i, mask=live, other=0)
+        codes, _ = _block32_fields(base, blk, K, BYTES, SPLIT)
+        q = tl.load(codes + i, mask=live, other=0)
         xs = X + m * stride_x + blk * 32 + i
         if CODES == 32:
             x = tl.load(xs, mask=blk < K // 32, other=0.0)
@@ -88,8 +109,8 @@ def _q8_0_q4_0_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BYTES: tl.co
             dot = tl.sum(((q & 15) - 8).to(tl.float32) * x_lo
                          + ((q >> 4) - 8).to(tl.float32) * x_hi, 2)
         first = (b0 + tl.arange(0, DEPTH))[None, :]
-        d = _f16_at(W + rows.to(tl.int64)[:, None] * row_bytes + first * BYTES,
-                    (first < K // 32) & ok[:, None])
+        _, d_at = _block32_fields(W + rows.to(tl.int64)[:, None] * row_bytes, first, K, BYTES, SPLIT)
+        d = _f16_at(d_at, (first < K // 32) & ok[:, None])
         acc += d * dot
     tl.store(Y + m * stride_y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=ok)
 
@@ -192,8 +213,21 @@ def _iq4_xs_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, LEVELS,
 
 
 @triton.jit
+def _q6_k_fields(row_ptr, sb, K, PLANES: tl.constexpr):
+    """Byte pointers to super-block ``sb``'s ql[128], qh[64], scales[16] and d of rows at
+    ``row_ptr``: in the file's 210-byte super-blocks, or (PLANES, ``q6_k_planes``) in each
+    row's planes of all its ql, then all its qh, scales and d."""
+    if PLANES:
+        return (row_ptr + sb * 128, row_ptr + K // 2 + sb * 64, row_ptr + 3 * (K // 4) + sb * 16,
+                row_ptr + 13 * (K // 16) + sb * 2)
+    else:
+        blk = row_ptr + sb * 210
+        return blk, blk + 128, blk + 192, blk + 208
+
+
+@triton.jit
 def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.constexpr,
-                 DEPTH: tl.constexpr):
+                 DEPTH: tl.constexpr, PLANES: tl.constexpr = False):
     """(row, super-block) pairs as in ``_q4_k_q5_k_kernel``."""
     pid, m = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_N * DEPTH)
@@ -207,20 +241,20 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
     for sb0 in range(0, K // 256, DEPTH):
         sb = sb0 + p % DEPTH
         live = ok & (sb < K // 256)
-        blk = row_ptr + sb * 210
-        d = _f16_at(blk + 208, live)
+        qlp, qhp, scp, dp = _q6_k_fields(row_ptr, sb, K, PLANES)
+        d = _f16_at(dp, live)
         xrow = X + m * stride_x + sb[:, None, None] * 256 + lane
         for h in tl.static_range(2):
-            ql = tl.load(blk[:, None, None] + 64 * h + lane, mask=live[:, None, None],
+            ql = tl.load(qlp[:, None, None] + 64 * h + lane, mask=live[:, None, None],
                          other=0).to(tl.int32)
-            qh = tl.load(blk[:, None, None] + 128 + 32 * h + lane % 32, mask=live[:, None, None],
+            qh = tl.load(qhp[:, None, None] + 32 * h + lane % 32, mask=live[:, None, None],
                          other=0).to(tl.int32)
             for nib in tl.static_range(2):  # low nibbles: weights 0-63; high: 64-127
                 q = ((ql >> (4 * nib)) & 15) | (((qh >> (shift + 4 * nib)) & 3) << 4)
                 x = tl.load(xrow + 128 * h + 64 * nib, mask=live[:, None, None],
                             other=0.0).to(tl.float32)
                 dot = tl.sum((q - 32).to(tl.float32) * x, 2)  # [P, 4]
-                sc = tl.load(blk[:, None] + 192 + 8 * h + 4 * nib + sub[None, :],
+                sc = tl.load(scp[:, None] + 8 * h + 4 * nib + sub[None, :],
                              mask=live[:, None], other=0).to(tl.int8, bitcast=True)
                 acc += d * tl.sum(sc.to(tl.float32) * dot, 1)
     y = tl.sum(tl.reshape(acc, [BLOCK_N, DEPTH]), 1)
@@ -230,16 +264,19 @@ def _q6_k_kernel(X, W, Y, N, K, row_bytes, stride_x, stride_y, BLOCK_N: tl.const
 
 @triton.jit
 def _dequant_q8_0_q4_0_kernel(W, Out, N, K, row_bytes, BYTES: tl.constexpr,
-                              CODES: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Program (row tile, GROUP blocks of 32): Q8_0, or Q4_0 (``CODES`` 16: nibbles)."""
+                              CODES: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                              SPLIT: tl.constexpr = False):
+    """Program (row tile, GROUP blocks of 32): Q8_0 (SPLIT: ``Q8_0_SPLIT`` rows), or Q4_0
+    (``CODES`` 16: nibbles)."""
     pid, g0 = tl.program_id(0), tl.program_id(1) * GROUP
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     g = g0 + tl.arange(0, GROUP)
     i = tl.arange(0, CODES)
     live = (rows < N)[:, None] & (g < K // 32)[None, :]
-    base = W + rows.to(tl.int64)[:, None] * row_bytes + g[None, :] * BYTES  # [BLOCK_N, GROUP]
-    q = tl.load(base[:, :, None] + 2 + i[None, None, :], mask=live[:, :, None], other=0)
-    d = _f16_at(base, live)[:, :, None]
+    codes, d_at = _block32_fields(W + rows.to(tl.int64)[:, None] * row_bytes, g[None, :], K,
+                                  BYTES, SPLIT)  # [BLOCK_N, GROUP] each
+    q = tl.load(codes[:, :, None] + i[None, None, :], mask=live[:, :, None], other=0)
+    d = _f16_at(d_at, live)[:, :, None]
     out = Out + rows.to(tl.int64)[:, None, None] * K + g[None, :, None] * 32 + i[None, None, :]
     if CODES == 32:
         w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
@@ -277,25 +314,26 @@ def _dequant_q4_k_q5_k_kernel(W, Out, N, K, row_bytes, FIVE: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _dequant_q6_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr):
+def _dequant_q6_k_kernel(W, Out, N, K, row_bytes, BLOCK_N: tl.constexpr,
+                         PLANES: tl.constexpr = False):
     """Program (row tile, super-block)."""
     pid, sb = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
-    row_ptr = W + rows.to(tl.int64) * row_bytes + sb * 210
-    blk = row_ptr[:, None, None]
+    qlp, qhp, scp, dp = _q6_k_fields(W + rows.to(tl.int64) * row_bytes, sb, K, PLANES)
     sub = tl.arange(0, 4)
     lane = sub[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4, 16]
-    d = _f16_at(row_ptr + 208, ok)[:, None, None]
+    d = _f16_at(dp, ok)[:, None, None]
     out = Out + rows.to(tl.int64)[:, None, None] * K + sb * 256 + lane[None]
     for h in tl.static_range(2):
-        ql = tl.load(blk + 64 * h + lane[None], mask=ok[:, None, None], other=0).to(tl.int32)
-        qh = tl.load(blk + 128 + 32 * h + lane[None] % 32, mask=ok[:, None, None],
+        ql = tl.load(qlp[:, None, None] + 64 * h + lane[None], mask=ok[:, None, None],
+                     other=0).to(tl.int32)
+        qh = tl.load(qhp[:, None, None] + 32 * h + lane[None] % 32, mask=ok[:, None, None],
                      other=0).to(tl.int32)
         shift = 2 * (lane // 32)[None]
         for nib in tl.static_range(2):
             q = ((ql >> (4 * nib)) & 15) | (((qh >> (shift + 4 * nib)) & 3) << 4)
-            sc = tl.load(row_ptr[:, None] + 192 + 8 * h + 4 * nib + sub[None, :],
+            sc = tl.load(scp[:, None] + 8 * h + 4 * nib + sub[None, :],
                          mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
             w = d * sc.to(tl.float32)[:, :, None] * (q - 32).to(tl.float32)
             tl.store(out + 128 * h + 64 * nib, w.to(Out.dtype.element_ty), mask=ok[:, None, None])
@@ -338,18 +376,41 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, n: int, k: int,
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
     block_n = 16
     args = (blocks, out, n, k, blocks.shape[1])
-    if ggml_type in (Q4_0, Q8_0):  # blocks of 32, eight a program
+    if ggml_type in (Q4_0, Q8_0, Q8_0_SPLIT):  # blocks of 32, eight a program
         _dequant_q8_0_q4_0_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, 8))](
-            *args, *_block32_bytes(ggml_type), BLOCK_N=block_n, GROUP=8)
+            *args, *_block32_bytes(ggml_type), BLOCK_N=block_n, GROUP=8,
+            SPLIT=ggml_type == Q8_0_SPLIT)
         return out
     grid = (triton.cdiv(n, block_n), k // 256)  # super-blocks of 256, one a program
     if ggml_type == IQ4_XS:
         _dequant_iq4_xs_kernel[grid](*args, _levels_on(blocks.device), BLOCK_N=block_n)
-    elif ggml_type == Q6_K:
-        _dequant_q6_k_kernel[grid](*args, BLOCK_N=block_n)
+    elif ggml_type in (Q6_K, Q6_K_PLANES):
+        _dequant_q6_k_kernel[grid](*args, BLOCK_N=block_n, PLANES=ggml_type == Q6_K_PLANES)
     else:
         _dequant_q4_k_q5_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, BLOCK_N=block_n)
     return out
+
+
+def q6_k_planes(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Q6_K ``blocks`` (uint8 [n, k / 256 * 210]) repacked into ``Q6_K_PLANES`` rows."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 256, 210)
+    return torch.cat([b[:, :, lo:hi].reshape(n, -1)
+                      for lo, hi in ((0, 128), (128, 192), (192, 208), (208, 210))], dim=1)
+
+
+def q8_0_split(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Q8_0 ``blocks`` (uint8 [n, k / 32 * 34]) repacked into ``Q8_0_SPLIT`` rows."""
+    if k % 64:
+        raise ValueError(f"the split Q8_0 layout needs rows of a multiple of 64 weights, got {k}")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 32, 34)
+    return torch.cat([b[:, :, 2:].reshape(n, k), b[:, :, :2].reshape(n, k // 16)], dim=1)
+
+
+# held layout -> (the ggml type it repacks, the row lengths it takes: a multiple of this,
+# so that its words stay 4-byte aligned, its repacking of [n, row_bytes] blocks and k)
+REPACKED = {Q6_K_PLANES: (Q6_K, 512, q6_k_planes), Q8_0_SPLIT: (Q8_0, 64, q8_0_split)}
 
 
 def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
@@ -364,7 +425,8 @@ def _check(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
 # (rows a program, blocks or super-blocks of each row a loop step, warps) per type: the
 # fastest on an H100 over Llama-3-8B's gate_up and down (.devrun's bench_gguf sweep,
 # docs/benchmarks.md, session 26); each checked there against dequantize-then-matmul
-CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4),
+CONFIGS = {Q8_0: (2, 16, 2), Q4_K: (4, 2, 2), Q6_K: (8, 8, 4), Q6_K_PLANES: (8, 8, 4),
+           Q8_0_SPLIT: (2, 16, 2),
            # not tuned yet (Q8_0's and Q4_K's shapes; checked on an H100, session 34)
            Q4_0: (2, 16, 2), Q5_K: (4, 2, 2), IQ4_XS: (4, 2, 2)}
 
@@ -386,12 +448,13 @@ def block_gemv(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, k:
     grid = (triton.cdiv(n, block_n), x.shape[0])
     args = (x, blocks, y, n, k, blocks.shape[1], x.stride(0), y.stride(0))
     tile = dict(BLOCK_N=block_n, DEPTH=depth, num_warps=warps)
-    if ggml_type in (Q4_0, Q8_0):
-        _q8_0_q4_0_kernel[grid](*args, *_block32_bytes(ggml_type), **tile)
+    if ggml_type in (Q4_0, Q8_0, Q8_0_SPLIT):
+        _q8_0_q4_0_kernel[grid](*args, *_block32_bytes(ggml_type), SPLIT=ggml_type == Q8_0_SPLIT,
+                                **tile)
     elif ggml_type in (Q4_K, Q5_K):
         _q4_k_q5_k_kernel[grid](*args, FIVE=ggml_type == Q5_K, **tile)
-    elif ggml_type == Q6_K:
-        _q6_k_kernel[grid](*args, **tile)
+    elif ggml_type in (Q6_K, Q6_K_PLANES):
+        _q6_k_kernel[grid](*args, PLANES=ggml_type == Q6_K_PLANES, **tile)
     else:
         _iq4_xs_kernel[grid](*args, _levels_on(x.device), **tile)
     return y

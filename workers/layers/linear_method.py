@@ -12,7 +12,9 @@ whether ``normed`` can also rotate q/k (``rotates``).
   activation or rotary into its own launch; more rows take the library GEMM.
   Every float checkpoint; a GGUF file's blocks where nothing reads them (the CPU's torch
   worker, a type with no GPU kernel, batch-invariant mode), dequantized at load.
-* ``GGUF_BLOCKS``: the blocks as the file stores them, uint8 [rows, row_bytes] on the GPU,
+* ``GGUF_BLOCKS``: the blocks as the file stores them (Q6_K and Q8_0 rows repacked as
+  they land into layouts of the same bytes with aligned words, ``held_type``), uint8
+  [rows, row_bytes] on the GPU,
   consecutive stacked parts of one type in one buffer (``layer.blocks``, of
   ``layer.block_types``; q and k of Q4_K are one buffer, v of Q6_K another): up to
   ``GEMV_ROWS`` rows run, per buffer, the integer dots of ``kernels/gguf_dot.py`` on 8-bit
@@ -146,12 +148,22 @@ class GGUFBlockMethod:
                ) -> "WeightTarget":
         from ..models.weight_targets import WeightTarget
 
+        from ..kernels.gguf_gemv import FORMATS, REPACKED
+
         group, first = layer.part_place[part]  # ``rows`` (the float layout's) do not apply
         buf = layer.blocks[group]
         held = shard.size if shard is not None and shard.dim == 0 else stored_shape[0]
         whole = first == 0 and held == buf.shape[0]
+        repack = None
+        if layer.block_types[group] in REPACKED:  # each row's bytes repacked as they land
+            _, _, layout = REPACKED[layer.block_types[group]]
+            per, size = FORMATS[layer.block_types[group]]
+            k = buf.shape[1] // size * per
+
+            def repack(value: torch.Tensor, rows: Optional[slice]) -> None:
+                buf[rows if rows is not None else slice(None)].copy_(layout(value, k))
         return WeightTarget(buf, None if whole else slice(first, first + held),  # padding
-                            shard=shard, stored_shape=stored_shape,
+                            shard=shard, stored_shape=stored_shape, quantize=repack,
                             ggml_type=layer.part_types[part], by_method=True)
 
     def _dots(self, x: torch.Tensor) -> bool:
@@ -213,8 +225,19 @@ class GGUFBlockMethod:
             at += n
         return y if bias is None else y.add_(bias)
 
+    @staticmethod
+    def held_type(ggml_type: int, k: int) -> "int | str":
+        """How a group of ``ggml_type`` rows of ``k`` weights is held: in a layout of the
+        same bytes that the dots read as aligned words where one exists for the type and
+        row length (``gguf_gemv.REPACKED``: Q6_K's planes, Q8_0's split codes and scales),
+        else as the file's blocks."""
+        from ..kernels.gguf_gemv import REPACKED
+
+        return next((layout for layout, (source, multiple, _) in REPACKED.items()
+                     if ggml_type == source and k % multiple == 0), ggml_type)
+
     def materialize(self, layer, types: Sequence[int], device: torch.device) -> None:
-        from ..kernels.gguf_gemv import BLOCKS
+        from ..kernels.gguf_gemv import FORMATS
 
         rows, k = layer.weight.shape
         layer.part_types = list(types)
@@ -226,11 +249,11 @@ class GGUFBlockMethod:
             else:
                 layer.part_place.append((len(sizes), 0))
                 sizes.append(n)
-        layer.block_types = [types[j] for j, (g, first) in enumerate(layer.part_place)
-                             if first == 0]
+        layer.block_types = [self.held_type(types[j], k)
+                             for j, (g, first) in enumerate(layer.part_place) if first == 0]
         layer.blocks = []
         for g, (ggml_type, n) in enumerate(zip(layer.block_types, sizes)):
-            per, size = BLOCKS[ggml_type]
+            per, size = FORMATS[ggml_type]
             buf = torch.zeros(n, k // per * size, dtype=torch.uint8, device=device)
             layer.register_buffer(f"blocks{g}", buf, persistent=False)
             layer.blocks.append(buf)
