@@ -205,7 +205,7 @@ def test_a_replay_without_a_method_takes_the_draft_count(monkeypatch, capsys):
 
     monkeypatch.setattr(latency, "run_pocketllm", fake_ours)
     monkeypatch.setattr(latency, "roofline", lambda result: "roofline: -")
-    assert cli.main(["bench", "latency", "--speculative-replay", "full",
+    assert cli.main(["bench", "latency", *DUMMY, "--speculative-replay", "full",
                      "--num-speculative-tokens", "2", "--input-len", "12",
                      "--output-len", "16"]) == 0
     assert engines == [(None, None), ("replay", 2)]
