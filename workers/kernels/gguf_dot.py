@@ -142,9 +142,10 @@ def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
     words of nibbles (run r's low nibbles: sub-block 2r; high: 2r + 1). A thread owns one
     (row, super-block, run): the run's two halves load as two 4-word vectors of one layout,
     so both sub-blocks' integer dots are chains inside the thread and no lanes exchange
-    values until the row's final sum (on an H100 ~3.4 instructions a weight byte, against
-    ~7.3 when a run's words spread over two lanes). The high nibbles are dotted in place
-    (16 times their value). EVEN: rows and super-blocks tile exactly, nothing masked."""
+    values until the row's final sum (compiled for sm_90: ~3.3 instructions a weight byte,
+    against ~7.3 when a run's words spread over two lanes; on an H100 no faster, so not
+    issue-bound: docs/gpu_kernels.md). The high nibbles are dotted in place (16 times
+    their value). EVEN: rows and super-blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,7 +216,8 @@ def _q8_0_split_dot_kernel(XQ, XD, W32, D16, Y, N, K, row_words, stride_y,
     """``_q8_0_dot_kernel`` on rows in ``Q8_0_SPLIT``'s layout: a row's K int8 codes, then
     its K/32 fp16 scales. A lane owns a block: its 32 codes load as two aligned 4-word
     vectors of one layout (the file's 34-byte blocks allow only 2-byte reads), its dot a
-    dp4a chain inside the thread (on an H100 ~1 instruction a weight byte, against ~4.2).
+    dp4a chain inside the thread (compiled for sm_90: ~1 instruction a weight byte, against
+    ~4.2 for the file layout's kernel; 15-18% faster on an H100).
     The sums are the file kernel's, in the same order (the blocks' lanes added by
     ``lane_sum`` in both). EVEN: rows and blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
@@ -384,8 +386,9 @@ def _q6_k_planes_dot_kernel(XQ, XD, W16, W8, W32, Y, N, K, row_halves, stride_y,
     the 64 weights 128 h + 32 t + l (t = 0..3: ql[l]'s and ql[l + 32]'s low, then high
     nibbles, topped by qh's bit pairs 2t), four groups of 16 with scales sc[8 h + L + 2 t].
     Each group's integer dot is a chain inside the thread: no lane exchanges until the
-    row's final sum (on an H100 ~3.3 instructions a weight byte against the file layout's
-    ~9). EVEN: rows and super-blocks tile exactly, nothing masked."""
+    row's final sum (compiled for sm_90: ~3.3 instructions a weight byte, against ~9 for
+    the file layout's kernel; on an H100 as fast as the planes read two lanes to a unit).
+    EVEN: rows and super-blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
