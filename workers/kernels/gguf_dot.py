@@ -18,7 +18,9 @@ Kernels: Q4_K (above), Q5_K (its fifth bit joined to each nibble from the high-b
 words), Q6_K (six bits from a nibble and two high bits; signed through its offset: a
 group of 16's sum is sc * dx * (sum q qx - 32 sum qx)), Q8_0 (signed by signed) and Q4_0
 (its offset of 8 through the block's float sum of x). Blocks whose size is not a
-multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16.
+multiple of 4 bytes (Q8_0's 34, Q4_0's 18, Q6_K's 210) are read as pairs of int16; the
+layouts the GPU path holds Q6_K and Q8_0 rows in (``gguf_gemv.REPACKED``: the same bytes,
+4-byte aligned) have kernels of their own that read words, a lane per unit of the type.
 ``DOTS`` holds the ones the GPU path takes: those timed and checked on a GPU whose type
 the GPU path keeps as blocks (``gguf_gemv.BLOCKS``: a float block kernel and a
 dequantization for the other steps).
