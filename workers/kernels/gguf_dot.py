@@ -145,7 +145,7 @@ def _q4_k_dot_kernel(XQ, XD, XS, W, Y, N, K, row_words, stride_y,
     (row, super-block, run): the run's two halves load as two 4-word vectors of one layout,
     so both sub-blocks' integer dots are chains inside the thread and no lanes exchange
     values until the row's final sum (compiled for sm_90: ~3.3 instructions a weight byte,
-    against ~7.3 when a run's words spread over two lanes; on an H100 no faster, so not
+    against ~6.5 when a run's words spread over two lanes; on an H100 no faster, so not
     issue-bound: docs/gpu_kernels.md). The high nibbles are dotted in place (16 times
     their value). EVEN: rows and super-blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
@@ -388,7 +388,7 @@ def _q6_k_planes_dot_kernel(XQ, XD, W16, W8, W32, Y, N, K, row_halves, stride_y,
     the 64 weights 128 h + 32 t + l (t = 0..3: ql[l]'s and ql[l + 32]'s low, then high
     nibbles, topped by qh's bit pairs 2t), four groups of 16 with scales sc[8 h + L + 2 t].
     Each group's integer dot is a chain inside the thread: no lane exchanges until the
-    row's final sum (compiled for sm_90: ~3.3 instructions a weight byte, against ~9 for
+    row's final sum (compiled for sm_90: ~3.3 instructions a weight byte, against ~9-11 for
     the file layout's kernel; on an H100 as fast as the planes read two lanes to a unit).
     EVEN: rows and super-blocks tile exactly, nothing masked."""
     wait_for_prior(PDL)
