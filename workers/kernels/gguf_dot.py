@@ -466,7 +466,8 @@ Q8_0_CONFIG = (1, 16, 1)
 Q8_0_SPLIT_CONFIG = (1, 64, 1)  # two blocks a lane
 Q6_K_CONFIG = (1, 2, 1)
 # Q6_K planes: one row a program, a unit per lane (BLOCK_N * SB * 4 = 32 lanes a warp, so
-# no lane holds a partial unit)
+# no lane holds a partial unit). Chosen before timing: on an H100 (2, 4, 1) was faster at
+# every Llama-3-8B shape (docs/benchmarks.md, session 40); not yet changed
 Q6_K_PLANES_CONFIG = (1, 8, 1)
 
 
@@ -528,7 +529,8 @@ def q6_k_planes_dot(xq, blocks, n, k, out, config=None):
 
 # (rows a program, super-blocks of each a loop step, warps), a (row, super-block, run) per
 # lane: two rows a program for qkv and gate_up, one for the products of at most 4,096
-# rows (o, down: twice the programs)
+# rows (o, down). Chosen before the lane-per-run kernel was timed: on an H100 (2, 4, 1)
+# beat the narrow tile at o and down (docs/benchmarks.md, session 40); not yet changed
 Q4_K_CONFIG, Q4_K_NARROW_CONFIG = (2, 4, 1), (1, 8, 1)
 
 
